@@ -1,0 +1,1 @@
+"""Instruments that measure the softmax bottleneck: rank, spectra, divergences."""

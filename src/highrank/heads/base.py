@@ -1,0 +1,226 @@
+"""The contract every output head keeps.
+
+A head maps hidden states ``[..., d_in]`` to a *normalised* next-token distribution over
+``vocab_size`` tokens and owns its loss, so model and loss can never disagree:
+
+* ``log_prob(hidden) -> [..., V]``: float32 log-probabilities, normalised, computed in log space.
+* ``loss(hidden, target, *, reduction="mean", chunk_size=None)``: negative log-likelihood of
+  ``target [...]``. With ``chunk_size`` the flattened tokens are processed ``chunk_size`` at a
+  time and each chunk is recomputed in backward (activation checkpointing), so peak memory is
+  about ``chunk_size x K x V`` instead of ``N x K x V``.
+* ``forward(hidden, target=None)``: ``loss`` with a target (mean), ``log_prob`` without.
+
+Subclasses implement two methods on flattened inputs, ``h: (N, d_in)``:
+
+* ``_log_prob_rows(h, *masks) -> (N, V)``
+* ``_nll_rows(h, target, *masks) -> (N,)`` (defaults to gathering from ``_log_prob_rows``)
+
+``masks`` are per-row dropout masks drawn by ``_draw_masks`` *before* flattening, so that
+locked (variational) dropout can share one mask over the time axis of a ``(T, B, d)``
+input, and so that a chunk recomputed in backward sees exactly the masks of its forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from highrank.heads.functional import locked_dropout_mask
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class OutputHead(nn.Module):
+    """Base class of every output layer (see the module docstring for the contract).
+
+    Args:
+        d_in: size of the hidden state the backbone produces.
+        vocab_size: number of tokens V.
+        d_embed: size of the output embedding (the rows of the decoder matrix E, V x d_embed).
+            Defaults to ``d_in``. With a tied weight it is the tied matrix's width.
+        tied_weight: an existing ``(V, d_embed)`` Parameter (the input embedding) to use as E;
+            the head then shares that one Parameter instead of creating its own.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        vocab_size: int,
+        *,
+        d_embed: int | None = None,
+        tied_weight: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        _check_positive_int("d_in", d_in)
+        _check_positive_int("vocab_size", vocab_size)
+        self.d_in = d_in
+        self.vocab_size = vocab_size
+        self.d_embed = _resolve_embed_size(d_in, vocab_size, d_embed, tied_weight)
+        if tied_weight is not None:
+            self.weight = tied_weight  # registered under this name too: one shared Parameter
+        else:
+            # U(-0.1, 0.1) as the AWD-LSTM embedding, so an untied decoder starts like a tied one.
+            self.weight = nn.Parameter(torch.empty(vocab_size, self.d_embed).uniform_(-0.1, 0.1))
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+
+    # ---- the public contract -------------------------------------------------------------
+
+    def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normalised float32 log-probabilities ``[..., V]`` for hidden states ``[..., d_in]``."""
+        rows = self._flatten_hidden(hidden)
+        masks = self._draw_masks(hidden)
+        out = self._log_prob_rows(rows, *masks)
+        return out.reshape(*hidden.shape[:-1], self.vocab_size)
+
+    def loss(
+        self,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        reduction: str = "mean",
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """Negative log-likelihood of ``target [...]`` given ``hidden [..., d_in]``.
+
+        ``reduction`` is "mean" (per token), "sum", or "none" (shape of ``target``).
+        ``chunk_size`` bounds the tokens whose ``V``-sized intermediates live at once.
+        """
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction={reduction!r}; expected one of {_REDUCTIONS}")
+        rows = self._flatten_hidden(hidden)
+        target_rows = self._flatten_target(hidden, target)
+        masks = self._draw_masks(hidden)
+        nll = self._chunked_nll(rows, target_rows, masks, chunk_size)
+        if reduction == "mean":
+            return nll.mean()
+        if reduction == "sum":
+            return nll.sum()
+        return nll.reshape(target.shape)
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        if target is None:
+            return self.log_prob(hidden)
+        return self.loss(hidden, target)
+
+    def parameter_groups(self, lr: float) -> list[dict]:
+        """Optimizer parameter groups; heads whose paper prescribes a separate lr override it."""
+        return [{"params": [p for p in self.parameters() if p.requires_grad], "lr": lr}]
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, vocab_size={self.vocab_size}, d_embed={self.d_embed}"
+
+    # ---- what a subclass implements ------------------------------------------------------
+
+    def _log_prob_rows(self, h: torch.Tensor, *masks: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _nll_rows(
+        self, h: torch.Tensor, target: torch.Tensor, *masks: torch.Tensor | None
+    ) -> torch.Tensor:
+        log_p = self._log_prob_rows(h, *masks)
+        return -log_p.gather(1, target.unsqueeze(1)).squeeze(1)
+
+    def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Per-row dropout masks ``(N, width)`` (or None when off); none by default."""
+        return ()
+
+    # ---- helpers for subclasses ----------------------------------------------------------
+
+    def _decoder_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``E h + b`` in float32: ``(N, d_embed) -> (N, V)``."""
+        return F.linear(h, self.weight, self.bias).float()
+
+    def _locked_mask(self, hidden: torch.Tensor, width: int, p: float) -> torch.Tensor | None:
+        """Locked dropout mask for ``width`` units per row, or None in eval / when p == 0."""
+        if not self.training or p == 0.0:
+            return None
+        return locked_dropout_mask(hidden.shape[:-1], width, p, hidden.device)
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def _flatten_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dim() < 1 or hidden.shape[-1] != self.d_in:
+            raise ValueError(
+                f"{type(self).__name__}: hidden has shape {tuple(hidden.shape)}; "
+                f"expected [..., d_in] with d_in={self.d_in}"
+            )
+        return hidden.reshape(-1, self.d_in)
+
+    def _flatten_target(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if tuple(target.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(
+                f"{type(self).__name__}: target has shape {tuple(target.shape)}; expected "
+                f"{tuple(hidden.shape[:-1])} (the hidden shape without its last dimension)"
+            )
+        if target.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"target must hold integer token ids; got dtype {target.dtype}")
+        flat = target.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab_size):
+            raise ValueError(
+                f"target ids must lie in [0, {self.vocab_size}); "
+                f"got min {int(flat.min())}, max {int(flat.max())}"
+            )
+        return flat
+
+    def _chunked_nll(
+        self,
+        rows: torch.Tensor,
+        target: torch.Tensor,
+        masks: tuple[torch.Tensor | None, ...],
+        chunk_size: int | None,
+    ) -> torch.Tensor:
+        n = rows.shape[0]
+        if chunk_size is None or chunk_size >= n:
+            return self._nll_rows(rows, target, *masks)
+        _check_positive_int("chunk_size", chunk_size)
+        pieces = []
+        for start in range(0, n, chunk_size):
+            part = slice(start, start + chunk_size)
+            chunk_masks = tuple(m[part] if m is not None else None for m in masks)
+            # Recomputed in backward: only this chunk's (chunk, K, V) intermediates ever live.
+            # preserve_rng_state replays any noise drawn inside (e.g. Mixtape's gate noise).
+            pieces.append(
+                checkpoint(
+                    self._nll_rows, rows[part], target[part], *chunk_masks, use_reentrant=False
+                )
+            )
+        return torch.cat(pieces)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+def _resolve_embed_size(
+    d_in: int, vocab_size: int, d_embed: int | None, tied_weight: torch.Tensor | None
+) -> int:
+    if tied_weight is None:
+        if d_embed is None:
+            return d_in
+        _check_positive_int("d_embed", d_embed)
+        return d_embed
+    if not isinstance(tied_weight, nn.Parameter) or tied_weight.dim() != 2:
+        raise TypeError("tied_weight must be a 2-D nn.Parameter of shape (vocab_size, d_embed)")
+    rows, width = tied_weight.shape
+    if rows != vocab_size or (d_embed is not None and width != d_embed):
+        expected = f"({vocab_size}, {d_embed if d_embed is not None else 'd_embed'})"
+        raise ValueError(f"tied_weight has shape {tuple(tied_weight.shape)}; expected {expected}")
+    return width
+
+
+def check_probability(name: str, value: float) -> float:
+    """Validate a dropout-like knob: a float in [0, 1)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1); got {value!r}")
+    return float(value)
+
+
+def check_finite(name: str, value: float) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number; got {value!r}")
+    return float(value)

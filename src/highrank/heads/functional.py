@@ -1,0 +1,72 @@
+"""Pure tensor maths shared by the heads: log-space mixtures, the sigmoid tree, dropout masks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def locked_dropout_mask(
+    lead_shape: torch.Size | tuple[int, ...], width: int, p: float, device: torch.device
+) -> torch.Tensor:
+    """Inverted-dropout mask ``(N, width)`` for the N = prod(lead_shape) rows of a hidden tensor.
+
+    For inputs with a time axis (3-D or more, read time-major ``(T, B, ...)`` as AWD-LSTM
+    produces them) one mask per sequence is shared over time, the "locked" (variational)
+    dropout of Gal & Ghahramani used by AWD-LSTM and MoS. Flat ``(N, d)`` inputs get one
+    mask per row. Kept values are scaled by 1 / (1 - p).
+    """
+    lead = tuple(lead_shape)
+    mask_shape = (1, *lead[1:], width) if len(lead) >= 2 else (*lead, width)
+    keep = torch.full(mask_shape, 1.0 - p, device=device)
+    mask = torch.bernoulli(keep).div_(1.0 - p)
+    return mask.expand(*lead, width).reshape(-1, width)
+
+
+def apply_mask(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x * mask`` with ``mask (N, width)`` matching ``x (N, ...)`` flattened; None is identity."""
+    if mask is None:
+        return x
+    return (x.reshape(mask.shape) * mask).reshape(x.shape)
+
+
+def log_mixture(log_prior: torch.Tensor, component_log_probs: torch.Tensor) -> torch.Tensor:
+    """``log sum_k pi_k p_k(x)`` computed as a log-sum-exp, never as log(p + eps).
+
+    log_prior: (N, K); component_log_probs: (N, K, V) -> (N, V).
+    """
+    return torch.logsumexp(log_prior.unsqueeze(-1) + component_log_probs, dim=1)
+
+
+def mixture_nll(
+    log_prior: torch.Tensor, component_logits: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """Negative log-likelihood of ``target (N,)`` under a mixture of softmaxes.
+
+    log_prior: (N, K); component_logits: (N, K, V) unnormalised. Only the target column of
+    each component is gathered, so no (N, K, V) log-probability tensor is built.
+    """
+    n, k, _ = component_logits.shape
+    normaliser = torch.logsumexp(component_logits, dim=-1)  # (N, K)
+    index = target.view(n, 1, 1).expand(n, k, 1)
+    target_logit = component_logits.gather(-1, index).squeeze(-1)  # (N, K)
+    return -torch.logsumexp(log_prior + target_logit - normaliser, dim=1)
+
+
+def sigmoid_tree(pre_activation: torch.Tensor) -> torch.Tensor:
+    """Mixtape's sigmoid tree decomposition (Yang et al. 2019, Sec. 3.2), ``(..., 3) -> (..., 4)``.
+
+    gamma = sigmoid(l); pi_1 = g1 g2, pi_2 = g1 (1 - g2), pi_3 = (1 - g1) g3,
+    pi_4 = (1 - g1)(1 - g3). The four priors sum to one. 1 - sigmoid(l) is computed as
+    sigmoid(-l) so that it keeps its precision when gamma is close to one.
+    """
+    on = torch.sigmoid(pre_activation)
+    off = torch.sigmoid(-pre_activation)
+    g1, g2, g3 = on.unbind(-1)
+    n1, n2, n3 = off.unbind(-1)
+    return torch.stack((g1 * g2, g1 * n2, n1 * g3, n1 * n3), dim=-1)
+
+
+def log_softmax_f32(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last axis in float32, whatever dtype autocast produced."""
+    return F.log_softmax(logits.float(), dim=-1)

@@ -1,0 +1,52 @@
+"""Generalized SigSoftmax, GSS(c, k) (Ganea et al., "Breaking the Softmax Bottleneck via
+Learnable Monotonic Pointwise Non-linearities", ICML 2019).
+
+log p = log_softmax(f(z)) with the monotone pointwise function
+    f(z) = k (z - c) + c - (k - 1) softplus(z - c),
+i.e. p(x | c) ∝ exp(z_x) · sigmoid(z_x - c)^(k - 1). k = 1 is Softmax and (c, k) = (0, 2) is
+SigSoftmax. The paper's choices: PTB (c, k) = (-1.5, 2.5) (the defaults), WT2 (-1.5, 3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from highrank.heads.base import check_finite
+from highrank.heads.softmax import PointwiseSoftmax
+
+
+class GeneralizedSigSoftmax(PointwiseSoftmax):
+    """GSS output layer.
+
+    Args:
+        center: c, where f bends from slope k (for z << c) to slope 1 (for z >> c).
+        slope: k > 0, the slope of f for logits well below ``center``.
+        d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.softmax.Softmax`.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        vocab_size: int,
+        *,
+        d_embed: int | None = None,
+        tied_weight: nn.Parameter | None = None,
+        center: float = -1.5,
+        slope: float = 2.5,
+    ) -> None:
+        super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
+        self.center = check_finite("center", center)
+        # f'(z) = k - (k - 1) sigmoid(z - c) lies between 1 and k: monotone exactly when k > 0.
+        if check_finite("slope", slope) <= 0.0:
+            raise ValueError(f"slope (k) must be > 0 so that f stays monotone; got {slope!r}")
+        self.slope = float(slope)
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        c, k = self.center, self.slope
+        shifted = logits - c
+        return k * shifted + c - (k - 1.0) * F.softplus(shifted)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, center={self.center}, slope={self.slope}"

@@ -1,0 +1,131 @@
+"""Mixtape (Yang, Luong, Salakhutdinov & Le, "Mixtape: Breaking the Softmax Bottleneck
+Efficiently", NeurIPS 2019): mix K = 4 *logits* with token-specific gates, then one softmax.
+
+    h_k = tanh(H_k g + a_k)                    k = 1..4, size d_embed
+    l_{k,x} = h_k . w_x                        component logits (w_x: row x of E)
+    t_j = tanh(U_j g + c_j)                    j = 1..3, gate features of size gate_dim
+    l_{x,j} = v_x . t_j + u_j . g + b_{x,j}    pre-activation priors, frequent tokens x < S
+    l_{x,j} = u_j . g                          all other tokens (gate sharing)
+    pi_{x,.} = sigmoid_tree(l_{x,.})           4 priors per token, summing to 1
+    log p(x | c) = log_softmax_x( sum_k pi_{x,k} l_{k,x} + b_x )
+
+Vector gating (a prior per token) makes the logit matrix high-rank; the sigmoid tree replaces
+a K-way softmax per token; gate sharing gives the V - S rare tokens one prior per context, so
+their logits are a single matmul with the mixed context sum_k pi_k h_k and no K x V gate tensor
+is ever built for them. S = floor(frequent_fraction x V) over frequency-ordered ids.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from highrank.heads.base import OutputHead, check_probability
+from highrank.heads.functional import apply_mask, sigmoid_tree
+
+N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
+N_GATES = N_COMPONENTS - 1
+
+
+class Mixtape(OutputHead):
+    """Mixtape output layer.
+
+    Args:
+        gate_dim: size of the gate features t_j and token gate vectors v_x (<< d_embed).
+        frequent_fraction: r; the S = floor(r V) most frequent ids get their own gates
+            (paper: 0.1 for language modelling, 0.5 for translation).
+        gate_noise: std of Gaussian noise added to the pre-activation priors in training.
+        gate_dropout: locked dropout on the gate features t_j.
+        component_dropout: locked dropout on the component contexts h_k.
+        d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.base.OutputHead`.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        vocab_size: int,
+        *,
+        d_embed: int | None = None,
+        tied_weight: nn.Parameter | None = None,
+        gate_dim: int = 64,
+        frequent_fraction: float = 0.1,
+        gate_noise: float = 0.0,
+        gate_dropout: float = 0.0,
+        component_dropout: float = 0.0,
+    ) -> None:
+        super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
+        if not isinstance(gate_dim, int) or gate_dim < 1:
+            raise ValueError(f"gate_dim must be a positive integer; got {gate_dim!r}")
+        if not isinstance(frequent_fraction, int | float) or not 0 <= frequent_fraction <= 1:
+            raise ValueError(f"frequent_fraction must lie in [0, 1]; got {frequent_fraction!r}")
+        if not isinstance(gate_noise, int | float) or not 0 <= gate_noise < math.inf:
+            raise ValueError(f"gate_noise must be a finite number >= 0; got {gate_noise!r}")
+        self.gate_dim = gate_dim
+        self.n_frequent = math.floor(frequent_fraction * vocab_size)
+        self.gate_noise = float(gate_noise)
+        self.gate_dropout = check_probability("gate_dropout", gate_dropout)
+        self.component_dropout = check_probability("component_dropout", component_dropout)
+
+        self.components = nn.Linear(d_in, N_COMPONENTS * self.d_embed)  # H_k, a_k
+        self.gate_features = nn.Linear(d_in, N_GATES * gate_dim)  # U_j, c_j
+        self.context_gate = nn.Linear(d_in, N_GATES, bias=False)  # u_j
+        self.token_gate = nn.Parameter(torch.empty(self.n_frequent, gate_dim))  # v_x
+        self.token_gate_bias = nn.Parameter(torch.zeros(self.n_frequent, N_GATES))  # b_{x,j}
+        nn.init.normal_(self.token_gate, std=gate_dim**-0.5)
+
+    def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (
+            self._locked_mask(hidden, N_COMPONENTS * self.d_embed, self.component_dropout),
+            self._locked_mask(hidden, N_GATES * self.gate_dim, self.gate_dropout),
+        )
+
+    def _noisy(self, pre_activation: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.gate_noise == 0.0:
+            return pre_activation
+        return pre_activation + self.gate_noise * torch.randn_like(pre_activation)
+
+    def _logits(
+        self,
+        h: torch.Tensor,
+        component_mask: torch.Tensor | None,
+        gate_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Mixed logits ``(N, V)`` in float32, frequent ids first."""
+        n = h.shape[0]
+        contexts = apply_mask(torch.tanh(self.components(h)), component_mask)
+        contexts = contexts.view(n, N_COMPONENTS, self.d_embed)  # (N, 4, d)
+        shared_pre = self.context_gate(h).float()  # (N, 3): u_j . g
+
+        # Rare tokens share one prior per context: a single matmul with the mixed context.
+        shared_prior = sigmoid_tree(self._noisy(shared_pre))  # (N, 4)
+        mixed = torch.einsum("nk,nkd->nd", shared_prior.to(contexts.dtype), contexts)
+        rare = F.linear(mixed, self.weight[self.n_frequent :]).float()  # (N, V - S)
+        if self.n_frequent == 0:
+            return rare + self.bias
+
+        features = apply_mask(torch.tanh(self.gate_features(h)), gate_mask)
+        features = features.view(n, N_GATES, self.gate_dim)  # (N, 3, gate_dim)
+        token_pre = torch.einsum("njg,sg->nsj", features, self.token_gate).float()
+        token_pre = token_pre + shared_pre.unsqueeze(1) + self.token_gate_bias  # (N, S, 3)
+        token_prior = sigmoid_tree(self._noisy(token_pre))  # (N, S, 4)
+        component_logits = torch.einsum(
+            "nkd,sd->nsk", contexts, self.weight[: self.n_frequent]
+        ).float()  # (N, S, 4)
+        frequent = (token_prior * component_logits).sum(-1)  # (N, S)
+        return torch.cat((frequent, rare), dim=1) + self.bias
+
+    def _log_prob_rows(self, h, component_mask, gate_mask) -> torch.Tensor:
+        return F.log_softmax(self._logits(h, component_mask, gate_mask), dim=-1)
+
+    def _nll_rows(self, h, target, component_mask, gate_mask) -> torch.Tensor:
+        logits = self._logits(h, component_mask, gate_mask)
+        return F.cross_entropy(logits, target, reduction="none")
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, gate_dim={self.gate_dim}, n_frequent={self.n_frequent}, "
+            f"gate_noise={self.gate_noise}"
+        )

@@ -1,0 +1,81 @@
+"""Mixture of Softmaxes (Yang, Dai, Salakhutdinov & Cohen, "Breaking the Softmax Bottleneck:
+A High-Rank RNN Language Model", ICLR 2018, Eq. 3).
+
+    pi_k  = softmax(P g)_k                          prior, P bias-free (K x d_in)
+    h_k   = tanh(W_k g + a_k)                       K latent contexts of size d_embed
+    log p(x | c) = logsumexp_k( log pi_k + log_softmax(E h_k + b)_x )
+
+The latent ``dropoutl`` is locked dropout over all K x d_embed units. The mixture is computed
+in log space (the authors' code used log(p + 1e-8), which caps log-probabilities at -18.4).
+The log-probability matrix is not bounded by rank d_embed + 2.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from highrank.heads.base import OutputHead, check_probability
+from highrank.heads.functional import apply_mask, log_mixture, mixture_nll
+
+
+class ContextMixture(OutputHead):
+    """Prior and latent contexts shared by MoS and MoC (the same paper's Eq. 3 and Sec. 3.2)."""
+
+    def __init__(
+        self,
+        d_in: int,
+        vocab_size: int,
+        *,
+        d_embed: int | None = None,
+        tied_weight: nn.Parameter | None = None,
+        n_components: int = 15,
+        latent_dropout: float = 0.29,
+    ) -> None:
+        super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
+        if not isinstance(n_components, int) or n_components < 1:
+            raise ValueError(f"n_components must be a positive integer; got {n_components!r}")
+        self.n_components = n_components
+        self.latent_dropout = check_probability("latent_dropout", latent_dropout)
+        self.prior = nn.Linear(d_in, n_components, bias=False)
+        self.latent = nn.Linear(d_in, n_components * self.d_embed)
+
+    def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
+        width = self.n_components * self.d_embed
+        return (self._locked_mask(hidden, width, self.latent_dropout),)
+
+    def _prior_and_latents(
+        self, h: torch.Tensor, latent_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log pi (N, K)`` in float32 and the latent contexts ``h_k (N, K, d_embed)``."""
+        log_prior = F.log_softmax(self.prior(h).float(), dim=-1)
+        latents = apply_mask(torch.tanh(self.latent(h)), latent_mask)
+        return log_prior, latents.view(h.shape[0], self.n_components, self.d_embed)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, n_components={self.n_components}, "
+            f"latent_dropout={self.latent_dropout}"
+        )
+
+
+class MixtureOfSoftmaxes(ContextMixture):
+    """MoS output layer.
+
+    Args:
+        n_components: K, the number of softmaxes (paper: 15 on PTB and WT2).
+        latent_dropout: locked dropout on the K x d_embed latent units (paper: 0.29 PTB).
+        d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.base.OutputHead`.
+    """
+
+    def _log_prob_rows(self, h: torch.Tensor, latent_mask: torch.Tensor | None) -> torch.Tensor:
+        log_prior, latents = self._prior_and_latents(h, latent_mask)
+        component_log_probs = F.log_softmax(self._decoder_logits(latents), dim=-1)  # (N, K, V)
+        return log_mixture(log_prior, component_log_probs)
+
+    def _nll_rows(
+        self, h: torch.Tensor, target: torch.Tensor, latent_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        log_prior, latents = self._prior_and_latents(h, latent_mask)
+        return mixture_nll(log_prior, self._decoder_logits(latents), target)

@@ -1,0 +1,97 @@
+"""LMS-PLIF: a learnable monotone piecewise-linear function of every logit (Ganea et al.,
+"Breaking the Softmax Bottleneck via Learnable Monotonic Pointwise Non-linearities", ICML 2019).
+
+log p = log_softmax(f(z)), z = E g' + b. f is continuous and piecewise linear with
+``n_pieces`` equal pieces on [low, high] (paper: 100,000 on [-20, 20]); piece j has slope
+softplus(theta_j) > 0, so f is strictly increasing; beyond the range f continues linearly
+with the edge slopes. theta_j = log(e - 1) + N(0, 1) at init, so slopes are 1 on average
+(log(e - 1) is softplus's inverse at 1). The piece index of a logit is found without
+gradient; gradients reach z through the slope and theta through the slopes and knot values.
+The paper trains theta with its own learning rate (0.02), see ``parameter_groups``. With
+``learn_slopes=False`` the random slopes stay fixed ("frozen"), which the rank study found
+about as good.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from highrank.heads.base import check_finite
+from highrank.heads.softmax import PointwiseSoftmax
+
+_SOFTPLUS_INVERSE_OF_ONE = math.log(math.e - 1.0)
+
+
+class PiecewiseLinearSoftmax(PointwiseSoftmax):
+    """LMS-PLIF output layer.
+
+    Args:
+        n_pieces: number of equal-width linear pieces on [low, high].
+        low, high: the range covered by the pieces.
+        learn_slopes: train the slopes (True) or keep the random initial ones (frozen PLIF).
+        slope_lr: learning rate of the slope parameters in ``parameter_groups``.
+        d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.softmax.Softmax`.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        vocab_size: int,
+        *,
+        d_embed: int | None = None,
+        tied_weight: nn.Parameter | None = None,
+        n_pieces: int = 100_000,
+        low: float = -20.0,
+        high: float = 20.0,
+        learn_slopes: bool = True,
+        slope_lr: float = 0.02,
+    ) -> None:
+        super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
+        if not isinstance(n_pieces, int) or n_pieces < 1:
+            raise ValueError(f"n_pieces must be a positive integer; got {n_pieces!r}")
+        if not check_finite("low", low) < check_finite("high", high):
+            raise ValueError(f"low must be below high; got low={low!r}, high={high!r}")
+        self.n_pieces, self.low, self.high = n_pieces, float(low), float(high)
+        self.piece_width = (self.high - self.low) / n_pieces
+        self.learn_slopes = bool(learn_slopes)
+        self.slope_lr = check_finite("slope_lr", slope_lr)
+        theta = _SOFTPLUS_INVERSE_OF_ONE + torch.randn(n_pieces)
+        if self.learn_slopes:
+            self.slope_logits = nn.Parameter(theta)
+        else:
+            self.register_buffer("slope_logits", theta)
+
+    def slopes(self) -> torch.Tensor:
+        """Slope of every piece, softplus(theta) > 0: ``(n_pieces,)``."""
+        return F.softplus(self.slope_logits)
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        slopes = self.slopes()
+        rise = slopes * self.piece_width  # (P,) increase of f across each piece
+        # f at the left knot of every piece, anchored f(low) = low so that unit slopes give
+        # the identity. Summed in float64: 100,000 float32 terms would drift visibly.
+        left_value = self.low + (torch.cumsum(rise.double(), 0) - rise.double()).to(rise.dtype)
+        position = (logits - self.low) / self.piece_width  # in units of pieces
+        # Out-of-range logits use the edge pieces, whose lines extend linearly.
+        piece = position.detach().floor().clamp_(0, self.n_pieces - 1)
+        index = piece.long()
+        return left_value[index] + rise[index] * (position - piece)
+
+    def parameter_groups(self, lr: float) -> list[dict]:
+        slope_params = [self.slope_logits] if self.learn_slopes else []
+        slope_ids = {id(p) for p in slope_params}
+        rest = [p for p in self.parameters() if p.requires_grad and id(p) not in slope_ids]
+        groups = [{"params": rest, "lr": lr}]
+        if slope_params:
+            groups.append({"params": slope_params, "lr": self.slope_lr})
+        return groups
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, n_pieces={self.n_pieces}, range=[{self.low}, {self.high}], "
+            f"learn_slopes={self.learn_slopes}"
+        )

@@ -1,0 +1,20 @@
+"""SigSoftmax (Kanai et al., "Sigsoftmax: Reanalysis of the Softmax Bottleneck", NeurIPS 2018).
+
+p(x | c) ∝ exp(z_x) · sigmoid(z_x), z = E g' + b, so in log space
+log p = log_softmax(z + log sigmoid(z)) = log_softmax(2 z - softplus(z))  (their Eq. 13).
+The output is not restricted to rank d + 2 because log sigmoid is non-linear in z.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from highrank.heads.softmax import PointwiseSoftmax
+
+
+class SigSoftmax(PointwiseSoftmax):
+    """Sigsoftmax output layer; same knobs as :class:`highrank.heads.softmax.Softmax`."""
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits + F.logsigmoid(logits)
