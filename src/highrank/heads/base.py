@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from highrank.heads.functional import locked_dropout_mask
+from highrank.heads.functional import locked_dropout_mask, widen
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -131,8 +131,8 @@ class OutputHead(nn.Module):
     # ---- helpers for subclasses ----------------------------------------------------------
 
     def _decoder_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """``E h + b`` in float32: ``(N, d_embed) -> (N, V)``."""
-        return F.linear(h, self.weight, self.bias).float()
+        """``E h + b``, at least float32: ``(N, d_embed) -> (N, V)``."""
+        return widen(F.linear(h, self.weight, self.bias))
 
     def _locked_mask(self, hidden: torch.Tensor, width: int, p: float) -> torch.Tensor | None:
         """Locked dropout mask for ``width`` units per row, or None in eval / when p == 0."""

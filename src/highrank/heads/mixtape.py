@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.base import OutputHead, check_probability
-from highrank.heads.functional import apply_mask, sigmoid_tree
+from highrank.heads.functional import apply_mask, sigmoid_tree, widen
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
 N_GATES = N_COMPONENTS - 1
@@ -97,23 +97,22 @@ class Mixtape(OutputHead):
         n = h.shape[0]
         contexts = apply_mask(torch.tanh(self.components(h)), component_mask)
         contexts = contexts.view(n, N_COMPONENTS, self.d_embed)  # (N, 4, d)
-        shared_pre = self.context_gate(h).float()  # (N, 3): u_j . g
+        shared_pre = widen(self.context_gate(h))  # (N, 3): u_j . g
 
         # Rare tokens share one prior per context: a single matmul with the mixed context.
         shared_prior = sigmoid_tree(self._noisy(shared_pre))  # (N, 4)
         mixed = torch.einsum("nk,nkd->nd", shared_prior.to(contexts.dtype), contexts)
-        rare = F.linear(mixed, self.weight[self.n_frequent :]).float()  # (N, V - S)
+        rare = widen(F.linear(mixed, self.weight[self.n_frequent :]))  # (N, V - S)
         if self.n_frequent == 0:
             return rare + self.bias
 
         features = apply_mask(torch.tanh(self.gate_features(h)), gate_mask)
         features = features.view(n, N_GATES, self.gate_dim)  # (N, 3, gate_dim)
-        token_pre = torch.einsum("njg,sg->nsj", features, self.token_gate).float()
+        token_pre = widen(torch.einsum("njg,sg->nsj", features, self.token_gate))
         token_pre = token_pre + shared_pre.unsqueeze(1) + self.token_gate_bias  # (N, S, 3)
         token_prior = sigmoid_tree(self._noisy(token_pre))  # (N, S, 4)
-        component_logits = torch.einsum(
-            "nkd,sd->nsk", contexts, self.weight[: self.n_frequent]
-        ).float()  # (N, S, 4)
+        frequent_rows = self.weight[: self.n_frequent]
+        component_logits = widen(torch.einsum("nkd,sd->nsk", contexts, frequent_rows))  # (N,S,4)
         frequent = (token_prior * component_logits).sum(-1)  # (N, S)
         return torch.cat((frequent, rare), dim=1) + self.bias
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.base import OutputHead, check_probability
-from highrank.heads.functional import apply_mask, log_mixture, mixture_nll
+from highrank.heads.functional import apply_mask, log_mixture, mixture_nll, widen
 
 
 class ContextMixture(OutputHead):
@@ -49,7 +49,7 @@ class ContextMixture(OutputHead):
         self, h: torch.Tensor, latent_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``log pi (N, K)`` in float32 and the latent contexts ``h_k (N, K, d_embed)``."""
-        log_prior = F.log_softmax(self.prior(h).float(), dim=-1)
+        log_prior = F.log_softmax(widen(self.prior(h)), dim=-1)
         latents = apply_mask(torch.tanh(self.latent(h)), latent_mask)
         return log_prior, latents.view(h.shape[0], self.n_components, self.d_embed)
 

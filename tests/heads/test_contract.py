@@ -1,0 +1,227 @@
+"""The head contract (ARCHITECTURE.md), checked for every head in HEADS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from highrank.heads import HEADS, build_head
+
+HEAD_NAMES = list(HEADS)
+SHAPES = [(24,), (3, 8)]  # leading shapes: [N, d] and [B, T, d]
+HEADS_WITH_TRAINING_NOISE = {"moc", "mos", "mixtape"}
+
+
+def _inputs(lead, d_in=12, vocab_size=50, scale=1.0):
+    hidden = scale * torch.randn(*lead, d_in)
+    target = torch.randint(0, vocab_size, lead)
+    return hidden, target
+
+
+@pytest.mark.parametrize("lead", SHAPES)
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_log_prob_is_normalised_float32(make_head, name, lead):
+    head = make_head(name, stochastic=True)  # training mode: dropout and noise on
+    hidden, _ = _inputs(lead)
+    log_p = head.log_prob(hidden)
+    assert log_p.shape == (*lead, 50)
+    assert log_p.dtype == torch.float32
+    torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(lead), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_large_hidden_states_give_finite_output_and_gradients(make_head, name):
+    head = make_head(name)
+    hidden, target = _inputs((3, 8), scale=100.0)
+    hidden.requires_grad_(True)
+    log_p = head.log_prob(hidden)
+    assert torch.isfinite(log_p).all()
+    torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(3, 8), atol=1e-5, rtol=0)
+    head.loss(hidden, target).backward()
+    assert torch.isfinite(hidden.grad).all()
+
+
+@pytest.mark.parametrize("lead", SHAPES)
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_loss_is_negative_gathered_log_prob(make_head, name, lead):
+    head = make_head(name).eval()
+    hidden, target = _inputs(lead)
+    gathered = -head.log_prob(hidden).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(head.loss(hidden, target, reduction="none"), gathered)
+    torch.testing.assert_close(head.loss(hidden, target), gathered.mean())
+    torch.testing.assert_close(head.loss(hidden, target, reduction="sum"), gathered.sum())
+    torch.testing.assert_close(head(hidden, target), gathered.mean())
+    torch.testing.assert_close(head(hidden), head.log_prob(hidden))
+
+
+def _loss_and_grads(head, hidden, target, chunk_size):
+    head.zero_grad()
+    hidden = hidden.clone().requires_grad_(True)
+    loss = head.loss(hidden, target, chunk_size=chunk_size)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in head.named_parameters()}
+    return loss.detach(), hidden.grad, grads
+
+
+@pytest.mark.parametrize("chunk_size", [6, 7, 1])  # divides N = 24, does not, single rows
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_chunked_loss_matches_unchunked_in_value_and_gradients(make_head, name, chunk_size):
+    head = make_head(name).eval()
+    hidden, target = _inputs((24,))
+    loss, hidden_grad, grads = _loss_and_grads(head, hidden, target, None)
+    c_loss, c_hidden_grad, c_grads = _loss_and_grads(head, hidden, target, chunk_size)
+    torch.testing.assert_close(c_loss, loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(c_hidden_grad, hidden_grad, atol=1e-6, rtol=1e-5)
+    for param_name, grad in grads.items():
+        torch.testing.assert_close(c_grads[param_name], grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["moc", "mos", "mixtape"])
+def test_chunked_loss_keeps_the_dropout_masks_of_the_unchunked_one(make_head, name):
+    # Locked-dropout masks are drawn once, before chunking, so a seeded chunked run and a
+    # seeded unchunked run see the same masks. (Mixtape's gate noise is drawn per chunk,
+    # so it is off here.)
+    head = make_head(name, stochastic=True, **({"gate_noise": 0.0} if name == "mixtape" else {}))
+    hidden, target = _inputs((4, 6))
+    torch.manual_seed(1)
+    loss, hidden_grad, grads = _loss_and_grads(head, hidden, target, None)
+    torch.manual_seed(1)
+    c_loss, c_hidden_grad, c_grads = _loss_and_grads(head, hidden, target, 5)
+    torch.testing.assert_close(c_loss, loss)
+    torch.testing.assert_close(c_hidden_grad, hidden_grad, atol=1e-6, rtol=1e-5)
+    for param_name, grad in grads.items():
+        torch.testing.assert_close(c_grads[param_name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_recomputation_replays_mixtape_gate_noise(make_head):
+    # With noise drawn inside each chunk, backward must recompute the chunk with the *same*
+    # noise: the gradient then matches finite differences of the very loss that was returned.
+    head = make_head("mixtape", gate_noise=0.5).double()
+    hidden, target = _inputs((10,))
+    hidden = hidden.double().requires_grad_(True)
+    torch.manual_seed(3)
+    head.loss(hidden, target, chunk_size=3, reduction="sum").backward()
+    direction = torch.randn_like(hidden)
+    step = 1e-6
+    values = []
+    for sign in (1.0, -1.0):
+        torch.manual_seed(3)
+        values.append(
+            head.loss(hidden + sign * step * direction, target, chunk_size=3, reduction="sum")
+        )
+    numeric = (values[0] - values[1]) / (2 * step)
+    torch.testing.assert_close(
+        (hidden.grad * direction).sum(), numeric.detach(), rtol=1e-5, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_gradients_reach_every_parameter(make_head, name):
+    head = make_head(name, stochastic=True)
+    hidden, target = _inputs((3, 8))
+    head.loss(hidden, target).backward()
+    for param_name, param in head.named_parameters():
+        assert param.grad is not None, f"{name}.{param_name} got no gradient"
+        assert param.grad.abs().sum() > 0, f"{name}.{param_name} got an all-zero gradient"
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_bf16_autocast_keeps_float32_normalised_output(make_head, name):
+    head = make_head(name)
+    hidden, target = _inputs((3, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log_p = head.log_prob(hidden)
+        loss = head.loss(hidden, target)
+    assert log_p.dtype == torch.float32 and loss.dtype == torch.float32
+    torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(3, 8), atol=1e-5, rtol=0)
+    # bf16 matmuls cost precision, not correctness: close to the float32 result.
+    torch.testing.assert_close(loss, head.loss(hidden, target), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_tying_shares_one_parameter(make_head, name):
+    embedding = nn.Embedding(50, 12)
+    head = make_head(name, tied_weight=embedding.weight)
+    assert head.weight is embedding.weight
+    model = nn.ModuleDict({"embedding": embedding, "head": head})
+    shared = [p for p in model.parameters() if p is embedding.weight]
+    assert len(shared) == 1  # counted once, not twice
+    hidden, target = _inputs((3, 8))
+    head.loss(hidden, target).backward()
+    assert embedding.weight.grad is not None and embedding.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_tying_with_a_projection_when_sizes_differ(make_head, name):
+    embedding = nn.Embedding(50, 6)
+    head = make_head(name, tied_weight=embedding.weight)  # d_in 12, d_embed 6
+    assert head.d_embed == 6
+    hidden, _ = _inputs((5,))
+    torch.testing.assert_close(
+        head.log_prob(hidden).logsumexp(-1), torch.zeros(5), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_eval_turns_dropout_and_noise_off(make_head, name):
+    head = make_head(name, stochastic=True)
+    hidden, _ = _inputs((3, 8))
+    train_a, train_b = head.log_prob(hidden), head.log_prob(hidden)
+    head.eval()
+    eval_a, eval_b = head.log_prob(hidden), head.log_prob(hidden)
+    torch.testing.assert_close(eval_a, eval_b, atol=0, rtol=0)
+    if name in HEADS_WITH_TRAINING_NOISE:
+        assert not torch.allclose(train_a, train_b), "training mode should draw fresh noise"
+        assert not torch.allclose(train_a, eval_a)
+    else:
+        torch.testing.assert_close(train_a, eval_a, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_deterministic_under_a_seed(make_head, name):
+    outputs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        head = make_head(name, stochastic=True)
+        hidden, target = _inputs((3, 8))
+        outputs.append((head.log_prob(hidden), head.loss(hidden, target)))
+    torch.testing.assert_close(outputs[0][0], outputs[1][0], atol=0, rtol=0)
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_bad_input_gets_a_clear_error(make_head, name):
+    head = make_head(name)
+    with pytest.raises(ValueError, match=r"d_in=12"):
+        head.log_prob(torch.randn(4, 11))
+    with pytest.raises(ValueError, match=r"target has shape \(5,\); expected \(4,\)"):
+        head.loss(torch.randn(4, 12), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[0, 50\)"):
+        head.loss(torch.randn(4, 12), torch.tensor([0, 1, 2, 50]))
+    with pytest.raises(TypeError, match="integer token ids"):
+        head.loss(torch.randn(4, 12), torch.zeros(4))
+    with pytest.raises(ValueError, match="reduction"):
+        head.loss(torch.randn(4, 12), torch.zeros(4, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match="chunk_size"):
+        head.loss(torch.randn(4, 12), torch.zeros(4, dtype=torch.long), chunk_size=0)
+
+
+def test_build_head_rejects_unknown_names_and_knobs():
+    with pytest.raises(KeyError, match="choose one of: softmax, moc, mos, mixtape"):
+        build_head("mos2", d_in=4, vocab_size=10)
+    with pytest.raises(TypeError, match=r"no knob\(s\) n_experts; valid knobs: .*n_components=15"):
+        build_head("mos", d_in=4, vocab_size=10, n_experts=3)
+
+
+def test_tied_weight_of_the_wrong_shape_is_rejected():
+    with pytest.raises(ValueError, match=r"tied_weight has shape \(9, 4\); expected \(10, "):
+        build_head("softmax", d_in=4, vocab_size=10, tied_weight=nn.Parameter(torch.ones(9, 4)))
+
+
+def test_softmax_loss_uses_cross_entropy_semantics():
+    head = build_head("softmax", d_in=5, vocab_size=7)
+    hidden, target = torch.randn(6, 5), torch.randint(0, 7, (6,))
+    expected = F.cross_entropy(F.linear(hidden, head.weight, head.bias), target)
+    torch.testing.assert_close(head.loss(hidden, target), expected)

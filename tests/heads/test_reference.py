@@ -1,0 +1,251 @@
+"""Each head against closed forms, special cases and the rank theorem of Yang et al. (2018)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from highrank.analysis.rank import press_rank
+from highrank.heads import build_head
+from highrank.heads.functional import sigmoid_tree
+
+
+def _copy_decoder(source, destination):
+    with torch.no_grad():
+        destination.weight.copy_(source.weight)
+        destination.bias.copy_(source.bias)
+
+
+def test_softmax_equals_log_softmax_of_the_linear_decoder():
+    head = build_head("softmax", d_in=6, vocab_size=11)
+    hidden, target = torch.randn(9, 6), torch.randint(0, 11, (9,))
+    logits = hidden @ head.weight.T + head.bias
+    torch.testing.assert_close(head.log_prob(hidden), F.log_softmax(logits, -1))
+    torch.testing.assert_close(head.loss(hidden, target), F.cross_entropy(logits, target))
+
+
+def test_softmax_projects_when_the_embedding_is_narrower():
+    head = build_head("softmax", d_in=6, vocab_size=11, d_embed=3)
+    hidden = torch.randn(9, 6)
+    projected = head.projection(hidden)
+    expected = F.log_softmax(projected @ head.weight.T + head.bias, -1)
+    torch.testing.assert_close(head.log_prob(hidden), expected)
+
+
+def test_mos_with_one_component_is_a_softmax_of_its_latent_context():
+    mos = build_head("mos", d_in=6, vocab_size=11, n_components=1).eval()
+    softmax = build_head("softmax", d_in=6, vocab_size=11)
+    _copy_decoder(mos, softmax)
+    hidden, target = torch.randn(9, 6), torch.randint(0, 11, (9,))
+    latent = torch.tanh(mos.latent(hidden))
+    torch.testing.assert_close(mos.log_prob(hidden), softmax.log_prob(latent))
+    torch.testing.assert_close(mos.loss(hidden, target), softmax.loss(latent, target))
+
+
+def test_mos_matches_a_float64_mixture_of_probabilities():
+    mos = build_head("mos", d_in=6, vocab_size=11, n_components=4).eval()
+    hidden = torch.randn(9, 6)
+    with torch.no_grad():
+        h = hidden.double()
+        prior = torch.softmax(h @ mos.prior.weight.double().T, -1)  # (N, K)
+        latents = torch.tanh(h @ mos.latent.weight.double().T + mos.latent.bias.double())
+        latents = latents.view(9, 4, 6)
+        probs = torch.softmax(latents @ mos.weight.double().T + mos.bias.double(), -1)
+        expected = torch.log((prior.unsqueeze(-1) * probs).sum(1))
+    torch.testing.assert_close(mos.log_prob(hidden).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mos_log_space_survives_probabilities_below_1e_minus_8():
+    # log(p + 1e-8) would cap at -18.4; the log-space mixture keeps the true value.
+    mos = build_head("mos", d_in=4, vocab_size=5, n_components=2).eval()
+    with torch.no_grad():
+        mos.weight.zero_()
+        mos.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, -40.0]))
+    log_p = mos.log_prob(torch.randn(3, 4))
+    expected = -40.0 - math.log(4 + math.exp(-40.0))
+    torch.testing.assert_close(log_p[:, 4], torch.full((3,), expected))
+
+
+def test_moc_is_a_softmax_of_the_mixed_context():
+    moc = build_head("moc", d_in=6, vocab_size=11, n_components=3).eval()
+    softmax = build_head("softmax", d_in=6, vocab_size=11)
+    _copy_decoder(moc, softmax)
+    hidden = torch.randn(9, 6)
+    prior = torch.softmax(moc.prior(hidden), -1)  # (N, K)
+    latents = torch.tanh(moc.latent(hidden)).view(9, 3, 6)
+    mixed = (prior.unsqueeze(-1) * latents).sum(1)
+    torch.testing.assert_close(moc.log_prob(hidden), softmax.log_prob(mixed))
+
+
+def test_sigsoftmax_is_exp_times_sigmoid_normalised():
+    head = build_head("sigsoftmax", d_in=6, vocab_size=11)
+    hidden = torch.randn(9, 6)
+    with torch.no_grad():
+        z = (hidden @ head.weight.T + head.bias).double()
+        unnormalised = torch.exp(z) * torch.sigmoid(z)
+        expected = torch.log(unnormalised / unnormalised.sum(-1, keepdim=True))
+    torch.testing.assert_close(head.log_prob(hidden).double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_gss_zero_two_is_sigsoftmax_and_unit_slope_is_softmax():
+    hidden = 3 * torch.randn(9, 6)
+    sig = build_head("sigsoftmax", d_in=6, vocab_size=11)
+    for (center, slope), reference_name in (((0.0, 2.0), "sigsoftmax"), ((-1.5, 1.0), "softmax")):
+        gss = build_head("gss", d_in=6, vocab_size=11, center=center, slope=slope)
+        reference = (
+            sig if reference_name == "sigsoftmax" else build_head("softmax", d_in=6, vocab_size=11)
+        )
+        _copy_decoder(gss, reference)
+        torch.testing.assert_close(gss.log_prob(hidden), reference.log_prob(hidden))
+
+
+def test_gss_default_is_the_papers_ptb_choice_and_differs_from_both_special_cases():
+    gss = build_head("gss", d_in=6, vocab_size=11)
+    assert (gss.center, gss.slope) == (-1.5, 2.5)
+    z = torch.linspace(-5, 5, 11)
+    expected = 2.5 * (z + 1.5) - 1.5 - 1.5 * torch.log1p(torch.exp(z + 1.5))
+    torch.testing.assert_close(gss.transform(z), expected)
+
+
+def test_sigmoid_tree_gives_four_priors_that_sum_to_one():
+    pre = 5 * torch.randn(100, 3)
+    priors = sigmoid_tree(pre)
+    g = torch.sigmoid(pre)
+    expected = torch.stack(
+        (
+            g[:, 0] * g[:, 1],
+            g[:, 0] * (1 - g[:, 1]),
+            (1 - g[:, 0]) * g[:, 2],
+            (1 - g[:, 0]) * (1 - g[:, 2]),
+        ),
+        dim=-1,
+    )
+    torch.testing.assert_close(priors, expected)
+    torch.testing.assert_close(priors.sum(-1), torch.ones(100))
+    assert (priors >= 0).all()
+
+
+def _mixtape_reference(head, hidden):
+    """Mixtape's equations written out for every token, in float64 (no gate-sharing trick)."""
+    n, v, s = hidden.shape[0], head.vocab_size, head.n_frequent
+    with torch.no_grad():
+        g = hidden.double()
+        contexts = torch.tanh(g @ head.components.weight.double().T + head.components.bias.double())
+        contexts = contexts.view(n, 4, -1)
+        features = torch.tanh(
+            g @ head.gate_features.weight.double().T + head.gate_features.bias.double()
+        )
+        features = features.view(n, 3, -1)
+        shared = g @ head.context_gate.weight.double().T  # (N, 3)
+        pre = shared.unsqueeze(1).expand(n, v, 3).clone()  # rare tokens: u_j . g
+        pre[:, :s] += torch.einsum("njg,sg->nsj", features, head.token_gate.double())
+        pre[:, :s] += head.token_gate_bias.double()
+        priors = sigmoid_tree(pre)  # (N, V, 4)
+        component_logits = torch.einsum("nkd,vd->nvk", contexts, head.weight.double())
+        logits = (priors * component_logits).sum(-1) + head.bias.double()
+        return F.log_softmax(logits, -1)
+
+
+@pytest.mark.parametrize("frequent_fraction", [0.0, 0.3, 1.0])
+def test_mixtape_matches_its_equations_with_and_without_gate_sharing(frequent_fraction):
+    head = build_head(
+        "mixtape", d_in=6, vocab_size=20, gate_dim=3, frequent_fraction=frequent_fraction
+    )
+    with torch.no_grad():
+        head.token_gate_bias.normal_()  # make the per-token biases matter
+    hidden = 2 * torch.randn(9, 6)
+    assert head.n_frequent == math.floor(frequent_fraction * 20)
+    torch.testing.assert_close(
+        head.log_prob(hidden).double(), _mixtape_reference(head, hidden), atol=1e-5, rtol=1e-5
+    )
+
+
+def _plif(n_pieces=40, **knobs):
+    return build_head("plif", d_in=4, vocab_size=7, n_pieces=n_pieces, low=-2.0, high=2.0, **knobs)
+
+
+def test_plif_is_the_identity_when_every_slope_is_one():
+    head = _plif()
+    with torch.no_grad():
+        head.slope_logits.fill_(math.log(math.e - 1))
+    z = torch.linspace(-5, 5, 101)  # inside and beyond [-2, 2]
+    torch.testing.assert_close(head.transform(z), z)
+
+
+def test_plif_is_strictly_increasing_continuous_and_linear_beyond_its_range():
+    head = _plif()
+    z = torch.linspace(-4, 4, 4001)
+    f = head.transform(z).detach()
+    assert (f.diff() > 0).all()
+    knots = torch.linspace(-2, 2, 41)
+    left, right = head.transform(knots - 1e-5).detach(), head.transform(knots + 1e-5).detach()
+    max_slope = head.slopes().max().item()
+    assert (right - left).abs().max() <= 2e-5 * max_slope + 1e-6  # no jump at any knot
+    slopes = head.slopes().detach()
+    far_right = head.transform(torch.tensor([3.0, 5.0])).detach()
+    far_left = head.transform(torch.tensor([-5.0, -3.0])).detach()
+    torch.testing.assert_close(far_right[1] - far_right[0], 2 * slopes[-1])
+    torch.testing.assert_close(far_left[1] - far_left[0], 2 * slopes[0])
+
+
+def test_plif_knot_values_are_the_integral_of_the_slopes():
+    head = _plif()
+    slopes = head.slopes().detach().double()
+    expected = -2.0 + 0.1 * torch.cat((torch.zeros(1), slopes.cumsum(0)))  # f at the 41 knots
+    knots = torch.linspace(-2, 2, 41)
+    torch.testing.assert_close(head.transform(knots).detach().double(), expected, atol=1e-5, rtol=0)
+
+
+def test_plif_init_and_paper_defaults():
+    torch.manual_seed(0)
+    head = build_head("plif", d_in=4, vocab_size=7)
+    assert (head.n_pieces, head.low, head.high) == (100_000, -20.0, 20.0)
+    theta = head.slope_logits.detach()
+    assert abs(theta.mean().item() - math.log(math.e - 1)) < 0.02  # log(e-1) + N(0, 1)
+    assert abs(theta.std().item() - 1.0) < 0.02
+    groups = head.parameter_groups(lr=20.0)
+    assert [g["lr"] for g in groups] == [20.0, 0.02]
+    assert groups[1]["params"] == [head.slope_logits]
+
+
+def test_frozen_plif_keeps_its_slopes_out_of_the_parameters():
+    head = _plif(learn_slopes=False)
+    assert all(p is not head.slope_logits for p in head.parameters())
+    assert "slope_logits" in head.state_dict()
+    assert len(head.parameter_groups(lr=1.0)) == 1
+
+
+def _log_prob_matrix(head, n_contexts, d_in, scale):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        return head.eval().log_prob(scale * torch.randn(n_contexts, d_in))
+
+
+D = 8
+
+
+@pytest.mark.parametrize("name", ["softmax", "moc"])
+def test_bottlenecked_heads_have_log_prob_rank_at_most_d_plus_2(name):
+    head = build_head(
+        name, d_in=D, vocab_size=200, **({"n_components": 4} if name == "moc" else {})
+    )
+    with torch.no_grad():
+        head.weight.normal_()
+        head.bias.normal_()
+    rank = press_rank(_log_prob_matrix(head, 500, D, 2.0))
+    assert D <= rank <= D + 2
+
+
+@pytest.mark.parametrize(
+    "name, knobs",
+    [("mos", {"n_components": 4}), ("mixtape", {"gate_dim": 4}), ("sigsoftmax", {}), ("gss", {})],
+)
+def test_high_rank_heads_exceed_three_times_d(name, knobs):
+    head = build_head(name, d_in=D, vocab_size=200, **knobs)
+    with torch.no_grad():
+        head.weight.normal_()
+    rank = press_rank(_log_prob_matrix(head, 500, D, 2.0))
+    assert rank > 3 * D
