@@ -225,3 +225,30 @@ def test_softmax_loss_uses_cross_entropy_semantics():
     hidden, target = torch.randn(6, 5), torch.randint(0, 7, (6,))
     expected = F.cross_entropy(F.linear(hidden, head.weight, head.bias), target)
     torch.testing.assert_close(head.loss(hidden, target), expected)
+
+
+@pytest.mark.parametrize("name", ["moc", "mos", "mixtape"])
+@pytest.mark.parametrize("time_dim", [0, 1])
+def test_locked_dropout_shares_one_mask_over_the_time_axis(make_head, name, time_dim):
+    head = make_head(name, stochastic=True, dropout_time_dim=time_dim)
+    if name == "mixtape":
+        head.gate_noise = 0.0  # noise is per token by design; only the masks are locked
+    step = torch.randn(5, 12)
+    hidden = torch.stack([step] * 4, dim=time_dim)  # the same states at every time step
+    log_p = head.log_prob(hidden)
+    first = log_p.select(time_dim, 0)
+    for t in range(1, 4):
+        torch.testing.assert_close(log_p.select(time_dim, t), first)
+    # ... while different sequences get different masks.
+    independent = make_head(name, stochastic=True, dropout_time_dim=None)
+    independent.load_state_dict(head.state_dict())
+    if name == "mixtape":
+        independent.gate_noise = 0.0
+    free = independent.log_prob(hidden)
+    assert not torch.allclose(free.select(time_dim, 0), free.select(time_dim, 1))
+
+
+def test_dropout_time_dim_outside_the_input_is_a_clear_error(make_head):
+    head = make_head("mos", stochastic=True, dropout_time_dim=2)
+    with pytest.raises(ValueError, match=r"dropout_time_dim=2 is not an axis"):
+        head.log_prob(torch.randn(3, 4, 12))

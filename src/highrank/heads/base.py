@@ -46,6 +46,9 @@ class OutputHead(nn.Module):
             the head then shares that one Parameter instead of creating its own.
     """
 
+    # Heads with internal dropout take ``dropout_time_dim`` as a knob and set this.
+    dropout_time_dim: int | None = None
+
     def __init__(
         self,
         d_in: int,
@@ -134,11 +137,14 @@ class OutputHead(nn.Module):
         """``E h + b``, at least float32: ``(N, d_embed) -> (N, V)``."""
         return widen(F.linear(h, self.weight, self.bias))
 
-    def _locked_mask(self, hidden: torch.Tensor, width: int, p: float) -> torch.Tensor | None:
-        """Locked dropout mask for ``width`` units per row, or None in eval / when p == 0."""
+    def _dropout_mask(self, hidden: torch.Tensor, width: int, p: float) -> torch.Tensor | None:
+        """Dropout mask for ``width`` units per row (locked over ``dropout_time_dim``), or None
+        in eval mode or when p == 0."""
         if not self.training or p == 0.0:
             return None
-        return locked_dropout_mask(hidden.shape[:-1], width, p, hidden.device)
+        return locked_dropout_mask(
+            hidden.shape[:-1], width, p, hidden.device, time_dim=self.dropout_time_dim
+        )
 
     # ---- plumbing ------------------------------------------------------------------------
 

@@ -6,18 +6,29 @@ import torch
 
 
 def locked_dropout_mask(
-    lead_shape: torch.Size | tuple[int, ...], width: int, p: float, device: torch.device
+    lead_shape: torch.Size | tuple[int, ...],
+    width: int,
+    p: float,
+    device: torch.device,
+    time_dim: int | None = None,
 ) -> torch.Tensor:
     """Inverted-dropout mask ``(N, width)`` for the N = prod(lead_shape) rows of a hidden tensor.
 
-    For inputs with a time axis (3-D or more, read time-major ``(T, B, ...)`` as AWD-LSTM
-    produces them) one mask per sequence is shared over time, the "locked" (variational)
-    dropout of Gal & Ghahramani used by AWD-LSTM and MoS. Flat ``(N, d)`` inputs get one
-    mask per row. Kept values are scaled by 1 / (1 - p).
+    With ``time_dim`` set, one mask per sequence is shared over that axis of the hidden
+    tensor: the "locked" (variational) dropout of Gal & Ghahramani used by AWD-LSTM and MoS
+    (time_dim=0 for their time-major ``(T, B, d)`` layout, mask ``(1, B, width)``). With
+    ``time_dim=None`` every row draws its own mask. Kept values are scaled by 1 / (1 - p).
     """
     lead = tuple(lead_shape)
-    mask_shape = (1, *lead[1:], width) if len(lead) >= 2 else (*lead, width)
-    keep = torch.full(mask_shape, 1.0 - p, device=device)
+    mask_lead = list(lead)
+    if time_dim is not None:
+        if not -len(lead) <= time_dim < len(lead):
+            raise ValueError(
+                f"dropout_time_dim={time_dim} is not an axis of hidden states with leading "
+                f"shape {lead}; use None for inputs without a time axis"
+            )
+        mask_lead[time_dim] = 1
+    keep = torch.full((*mask_lead, width), 1.0 - p, device=device)
     mask = torch.bernoulli(keep).div_(1.0 - p)
     return mask.expand(*lead, width).reshape(-1, width)
 

@@ -38,8 +38,11 @@ class Mixtape(OutputHead):
         frequent_fraction: r; the S = floor(r V) most frequent ids get their own gates
             (paper: 0.1 for language modelling, 0.5 for translation).
         gate_noise: std of Gaussian noise added to the pre-activation priors in training.
-        gate_dropout: locked dropout on the gate features t_j.
-        component_dropout: locked dropout on the component contexts h_k.
+        gate_dropout: dropout on the gate features t_j.
+        component_dropout: dropout on the component contexts h_k.
+        dropout_time_dim: the time axis of ``hidden`` over which dropout masks are shared
+            (locked dropout: 0 for AWD-LSTM's time-major ``(T, B, d)``, 1 for batch-first);
+            None (default) draws an independent mask for every token.
         d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.base.OutputHead`.
     """
 
@@ -55,6 +58,7 @@ class Mixtape(OutputHead):
         gate_noise: float = 0.0,
         gate_dropout: float = 0.0,
         component_dropout: float = 0.0,
+        dropout_time_dim: int | None = None,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
         if not isinstance(gate_dim, int) or gate_dim < 1:
@@ -68,6 +72,7 @@ class Mixtape(OutputHead):
         self.gate_noise = float(gate_noise)
         self.gate_dropout = check_probability("gate_dropout", gate_dropout)
         self.component_dropout = check_probability("component_dropout", component_dropout)
+        self.dropout_time_dim = dropout_time_dim
 
         self.components = nn.Linear(d_in, N_COMPONENTS * self.d_embed)  # H_k, a_k
         self.gate_features = nn.Linear(d_in, N_GATES * gate_dim)  # U_j, c_j
@@ -78,8 +83,8 @@ class Mixtape(OutputHead):
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (
-            self._locked_mask(hidden, N_COMPONENTS * self.d_embed, self.component_dropout),
-            self._locked_mask(hidden, N_GATES * self.gate_dim, self.gate_dropout),
+            self._dropout_mask(hidden, N_COMPONENTS * self.d_embed, self.component_dropout),
+            self._dropout_mask(hidden, N_GATES * self.gate_dim, self.gate_dropout),
         )
 
     def _noisy(self, pre_activation: torch.Tensor) -> torch.Tensor:

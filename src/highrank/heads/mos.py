@@ -5,8 +5,9 @@ A High-Rank RNN Language Model", ICLR 2018, Eq. 3).
     h_k   = tanh(W_k g + a_k)                       K latent contexts of size d_embed
     log p(x | c) = logsumexp_k( log pi_k + log_softmax(E h_k + b)_x )
 
-The latent ``dropoutl`` is locked dropout over all K x d_embed units. The mixture is computed
-in log space (the authors' code used log(p + 1e-8), which caps log-probabilities at -18.4).
+The latent dropout (``dropoutl``) acts on all K x d_embed units, locked over time when
+``dropout_time_dim`` names the time axis, as in the paper. The mixture is computed in log
+space (the authors' code used log(p + 1e-8), which caps log-probabilities at -18.4).
 The log-probability matrix is not bounded by rank d_embed + 2.
 """
 
@@ -32,18 +33,20 @@ class ContextMixture(OutputHead):
         tied_weight: nn.Parameter | None = None,
         n_components: int = 15,
         latent_dropout: float = 0.29,
+        dropout_time_dim: int | None = None,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
         if not isinstance(n_components, int) or n_components < 1:
             raise ValueError(f"n_components must be a positive integer; got {n_components!r}")
         self.n_components = n_components
         self.latent_dropout = check_probability("latent_dropout", latent_dropout)
+        self.dropout_time_dim = dropout_time_dim
         self.prior = nn.Linear(d_in, n_components, bias=False)
         self.latent = nn.Linear(d_in, n_components * self.d_embed)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
         width = self.n_components * self.d_embed
-        return (self._locked_mask(hidden, width, self.latent_dropout),)
+        return (self._dropout_mask(hidden, width, self.latent_dropout),)
 
     def _prior_and_latents(
         self, h: torch.Tensor, latent_mask: torch.Tensor | None
@@ -65,7 +68,10 @@ class MixtureOfSoftmaxes(ContextMixture):
 
     Args:
         n_components: K, the number of softmaxes (paper: 15 on PTB and WT2).
-        latent_dropout: locked dropout on the K x d_embed latent units (paper: 0.29 PTB).
+        latent_dropout: dropout on the K x d_embed latent units (paper: 0.29 PTB, locked).
+        dropout_time_dim: the time axis of ``hidden`` over which dropout masks are shared
+            (locked dropout: 0 for AWD-LSTM's time-major ``(T, B, d)``, 1 for batch-first);
+            None (default) draws an independent mask for every token.
         d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.base.OutputHead`.
     """
 
