@@ -6,8 +6,8 @@ A head maps hidden states ``[..., d_in]`` to a *normalised* next-token distribut
 * ``log_prob(hidden) -> [..., V]``: float32 log-probabilities, normalised, computed in log space.
 * ``loss(hidden, target, *, reduction="mean", chunk_size=None)``: negative log-likelihood of
   ``target [...]``. With ``chunk_size`` the flattened tokens are processed ``chunk_size`` at a
-  time and each chunk is recomputed in backward (activation checkpointing), so peak memory is
-  about ``chunk_size x K x V`` instead of ``N x K x V``.
+  time (see ``highrank.heads.chunking``), so peak memory is about ``chunk_size x K x V``
+  instead of ``N x K x V``.
 * ``forward(hidden, target=None)``: ``loss`` with a target (mean), ``log_prob`` without.
 
 Subclasses implement two methods on flattened inputs, ``h: (N, d_in)``:
@@ -16,8 +16,8 @@ Subclasses implement two methods on flattened inputs, ``h: (N, d_in)``:
 * ``_nll_rows(h, target, *masks) -> (N,)`` (defaults to gathering from ``_log_prob_rows``)
 
 ``masks`` are per-row dropout masks drawn by ``_draw_masks`` *before* flattening, so that
-locked (variational) dropout can share one mask over the time axis of a ``(T, B, d)``
-input, and so that a chunk recomputed in backward sees exactly the masks of its forward.
+locked (variational) dropout can share one mask over the time axis of the input, and so that
+chunked and unchunked losses see the same masks.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from highrank.heads.chunking import checkpointed_nll, gradient_in_forward_nll
 from highrank.heads.functional import locked_dropout_mask, widen
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -97,7 +97,19 @@ class OutputHead(nn.Module):
         rows = self._flatten_hidden(hidden)
         target_rows = self._flatten_target(hidden, target)
         masks = self._draw_masks(hidden)
-        nll = self._chunked_nll(rows, target_rows, masks, chunk_size)
+        n = rows.shape[0]
+        if chunk_size is not None:
+            _check_positive_int("chunk_size", chunk_size)
+        if chunk_size is None or chunk_size >= n:
+            nll = self._nll_rows(rows, target_rows, *masks)
+        elif reduction == "none":
+            nll = checkpointed_nll(self._nll_rows, rows, target_rows, masks, chunk_size)
+        else:
+            params = [p for p in self.parameters() if p.requires_grad]
+            total = gradient_in_forward_nll(
+                self._nll_rows, rows, target_rows, masks, params, chunk_size
+            )
+            return total / n if reduction == "mean" else total
         if reduction == "mean":
             return nll.mean()
         if reduction == "sum":
@@ -171,30 +183,6 @@ class OutputHead(nn.Module):
                 f"got min {int(flat.min())}, max {int(flat.max())}"
             )
         return flat
-
-    def _chunked_nll(
-        self,
-        rows: torch.Tensor,
-        target: torch.Tensor,
-        masks: tuple[torch.Tensor | None, ...],
-        chunk_size: int | None,
-    ) -> torch.Tensor:
-        n = rows.shape[0]
-        if chunk_size is None or chunk_size >= n:
-            return self._nll_rows(rows, target, *masks)
-        _check_positive_int("chunk_size", chunk_size)
-        pieces = []
-        for start in range(0, n, chunk_size):
-            part = slice(start, start + chunk_size)
-            chunk_masks = tuple(m[part] if m is not None else None for m in masks)
-            # Recomputed in backward: only this chunk's (chunk, K, V) intermediates ever live.
-            # preserve_rng_state replays any noise drawn inside (e.g. Mixtape's gate noise).
-            pieces.append(
-                checkpoint(
-                    self._nll_rows, rows[part], target[part], *chunk_masks, use_reentrant=False
-                )
-            )
-        return torch.cat(pieces)
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -1,0 +1,90 @@
+"""Memory-bounded loss paths against the plain one and against a float64 reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from highrank.heads import HEADS
+
+HEAD_NAMES = list(HEADS)
+
+
+def _grads(head, hidden, target, **loss_kwargs):
+    head.zero_grad()
+    hidden = hidden.clone().requires_grad_(True)
+    weights = loss_kwargs.pop("token_weights", None)
+    loss = head.loss(hidden, target, **loss_kwargs)
+    (loss * weights).sum().backward() if weights is not None else loss.backward()
+    return loss.detach(), hidden.grad, {n: p.grad.clone() for n, p in head.named_parameters()}
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_per_token_chunked_loss_backpropagates_per_token_weights(make_head, name):
+    # reduction="none" takes the checkpointed path: any per-token weighting must flow back.
+    head = make_head(name).eval()
+    hidden, target = torch.randn(4, 5, 12), torch.randint(0, 50, (4, 5))
+    weights = torch.rand(4, 5)
+    plain = _grads(head, hidden, target, reduction="none", token_weights=weights)
+    chunked = _grads(head, hidden, target, reduction="none", chunk_size=3, token_weights=weights)
+    torch.testing.assert_close(chunked[0], plain[0])
+    torch.testing.assert_close(chunked[1], plain[1], atol=1e-6, rtol=1e-5)
+    for param_name in plain[2]:
+        torch.testing.assert_close(
+            chunked[2][param_name], plain[2][param_name], atol=1e-6, rtol=1e-5
+        )
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_float32_paths_match_a_float64_reference(make_head, name, reduction):
+    head = make_head(name).eval()
+    reference = copy.deepcopy(head).double()
+    hidden, target = 2 * torch.randn(30, 12), torch.randint(0, 50, (30,))
+    loss, hidden_grad, grads = _grads(head, hidden, target, reduction=reduction, chunk_size=7)
+    ref_loss, ref_hidden_grad, ref_grads = _grads(
+        reference, hidden.double(), target, reduction=reduction
+    )
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref_loss, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(hidden_grad.double(), ref_hidden_grad, atol=1e-4, rtol=1e-4)
+    for param_name, ref_grad in ref_grads.items():
+        torch.testing.assert_close(grads[param_name].double(), ref_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_loss_accumulates_into_a_tied_embedding_used_elsewhere(make_head):
+    embedding = torch.nn.Embedding(50, 12)
+    head = make_head("mos", tied_weight=embedding.weight).eval()
+    tokens, target = torch.randint(0, 50, (20,)), torch.randint(0, 50, (20,))
+    grads = []
+    for chunk_size in (None, 6):
+        embedding.zero_grad()
+        hidden = torch.tanh(embedding(tokens))  # the weight is used as input *and* decoder
+        head.loss(hidden, target, chunk_size=chunk_size).backward()
+        grads.append(embedding.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["softmax", "mos"])
+def test_chunked_loss_without_gradients(make_head, name):
+    head = make_head(name).eval()
+    hidden, target = torch.randn(20, 12), torch.randint(0, 50, (20,))
+    with torch.no_grad():
+        chunked = head.loss(hidden, target, chunk_size=6)
+        plain = head.loss(hidden, target)
+    torch.testing.assert_close(chunked, plain)
+    frozen_input = head.loss(hidden, target, chunk_size=6)  # hidden needs no gradient
+    frozen_input.backward()
+    assert head.weight.grad is not None
+
+
+def test_chunked_loss_can_be_scaled_and_combined_before_backward(make_head):
+    head = make_head("mixtape").eval()
+    hidden, target = torch.randn(20, 12, requires_grad=True), torch.randint(0, 50, (20,))
+    (3.0 * head.loss(hidden, target, chunk_size=6) + hidden.square().sum()).backward()
+    chunked = hidden.grad.clone()
+    hidden.grad = None
+    (3.0 * head.loss(hidden, target) + hidden.square().sum()).backward()
+    torch.testing.assert_close(chunked, hidden.grad, atol=1e-6, rtol=1e-5)
