@@ -209,7 +209,7 @@ def test_bad_input_gets_a_clear_error(make_head, name):
 
 
 def test_build_head_rejects_unknown_names_and_knobs():
-    with pytest.raises(KeyError, match="choose one of: softmax, moc, mos, mixtape"):
+    with pytest.raises(ValueError, match="choose one of: softmax, moc, mos, mixtape"):
         build_head("mos2", d_in=4, vocab_size=10)
     with pytest.raises(TypeError, match=r"no knob\(s\) n_experts; valid knobs: .*n_components=15"):
         build_head("mos", d_in=4, vocab_size=10, n_experts=3)
@@ -250,5 +250,40 @@ def test_locked_dropout_shares_one_mask_over_the_time_axis(make_head, name, time
 
 def test_dropout_time_dim_outside_the_input_is_a_clear_error(make_head):
     head = make_head("mos", stochastic=True, dropout_time_dim=2)
-    with pytest.raises(ValueError, match=r"dropout_time_dim=2 is not an axis"):
+    with pytest.raises(ValueError, match=r"dropout_time_dim=2 is not a time axis"):
         head.log_prob(torch.randn(3, 4, 12))
+    # Flat (N, d) input has no time axis: locking over N would give every token one mask.
+    flat = make_head("mos", stochastic=True, dropout_time_dim=0)
+    with pytest.raises(ValueError, match=r"dropout_time_dim=0 is not a time axis"):
+        flat.log_prob(torch.randn(6, 12))
+    flat.eval().log_prob(torch.randn(6, 12))  # no masks in eval: fine
+    with pytest.raises(ValueError, match="dropout_time_dim must be an integer"):
+        make_head("mos", dropout_time_dim="0")
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        ({"n_components": True}, "n_components must be a positive integer"),
+        ({"n_components": 0}, "n_components must be a positive integer"),
+        ({"latent_dropout": 1.0}, r"latent_dropout must be a number in \[0, 1\)"),
+    ],
+)
+def test_bad_knobs_are_rejected_when_the_head_is_built(make_head, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        make_head("mos", **knobs)
+
+
+def test_mixtape_frequent_count_survives_floating_point_rounding(make_head):
+    assert make_head("mixtape", vocab_size=100, frequent_fraction=0.29).n_frequent == 29
+    with pytest.raises(ValueError, match="frequent_fraction"):
+        make_head("mixtape", frequent_fraction=True)
+
+
+def test_chunked_loss_under_inference_mode(make_head):
+    head = make_head("mos").eval()
+    hidden, target = torch.randn(10, 12), torch.randint(0, 50, (10,))
+    with torch.inference_mode():
+        chunked = head.loss(hidden, target, chunk_size=3)
+        plain = head.loss(hidden, target)
+    torch.testing.assert_close(chunked, plain)

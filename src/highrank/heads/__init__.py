@@ -39,7 +39,11 @@ def head_knobs(name: str) -> dict[str, object]:
 
 
 def build_head(name: str, *, d_in: int, vocab_size: int, **knobs) -> OutputHead:
-    """Build the head registered as ``name``; unknown knobs are an error naming the valid ones."""
+    """Build the head registered as ``name``; unknown knobs are an error naming the valid ones.
+
+    Note for optimisers: with ``tied_weight`` the head's parameters include the embedding's
+    weight, so deduplicate by identity when combining them with the encoder's parameters.
+    """
     valid = head_knobs(name)
     unknown = sorted(set(knobs) - set(valid))
     if unknown:
@@ -52,7 +56,7 @@ def build_head(name: str, *, d_in: int, vocab_size: int, **knobs) -> OutputHead:
 
 def _head_class(name: str) -> type[OutputHead]:
     if name not in HEADS:
-        raise KeyError(f"unknown head {name!r}; choose one of: {', '.join(HEADS)}")
+        raise ValueError(f"unknown head {name!r}; choose one of: {', '.join(HEADS)}")
     return HEADS[name]
 
 

@@ -28,7 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.chunking import checkpointed_nll, gradient_in_forward_nll
+from highrank.heads.chunking import (
+    checkpointed_nll,
+    chunk_masks,
+    chunk_slices,
+    gradient_in_forward_nll,
+)
 from highrank.heads.functional import locked_dropout_mask, widen
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -102,6 +107,14 @@ class OutputHead(nn.Module):
             _check_positive_int("chunk_size", chunk_size)
         if chunk_size is None or chunk_size >= n:
             nll = self._nll_rows(rows, target_rows, *masks)
+        elif not torch.is_grad_enabled():
+            # Nothing will call backward: a plain loop over chunks, no graph, no gradients.
+            nll = torch.cat(
+                [
+                    self._nll_rows(rows[part], target_rows[part], *chunk_masks(masks, part))
+                    for part in chunk_slices(n, chunk_size)
+                ]
+            )
         elif reduction == "none":
             nll = checkpointed_nll(self._nll_rows, rows, target_rows, masks, chunk_size)
         else:
@@ -209,12 +222,27 @@ def _resolve_embed_size(
 
 def check_probability(name: str, value: float) -> float:
     """Validate a dropout-like knob: a float in [0, 1)."""
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+    if not is_number(value) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be a number in [0, 1); got {value!r}")
     return float(value)
 
 
 def check_finite(name: str, value: float) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number; got {value!r}")
     return float(value)
+
+
+def check_positive_int(name: str, value: object) -> int:
+    _check_positive_int(name, value)
+    return value
+
+
+def check_dropout_time_dim(value: object) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"dropout_time_dim must be an integer axis or None; got {value!r}")
+    return value
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

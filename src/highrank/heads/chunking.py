@@ -27,7 +27,7 @@ def chunk_slices(n: int, chunk_size: int) -> list[slice]:
     return [slice(start, start + chunk_size) for start in range(0, n, chunk_size)]
 
 
-def _chunk_masks(masks: Masks, part: slice) -> Masks:
+def chunk_masks(masks: Masks, part: slice) -> Masks:
     return tuple(m[part] if m is not None else None for m in masks)
 
 
@@ -37,7 +37,7 @@ def checkpointed_nll(
     """Per-token NLL ``(N,)``; each chunk recomputed in backward (RNG state replayed)."""
     pieces = [
         checkpoint(
-            nll_rows, rows[part], target[part], *_chunk_masks(masks, part), use_reentrant=False
+            nll_rows, rows[part], target[part], *chunk_masks(masks, part), use_reentrant=False
         )
         for part in chunk_slices(rows.shape[0], chunk_size)
     ]
@@ -71,7 +71,7 @@ class _GradientInForward(torch.autograd.Function):
         for part in chunk_slices(rows.shape[0], chunk_size):
             chunk_rows = rows[part].detach().requires_grad_(wants_rows)
             with torch.enable_grad():
-                nll = nll_rows(chunk_rows, target[part], *_chunk_masks(masks, part)).sum()
+                nll = nll_rows(chunk_rows, target[part], *chunk_masks(masks, part)).sum()
                 inputs = ([chunk_rows] if wants_rows else []) + wanted
                 grads = torch.autograd.grad(nll, inputs, allow_unused=True) if inputs else ()
             total += nll.detach().double()

@@ -22,9 +22,11 @@ def locked_dropout_mask(
     lead = tuple(lead_shape)
     mask_lead = list(lead)
     if time_dim is not None:
-        if not -len(lead) <= time_dim < len(lead):
+        # A time axis needs another axis beside it; on flat (N, d) input, "locking" over the
+        # only axis would silently give every token the same mask.
+        if len(lead) < 2 or not -len(lead) <= time_dim < len(lead):
             raise ValueError(
-                f"dropout_time_dim={time_dim} is not an axis of hidden states with leading "
+                f"dropout_time_dim={time_dim} is not a time axis of hidden states with leading "
                 f"shape {lead}; use None for inputs without a time axis"
             )
         mask_lead[time_dim] = 1

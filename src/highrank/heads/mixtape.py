@@ -23,7 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.base import OutputHead, check_probability
+from highrank.heads.base import (
+    OutputHead,
+    check_dropout_time_dim,
+    check_positive_int,
+    check_probability,
+    is_number,
+)
 from highrank.heads.functional import apply_mask, sigmoid_tree, widen
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
@@ -61,18 +67,17 @@ class Mixtape(OutputHead):
         dropout_time_dim: int | None = None,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
-        if not isinstance(gate_dim, int) or gate_dim < 1:
-            raise ValueError(f"gate_dim must be a positive integer; got {gate_dim!r}")
-        if not isinstance(frequent_fraction, int | float) or not 0 <= frequent_fraction <= 1:
+        self.gate_dim = check_positive_int("gate_dim", gate_dim)
+        if not is_number(frequent_fraction) or not 0 <= frequent_fraction <= 1:
             raise ValueError(f"frequent_fraction must lie in [0, 1]; got {frequent_fraction!r}")
-        if not isinstance(gate_noise, int | float) or not 0 <= gate_noise < math.inf:
+        if not is_number(gate_noise) or not 0 <= gate_noise < math.inf:
             raise ValueError(f"gate_noise must be a finite number >= 0; got {gate_noise!r}")
-        self.gate_dim = gate_dim
-        self.n_frequent = math.floor(frequent_fraction * vocab_size)
+        # Rounded first so that e.g. 0.29 x 100 = 28.999999999999996 still gives S = 29.
+        self.n_frequent = math.floor(round(frequent_fraction * vocab_size, 9))
         self.gate_noise = float(gate_noise)
         self.gate_dropout = check_probability("gate_dropout", gate_dropout)
         self.component_dropout = check_probability("component_dropout", component_dropout)
-        self.dropout_time_dim = dropout_time_dim
+        self.dropout_time_dim = check_dropout_time_dim(dropout_time_dim)
 
         self.components = nn.Linear(d_in, N_COMPONENTS * self.d_embed)  # H_k, a_k
         self.gate_features = nn.Linear(d_in, N_GATES * gate_dim)  # U_j, c_j

@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.base import OutputHead, check_probability
+from highrank.heads.base import (
+    OutputHead,
+    check_dropout_time_dim,
+    check_positive_int,
+    check_probability,
+)
 from highrank.heads.functional import apply_mask, log_mixture, mixture_nll, widen
 
 
@@ -36,11 +41,9 @@ class ContextMixture(OutputHead):
         dropout_time_dim: int | None = None,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
-        if not isinstance(n_components, int) or n_components < 1:
-            raise ValueError(f"n_components must be a positive integer; got {n_components!r}")
-        self.n_components = n_components
+        self.n_components = check_positive_int("n_components", n_components)
         self.latent_dropout = check_probability("latent_dropout", latent_dropout)
-        self.dropout_time_dim = dropout_time_dim
+        self.dropout_time_dim = check_dropout_time_dim(dropout_time_dim)
         self.prior = nn.Linear(d_in, n_components, bias=False)
         self.latent = nn.Linear(d_in, n_components * self.d_embed)
 

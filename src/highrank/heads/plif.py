@@ -4,12 +4,12 @@
 log p = log_softmax(f(z)), z = E g' + b. f is continuous and piecewise linear with
 ``n_pieces`` equal pieces on [low, high] (paper: 100,000 on [-20, 20]); piece j has slope
 softplus(theta_j) > 0, so f is strictly increasing; beyond the range f continues linearly
-with the edge slopes. theta_j = log(e - 1) + N(0, 1) at init, so slopes are 1 on average
-(log(e - 1) is softplus's inverse at 1). The piece index of a logit is found without
-gradient; gradients reach z through the slope and theta through the slopes and knot values.
-The paper trains theta with its own learning rate (0.02), see ``parameter_groups``. With
-``learn_slopes=False`` the random slopes stay fixed ("frozen"), which the rank study found
-about as good.
+with the edge slopes. theta_j = log(e - 1) + N(0, 1) at init, so the median slope is 1
+(log(e - 1) is softplus's inverse at 1; the mean slope is about 1.1). The piece index of a
+logit is found without gradient; gradients reach z through the slope of its piece and theta
+through the slopes and knot values. The paper trains theta with its own learning rate
+(0.02), see ``parameter_groups``. With ``learn_slopes=False`` the random slopes stay fixed
+("frozen"), which the rank study found about as good.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.base import check_finite
+from highrank.heads.base import check_finite, check_positive_int
 from highrank.heads.softmax import PointwiseSoftmax
 
 _SOFTPLUS_INVERSE_OF_ONE = math.log(math.e - 1.0)
@@ -51,8 +51,7 @@ class PiecewiseLinearSoftmax(PointwiseSoftmax):
         slope_lr: float = 0.02,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
-        if not isinstance(n_pieces, int) or n_pieces < 1:
-            raise ValueError(f"n_pieces must be a positive integer; got {n_pieces!r}")
+        check_positive_int("n_pieces", n_pieces)
         if not check_finite("low", low) < check_finite("high", high):
             raise ValueError(f"low must be below high; got low={low!r}, high={high!r}")
         self.n_pieces, self.low, self.high = n_pieces, float(low), float(high)
