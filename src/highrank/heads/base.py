@@ -118,10 +118,7 @@ class OutputHead(nn.Module):
         elif reduction == "none":
             nll = checkpointed_nll(self._nll_rows, rows, target_rows, masks, chunk_size)
         else:
-            params = [p for p in self.parameters() if p.requires_grad]
-            total = gradient_in_forward_nll(
-                self._nll_rows, rows, target_rows, masks, params, chunk_size
-            )
+            total = self._chunked_nll_sum(rows, target_rows, masks, chunk_size)
             return total / n if reduction == "mean" else total
         if reduction == "mean":
             return nll.mean()
@@ -151,6 +148,14 @@ class OutputHead(nn.Module):
     ) -> torch.Tensor:
         log_p = self._log_prob_rows(h, *masks)
         return -log_p.gather(1, target.unsqueeze(1)).squeeze(1)
+
+    def _chunked_nll_sum(
+        self, rows: torch.Tensor, target: torch.Tensor, masks: tuple, chunk_size: int
+    ) -> torch.Tensor:
+        """Summed NLL, chunked, with gradients computed in the forward pass; heads with a
+        closed-form gradient (softmax, MoS, MoC) override it with a fused version."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return gradient_in_forward_nll(self._nll_rows, rows, target, masks, params, chunk_size)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """Per-row dropout masks ``(N, width)`` (or None when off); none by default."""

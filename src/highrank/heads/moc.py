@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 from highrank.heads.mos import ContextMixture
 
 
@@ -31,3 +32,7 @@ class MixtureOfContexts(ContextMixture):
     ) -> torch.Tensor:
         logits = self._decoder_logits(self.mixed_context(h, latent_mask))
         return F.cross_entropy(logits, target, reduction="none")
+
+    def _chunked_nll_sum(self, rows, target, masks, chunk_size):
+        mixed = self.mixed_context(rows, *masks).unsqueeze(1)  # (N, 1, d_embed)
+        return mixture_cross_entropy_sum(mixed, None, self.weight, self.bias, target, chunk_size)

@@ -24,6 +24,7 @@ from highrank.heads.base import (
     check_probability,
 )
 from highrank.heads.functional import apply_mask, log_mixture, mixture_nll, widen
+from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 
 
 class ContextMixture(OutputHead):
@@ -88,3 +89,9 @@ class MixtureOfSoftmaxes(ContextMixture):
     ) -> torch.Tensor:
         log_prior, latents = self._prior_and_latents(h, latent_mask)
         return mixture_nll(log_prior, self._decoder_logits(latents), target)
+
+    def _chunked_nll_sum(self, rows, target, masks, chunk_size):
+        log_prior, latents = self._prior_and_latents(rows, *masks)
+        return mixture_cross_entropy_sum(
+            latents, log_prior, self.weight, self.bias, target, chunk_size
+        )

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.base import OutputHead
+from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 
 
 class PointwiseSoftmax(OutputHead):
@@ -63,3 +64,7 @@ class Softmax(PointwiseSoftmax):
             it differs from d_in (defaults to d_in).
         tied_weight: the input embedding Parameter ``(V, d_embed)`` to share as E.
     """
+
+    def _chunked_nll_sum(self, rows, target, masks, chunk_size):
+        latents = self._project(rows).unsqueeze(1)  # (N, 1, d_embed)
+        return mixture_cross_entropy_sum(latents, None, self.weight, self.bias, target, chunk_size)

@@ -1,0 +1,1 @@
+"""Benchmarks of the package's own layers (time and memory)."""

@@ -1,0 +1,396 @@
+"""Speed and memory of every head's output layer, as ratios to a naive softmax.
+
+What is measured, per head and vocabulary size:
+
+* **time**: one forward + backward of the head's loss on ``tokens`` hidden states, the
+  median of ``repeats`` runs after ``warmup`` runs, each run *interleaved* with a run of the
+  naive softmax baseline (``F.cross_entropy(F.linear(h, E, b))``, the layer written the
+  usual way) in the same process, so that machine noise hits both alike. Reported as the
+  ratio of medians, and the median of the per-run ratios.
+* **peak memory**: the same step in a fresh process per head, as the growth of peak memory
+  over the memory held before the step (parameters and inputs): peak RSS on CPU (the
+  kernel's high-water mark, reset just before the step), ``max_memory_allocated`` on CUDA.
+  Parameter gradients count, since every training step allocates them.
+* **same memory budget** (optional): the most tokens a head can process within a memory
+  budget (from the peak memory measured at two token counts, which grows linearly), and its
+  time per token at that batch, as the Mixtape paper compares heads.
+
+Shapes follow the papers' PTB models: softmax-family heads read hidden size 400 (AWD-LSTM);
+mixtures read 620 and use output embeddings of 280 (AWD-LSTM-MoS), MoS with 15 components.
+Hidden states are tanh outputs, decoder weights U(-0.1, 0.1): realistic logit scales (huge
+synthetic logits would send exp into slow denormal paths on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from highrank.heads import build_head
+
+BPTT = 70  # hidden states are laid out (BPTT, tokens / BPTT, d), time-major like AWD-LSTM
+BASELINE_D = 400
+MAX_BUDGET_FACTOR = 32  # the budget mode never times batches above 32 x the probe batch
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """One output layer configuration to measure."""
+
+    label: str
+    head: str  # a name in HEADS, or "naive-softmax" for the baseline
+    d_in: int
+    knobs: dict = dataclasses.field(default_factory=dict)
+    chunk_size: int | None = None
+
+
+MIXTURE = {"d_embed": 280, "dropout_time_dim": 0}
+CASES: dict[str, BenchCase] = {
+    case.label: case
+    for case in (
+        BenchCase("softmax", "softmax", 400),
+        BenchCase("softmax-chunked", "softmax", 400, chunk_size=128),
+        BenchCase("sigsoftmax", "sigsoftmax", 400),
+        BenchCase("gss", "gss", 400),
+        BenchCase("plif", "plif", 400),
+        BenchCase("moc", "moc", 620, {**MIXTURE, "n_components": 15}),
+        BenchCase("mos", "mos", 620, {**MIXTURE, "n_components": 15}, chunk_size=16),
+        BenchCase("mos-unchunked", "mos", 620, {**MIXTURE, "n_components": 15}),
+        BenchCase("mixtape", "mixtape", 620, dict(MIXTURE)),
+        BenchCase("mixtape-no-sharing", "mixtape", 620, {**MIXTURE, "frequent_fraction": 1.0}),
+    )
+}
+BASELINE = BenchCase("naive-softmax", "naive-softmax", BASELINE_D)
+DEFAULT_CASES = tuple(label for label in CASES if label != "mos-unchunked")
+
+
+# ---- building one training step -------------------------------------------------------------
+
+
+def build_step(case: BenchCase, vocab_size: int, tokens: int, device: str, seed: int = 0):
+    """A closure running one forward + backward of ``case``; inputs and parameters built now."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (BPTT, _padded_tokens(tokens) // BPTT)
+    hidden = torch.tanh(torch.randn(*shape, case.d_in, generator=generator)).to(device)
+    hidden.requires_grad_(True)
+    target = torch.randint(0, vocab_size, shape, generator=generator).to(device)
+    if case.head == "naive-softmax":
+        return _naive_softmax_step(hidden, target, vocab_size)
+    torch.manual_seed(seed)
+    head = build_head(case.head, d_in=case.d_in, vocab_size=vocab_size, **case.knobs).to(device)
+
+    def step() -> None:
+        head.loss(hidden, target, chunk_size=case.chunk_size).backward()
+
+    return step
+
+
+def _naive_softmax_step(hidden, target, vocab_size) -> Callable[[], None]:
+    weight = torch.empty(vocab_size, hidden.shape[-1], device=hidden.device).uniform_(-0.1, 0.1)
+    weight.requires_grad_(True)
+    bias = torch.zeros(vocab_size, device=hidden.device, requires_grad=True)
+
+    def step() -> None:
+        logits = F.linear(hidden, weight, bias)
+        F.cross_entropy(logits.view(-1, vocab_size), target.view(-1)).backward()
+
+    return step
+
+
+def _synchronise(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- time -----------------------------------------------------------------------------------
+
+
+def time_interleaved(
+    step: Callable[[], None],
+    baseline: Callable[[], None],
+    *,
+    repeats: int,
+    warmup: int,
+    device: str,
+) -> dict[str, float]:
+    """Median seconds of ``step`` and ``baseline``, alternated run by run."""
+    for _ in range(warmup):
+        step()
+        baseline()
+    head_times, base_times = [], []
+    for _ in range(repeats):
+        base_times.append(_timed(baseline, device))
+        head_times.append(_timed(step, device))
+    ratios = [h / b for h, b in zip(head_times, base_times, strict=True)]
+    return {
+        "head_ms": 1e3 * statistics.median(head_times),
+        "baseline_ms": 1e3 * statistics.median(base_times),
+        "time_ratio": statistics.median(head_times) / statistics.median(base_times),
+        "median_of_run_ratios": statistics.median(ratios),
+    }
+
+
+def _timed(step: Callable[[], None], device: str) -> float:
+    _synchronise(device)
+    start = time.perf_counter()
+    step()
+    _synchronise(device)
+    return time.perf_counter() - start
+
+
+# ---- memory (in a fresh process) ------------------------------------------------------------
+
+
+def peak_memory_mb(case: BenchCase, vocab_size: int, tokens: int, device: str) -> float:
+    """Peak memory growth (MiB) of one step of ``case``, measured in a fresh process."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(
+            _peak_memory_in_this_process,
+            (dataclasses.asdict(case), vocab_size, tokens, device, torch.get_num_threads()),
+        )
+
+
+def _peak_memory_in_this_process(
+    case: dict, vocab_size: int, tokens: int, device: str, threads: int
+) -> float:
+    torch.set_num_threads(threads)
+    step = build_step(BenchCase(**case), vocab_size, tokens, device)
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    before = _proc_status_kib("VmRSS")
+    _reset_peak_rss()
+    step()
+    return (_proc_status_kib("VmHWM") - before) / 1024
+
+
+def _proc_status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} line; peak RSS needs Linux")
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets the high-water mark VmHWM to the current RSS (Linux).
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+# ---- same memory budget ---------------------------------------------------------------------
+
+
+def budget_tokens(
+    case: BenchCase, vocab_size: int, budget_mb: float, probe_tokens: int, device: str
+) -> int:
+    """Most tokens (a multiple of BPTT, at most ``MAX_BUDGET_FACTOR x probe_tokens``) whose
+    step fits ``budget_mb``, from a linear fit of the peak memory at two token counts."""
+    small = _padded_tokens(max(BPTT, probe_tokens // 2))
+    large = max(_padded_tokens(probe_tokens), small + BPTT)
+    peak_small = peak_memory_mb(case, vocab_size, small, device)
+    peak_large = peak_memory_mb(case, vocab_size, large, device)
+    per_token = max((peak_large - peak_small) / (large - small), 1e-9)
+    fixed = peak_large - per_token * large
+    fitting = int((budget_mb - fixed) / per_token) // BPTT * BPTT
+    return min(max(0, fitting), MAX_BUDGET_FACTOR * _padded_tokens(probe_tokens))
+
+
+def _padded_tokens(tokens: int) -> int:
+    return BPTT * max(1, tokens // BPTT)
+
+
+# ---- the whole benchmark --------------------------------------------------------------------
+
+
+def run_benchmark(
+    *,
+    vocab_sizes: Sequence[int],
+    labels: Sequence[str] = DEFAULT_CASES,
+    tokens: int = 1400,
+    repeats: int = 5,
+    warmup: int = 2,
+    device: str = "cpu",
+    budget_mb: float | None = None,
+    progress: Callable[[str], None] = print,
+) -> dict:
+    """Measure every case at every vocabulary size; returns a JSON-ready dict."""
+    _check_labels(labels)
+    rows = []
+    for vocab_size in vocab_sizes:
+        baseline = build_step(BASELINE, vocab_size, tokens, device)
+        base_peak = peak_memory_mb(BASELINE, vocab_size, tokens, device)
+        for label in labels:
+            progress(f"V={vocab_size:,} {label}")
+            row = _measure_case(
+                CASES[label], vocab_size, tokens, device, baseline, base_peak, repeats, warmup
+            )
+            rows.append(row)
+            gc.collect()
+        if budget_mb is not None:
+            _add_budget_mode(rows, vocab_size, labels, tokens, device, budget_mb, repeats, warmup)
+    return {"machine": machine_info(device), "settings": _settings(locals()), "rows": rows}
+
+
+def _measure_case(case, vocab_size, tokens, device, baseline, base_peak, repeats, warmup):
+    step = build_step(case, vocab_size, tokens, device)
+    timing = time_interleaved(step, baseline, repeats=repeats, warmup=warmup, device=device)
+    del step
+    peak = peak_memory_mb(case, vocab_size, tokens, device)
+    return {
+        "vocab_size": vocab_size,
+        "case": case.label,
+        "head": case.head,
+        "d_in": case.d_in,
+        "knobs": case.knobs,
+        "chunk_size": case.chunk_size,
+        **timing,
+        "peak_mb": peak,
+        "baseline_peak_mb": base_peak,
+        # Tiny shapes can grow RSS by less than a page: no ratio rather than a division by 0.
+        "memory_ratio": peak / base_peak if base_peak > 0 else None,
+    }
+
+
+def _add_budget_mode(rows, vocab_size, labels, tokens, device, budget_mb, repeats, warmup):
+    """Time per token of each head at the largest batch its budget allows, interleaved with
+    the baseline at *its* largest batch."""
+    base_tokens = budget_tokens(BASELINE, vocab_size, budget_mb, tokens, device)
+    baseline = build_step(BASELINE, vocab_size, base_tokens, device)
+    for row in rows:
+        if row["vocab_size"] != vocab_size or row["case"] not in labels:
+            continue
+        case = CASES[row["case"]]
+        fitting = budget_tokens(case, vocab_size, budget_mb, tokens, device)
+        row["budget"] = {"budget_mb": budget_mb, "tokens": fitting, "baseline_tokens": base_tokens}
+        if fitting == 0:
+            row["budget"]["time_per_token_ratio"] = None  # not even BPTT tokens fit
+            continue
+        step = build_step(case, vocab_size, fitting, device)
+        timing = time_interleaved(step, baseline, repeats=repeats, warmup=warmup, device=device)
+        head_us = 1e3 * timing["head_ms"] / _padded_tokens(fitting)
+        base_us = 1e3 * timing["baseline_ms"] / _padded_tokens(base_tokens)
+        row["budget"].update(
+            us_per_token=head_us,
+            baseline_us_per_token=base_us,
+            time_per_token_ratio=head_us / base_us,
+        )
+
+
+def _check_labels(labels: Sequence[str]) -> None:
+    unknown = [label for label in labels if label not in CASES]
+    if unknown:
+        raise ValueError(f"unknown bench case(s) {unknown}; choose from: {', '.join(CASES)}")
+
+
+def _settings(arguments: dict) -> dict:
+    keys = ("vocab_sizes", "labels", "tokens", "repeats", "warmup", "device", "budget_mb")
+    settings = {key: arguments[key] for key in keys}
+    settings["vocab_sizes"], settings["labels"] = (
+        list(settings["vocab_sizes"]),
+        list(settings["labels"]),
+    )
+    settings["bptt"], settings["baseline"] = BPTT, dataclasses.asdict(BASELINE)
+    return settings
+
+
+def machine_info(device: str) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# ---- reporting ------------------------------------------------------------------------------
+
+
+def markdown_table(result: dict) -> str:
+    """The benchmark as a Markdown table, with the machine and settings above it."""
+    machine, settings = result["machine"], result["settings"]
+    lines = [
+        f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']} "
+        f"({machine['torch_threads']} threads), device {machine['device']}"
+        + (f" ({machine['gpu']})" if "gpu" in machine else ""),
+        f"Tokens per step: {settings['tokens']} (BPTT {settings['bptt']}); median of "
+        f"{settings['repeats']} runs after {settings['warmup']} warm-up runs; ratios are to a "
+        f"naive softmax (d = {BASELINE_D}) measured in the same process (time) or the same way "
+        "(memory).",
+        "",
+        "| V | head | chunk | time ratio | head ms | baseline ms | peak MiB | memory ratio |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['vocab_size']:,} | {row['case']} | {row['chunk_size'] or '-'} | "
+            f"{row['time_ratio']:.2f} | {row['head_ms']:.0f} | {row['baseline_ms']:.0f} | "
+            f"{row['peak_mb']:.0f} | {_format_ratio(row['memory_ratio'])} |"
+        )
+    budget_rows = [row for row in result["rows"] if "budget" in row]
+    if budget_rows:
+        lines += _budget_table(budget_rows)
+    return "\n".join(lines) + "\n"
+
+
+def _budget_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        f"Same memory budget ({rows[0]['budget']['budget_mb']:.0f} MiB of peak growth):",
+        "",
+        "| V | head | tokens that fit | us / token | baseline tokens | time per token ratio |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        b = row["budget"]
+        us = f"{b['us_per_token']:.1f}" if "us_per_token" in b else "-"
+        ratio = _format_ratio(b["time_per_token_ratio"])
+        lines.append(
+            f"| {row['vocab_size']:,} | {row['case']} | {b['tokens']:,} | {us} | "
+            f"{b['baseline_tokens']:,} | {ratio} |"
+        )
+    return lines
+
+
+def _format_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def write_results(result: dict, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "heads.json", out_dir / "heads.md"
+    json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    md_path.write_text(markdown_table(result), encoding="utf-8")
+    return json_path, md_path
