@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from highrank.analysis.rank import press_rank
 from highrank.heads import build_head
-from highrank.heads.functional import sigmoid_tree
+from highrank.heads.functional import sigmoid_tree, sigmoid_tree_mix
 
 
 def _copy_decoder(source, destination):
@@ -126,6 +126,13 @@ def test_sigmoid_tree_gives_four_priors_that_sum_to_one():
     torch.testing.assert_close(priors, expected)
     torch.testing.assert_close(priors.sum(-1), torch.ones(100))
     assert (priors >= 0).all()
+
+
+def test_sigmoid_tree_mix_is_the_prior_weighted_sum_even_for_saturated_gates():
+    pre = torch.cat((5 * torch.randn(50, 3, 7), torch.full((1, 3, 7), 30.0)))  # (51, 3, 7)
+    values = torch.randn(51, 4, 7, dtype=torch.float64)
+    expected = (sigmoid_tree(pre.double().transpose(1, 2)) * values.transpose(1, 2)).sum(-1)
+    torch.testing.assert_close(sigmoid_tree_mix(pre.double(), values), expected)
 
 
 def _mixtape_reference(head, hidden):

@@ -79,6 +79,19 @@ def sigmoid_tree(pre_activation: torch.Tensor) -> torch.Tensor:
     return torch.stack((g1 * g2, g1 * n2, n1 * g3, n1 * n3), dim=-1)
 
 
+def sigmoid_tree_mix(pre_activation: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``sum_k pi_k values_k`` with pi = sigmoid_tree(pre_activation), without building pi.
+
+    pre_activation: (..., 3, X); values: (..., 4, X) -> (..., X). The tree factorises,
+        sum_k pi_k c_k = g1 (g2 c1 + (1 - g2) c2) + (1 - g1) (g3 c3 + (1 - g3) c4),
+    which is three ``lerp``s: one pass each, no (..., 4, X) prior tensor, and lerp keeps its
+    precision for gates near 1 as sigmoid(-l) would.
+    """
+    g1, g2, g3 = torch.sigmoid(pre_activation).to(values.dtype).unbind(-2)
+    c1, c2, c3, c4 = values.unbind(-2)
+    return torch.lerp(torch.lerp(c4, c3, g3), torch.lerp(c2, c1, g2), g1)
+
+
 def widen(x: torch.Tensor) -> torch.Tensor:
     """At least float32: half-precision results of autocast matmuls are widened before any
     normalisation; float64 (used by reference tests) is kept as it is."""

@@ -30,7 +30,7 @@ from highrank.heads.base import (
     check_probability,
     is_number,
 )
-from highrank.heads.functional import apply_mask, sigmoid_tree, widen
+from highrank.heads.functional import apply_mask, sigmoid_tree_mix, widen
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
 N_GATES = N_COMPONENTS - 1
@@ -103,27 +103,27 @@ class Mixtape(OutputHead):
         component_mask: torch.Tensor | None,
         gate_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Mixed logits ``(N, V)`` in float32, frequent ids first."""
+        """Mixed logits ``(N, V)``, at least float32, frequent ids first."""
         n = h.shape[0]
         contexts = apply_mask(torch.tanh(self.components(h)), component_mask)
         contexts = contexts.view(n, N_COMPONENTS, self.d_embed)  # (N, 4, d)
-        shared_pre = widen(self.context_gate(h))  # (N, 3): u_j . g
+        shared_pre = widen(self.context_gate(h)).unsqueeze(-1)  # (N, 3, 1): u_j . g
 
         # Rare tokens share one prior per context: a single matmul with the mixed context.
-        shared_prior = sigmoid_tree(self._noisy(shared_pre))  # (N, 4)
-        mixed = torch.einsum("nk,nkd->nd", shared_prior.to(contexts.dtype), contexts)
+        mixed = sigmoid_tree_mix(self._noisy(shared_pre), contexts)  # (N, d)
         rare = widen(F.linear(mixed, self.weight[self.n_frequent :]))  # (N, V - S)
         if self.n_frequent == 0:
             return rare + self.bias
 
+        # Frequent tokens: gates and component logits laid out (N, gate or component, S) so
+        # that both come from plain matmuls and the tree mixes contiguous rows.
         features = apply_mask(torch.tanh(self.gate_features(h)), gate_mask)
-        features = features.view(n, N_GATES, self.gate_dim)  # (N, 3, gate_dim)
-        token_pre = widen(torch.einsum("njg,sg->nsj", features, self.token_gate))
-        token_pre = token_pre + shared_pre.unsqueeze(1) + self.token_gate_bias  # (N, S, 3)
-        token_prior = sigmoid_tree(self._noisy(token_pre))  # (N, S, 4)
+        features = features.view(n * N_GATES, self.gate_dim)
+        token_pre = widen(features @ self.token_gate.t()).view(n, N_GATES, self.n_frequent)
+        token_pre = token_pre + shared_pre + self.token_gate_bias.t()  # (N, 3, S)
         frequent_rows = self.weight[: self.n_frequent]
-        component_logits = widen(torch.einsum("nkd,sd->nsk", contexts, frequent_rows))  # (N,S,4)
-        frequent = (token_prior * component_logits).sum(-1)  # (N, S)
+        component_logits = widen(contexts @ frequent_rows.t())  # (N, 4, S)
+        frequent = sigmoid_tree_mix(self._noisy(token_pre), component_logits)  # (N, S)
         return torch.cat((frequent, rare), dim=1) + self.bias
 
     def _log_prob_rows(self, h, component_mask, gate_mask) -> torch.Tensor:
