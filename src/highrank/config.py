@@ -1,0 +1,740 @@
+"""Experiment configuration: dataclasses are the schema, TOML files are experiments.
+
+``load_config(path, overrides)`` starts from the defaults below, merges a TOML file onto them,
+then applies ``section.key=value`` overrides (a leading ``--`` is accepted), in that order, so
+an override beats the file. Override values are read as TOML literals (``train.lr=20``,
+``model.tie_weights=false``, ``head.name="mos"``) and otherwise as plain strings
+(``head.name=mos``); a string field keeps the text as typed (``run.out_dir=2024``).
+
+Everything is checked: an unknown section or key, a value of the wrong type (an int is
+accepted for a float, a bool never for a number) or out of range is a :class:`ConfigError`
+naming the dotted key, the value, where it came from (file and line, or the override) and what
+was expected. A run writes its resolved config with :func:`dump_toml` / :func:`save_config`;
+``load_config`` reads it back equal.
+
+Sections and keys (defaults: AWD-LSTM with a softmax head on Penn Treebank, Merity et al. 2018;
+the MoS values of Yang et al. 2018 are in the docstrings):
+
+* ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: beside the corpus) —
+  :func:`highrank.data.load_corpus`.
+* ``[model]`` backbone (``awd-lstm``), d_embed, d_hidden, n_layers, d_last (unset: d_embed),
+  tie_weights, dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop,
+  ar_alpha, tar_beta.
+* ``[head]`` name (a key of :data:`highrank.heads.HEADS`) and, in the same table, that head's
+  knobs (``n_components = 15``), checked against :func:`highrank.heads.head_knobs`. The knobs
+  the model wires itself (:data:`MODEL_SET_KNOBS`) are not configurable here. A loaded config
+  holds every knob, defaults filled in, so the written config records them.
+* ``[train]`` batch_size, bptt, max_seq_len_delta, lr, weight_decay, clip, epochs, optimizer
+  (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.optim`), nonmono, switch_epoch,
+  seed, eval_batch_size, test_batch_size, log_every, chunk_size (unset: no chunking),
+  max_nonfinite_skips.
+* ``[finetune]`` lr, epochs.
+* ``[dynamic_eval]`` lr, epsilon, prior_decay, batch_size, bptt, stats_batch_size (Krause
+  et al. 2017).
+* ``[run]`` out_dir, device.
+
+TOML has no null, so a key whose default is "unset" (None) is written by leaving it out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from highrank.data import MODES
+from highrank.heads import HEADS, head_knobs
+from highrank.optim import SWITCH_POLICIES
+
+BACKBONES = ("awd-lstm",)
+# Head constructor arguments that the model sets from [model], not the user from [head].
+MODEL_SET_KNOBS = ("d_embed", "tied_weight", "dropout_time_dim")
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names the dotted key, the value, its source and the fix."""
+
+
+# ---- schema ---------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    """The corpus: a directory with train.txt, valid.txt, test.txt (see :mod:`highrank.data`).
+
+    Attributes:
+        dir: corpus directory.
+        mode: ``"word"`` (whitespace tokens) or ``"char"`` (characters).
+        cache_dir: where token-id caches go; None (unset): a cache folder beside the corpus.
+    """
+
+    dir: str = "data/ptb"
+    mode: str = "word"
+    cache_dir: str | None = None
+
+
+@dataclass
+class ModelConfig:
+    """The AWD-LSTM backbone (Merity et al., 2018; PTB values; WT2: dropout_input 0.65,
+    dropout_hidden 0.2; MoS PTB: d_embed 280, d_hidden 960, d_last 620, dropout_hidden 0.225).
+
+    Attributes:
+        backbone: ``"awd-lstm"``.
+        d_embed: embedding size (the tied decoder's size).
+        d_hidden: hidden size of the inner LSTM layers.
+        n_layers: number of stacked single-layer LSTMs.
+        d_last: output size of the last LSTM; None (unset): d_embed.
+        tie_weights: share the embedding matrix with the head's decoder.
+        dropout_embedding: ``dropoute``, whole embedding rows dropped.
+        dropout_input: ``dropouti``, locked dropout on the embeddings.
+        dropout_hidden: ``dropouth``, locked dropout between LSTM layers.
+        dropout_output: ``dropout``, locked dropout on the last layer's output.
+        weight_drop: ``wdrop``, DropConnect on the hidden-to-hidden matrices.
+        ar_alpha: activation regularisation weight (alpha).
+        tar_beta: temporal activation regularisation weight (beta).
+    """
+
+    backbone: str = "awd-lstm"
+    d_embed: int = 400
+    d_hidden: int = 1150
+    n_layers: int = 3
+    d_last: int | None = None
+    tie_weights: bool = True
+    dropout_embedding: float = 0.1
+    dropout_input: float = 0.4
+    dropout_hidden: float = 0.25
+    dropout_output: float = 0.4
+    weight_drop: float = 0.5
+    ar_alpha: float = 2.0
+    tar_beta: float = 1.0
+
+
+@dataclass
+class HeadConfig:
+    """The output head: ``name`` in :data:`highrank.heads.HEADS` and its keyword knobs.
+
+    In TOML the knobs sit beside the name: ``[head]`` ``name = "mos"`` ``n_components = 15``.
+    ``build_head(name, d_in=..., vocab_size=..., **knobs, <model-set knobs>)`` builds it.
+    """
+
+    name: str = "softmax"
+    knobs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    """Training (Merity et al., 2018, PTB; MoS PTB: batch_size 12, lr 20, epochs 1000).
+
+    Attributes:
+        batch_size: training batch size B.
+        bptt: base sequence length of variable BPTT.
+        max_seq_len_delta: a sampled sequence length is capped at bptt + this (MoS: 40 PTB,
+            20 WT2).
+        lr: SGD learning rate (scaled per step by seq_len / bptt).
+        weight_decay: L2 weight decay on all parameters.
+        clip: gradient-norm clip; 0: no clipping.
+        epochs: maximum number of epochs.
+        optimizer: SGD -> ASGD policy, ``"nt-asgd"``, ``"et-asgd"`` or ``"sgd"``.
+        nonmono: n of the non-monotone trigger (also the finetune stop rule).
+        switch_epoch: the epoch after which ``et-asgd`` switches (rank study: 200).
+        seed: random seed.
+        eval_batch_size: validation batch size.
+        test_batch_size: test batch size.
+        log_every: log every this many training steps.
+        chunk_size: tokens per chunk of the head loss; None (unset): one chunk.
+        max_nonfinite_skips: steps with a non-finite loss or gradient that may be skipped
+            before the run stops with an error.
+    """
+
+    batch_size: int = 20
+    bptt: int = 70
+    max_seq_len_delta: int = 40
+    lr: float = 30.0
+    weight_decay: float = 1.2e-6
+    clip: float = 0.25
+    epochs: int = 500
+    optimizer: str = "nt-asgd"
+    nonmono: int = 5
+    switch_epoch: int = 200
+    seed: int = 141
+    eval_batch_size: int = 10
+    test_batch_size: int = 1
+    log_every: int = 200
+    chunk_size: int | None = None
+    max_nonfinite_skips: int = 10
+
+
+@dataclass
+class FinetuneConfig:
+    """Finetuning: averaged SGD restarted from the best checkpoint, stopped by the
+    non-monotone rule (AWD-LSTM: lr 30; MoS: lr 25 PTB / 20 WT2).
+
+    Attributes:
+        lr: learning rate.
+        epochs: maximum number of epochs; 0: no finetuning.
+    """
+
+    lr: float = 30.0
+    epochs: int = 500
+
+
+@dataclass
+class DynamicEvalConfig:
+    """Dynamic evaluation (Krause et al., 2017, as shipped with MoS; PTB values; WT2:
+    epsilon 0.002, prior_decay 0.02).
+
+    Attributes:
+        lr: eta, the adaptation step size.
+        epsilon: added to the RMS gradient statistic.
+        prior_decay: lambda, the decay rate towards the trained parameters.
+        batch_size: evaluation batch size.
+        bptt: segment length: score a segment, then adapt.
+        stats_batch_size: batch size for the gradient statistics on the training set.
+    """
+
+    lr: float = 0.002
+    epsilon: float = 0.001
+    prior_decay: float = 0.075
+    batch_size: int = 1
+    bptt: int = 5
+    stats_batch_size: int = 100
+
+
+@dataclass
+class RunConfig:
+    """Where and on what a run happens.
+
+    Attributes:
+        out_dir: run directory (checkpoints, logs, the resolved config).
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``.
+    """
+
+    out_dir: str = "runs/default"
+    device: str = "auto"
+
+
+@dataclass
+class Config:
+    """A whole experiment; each field is one TOML table."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    dynamic_eval: DynamicEvalConfig = field(default_factory=DynamicEvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# Section name -> its dataclass, in file order.
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def _section_fields(section: str) -> dict[str, Any]:
+    """Key -> type hint of a section (the head's keys are its name plus free knobs)."""
+    hints = typing.get_type_hints(SECTIONS[section])
+    return {"name": str} if section == "head" else hints
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+# Raw values per section, as read (before type checks), and where each dotted key came from.
+_Values = dict[str, dict[str, Any]]
+_Origins = dict[str, str]
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``; validated."""
+    data: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        text = _read_text(Path(path))
+        data = _parse_toml(text, source)
+        lines = _key_lines(text)
+    return _resolve(data, overrides, source, lines)
+
+
+def config_from_dict(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), *, source: str = "<dict>"
+) -> Config:
+    """Like :func:`load_config` for an already parsed TOML-shaped mapping (e.g. from a
+    checkpoint); ``source`` names it in error messages."""
+    return _resolve(data, overrides, source, {})
+
+
+def _resolve(
+    data: Mapping[str, Any], overrides: Sequence[str], source: str, lines: dict[str, int]
+) -> Config:
+    values: _Values = {}
+    origins: _Origins = {}
+    _merge_file(values, origins, data, source, lines)
+    for text in overrides:
+        _apply_override(values, origins, text)
+    config = _build(values, origins)
+    validate_config(config, origins)
+    return config
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
+
+
+def _parse_toml(text: str, source: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{source}: invalid TOML: {error}") from None
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Dotted key -> line number (1-based) of its first assignment, for error messages.
+
+    A cheap line scanner (table headers and ``key =`` lines), not a TOML parser: a multi-line
+    string that looks like an assignment may mislead it, and then a message names a wrong line.
+    """
+    lines: dict[str, int] = {}
+    table = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = re.match(r"\s*\[([^\[\]]+)\]\s*(#.*)?$", line)
+        if header:
+            table = _unquote_dotted(header.group(1))
+            lines.setdefault(table, number)
+            continue
+        assignment = re.match(r"\s*([A-Za-z0-9_\-.\"' ]+?)\s*=", line)
+        if assignment:
+            key = _unquote_dotted(assignment.group(1))
+            lines.setdefault(f"{table}.{key}" if table else key, number)
+    return lines
+
+
+def _unquote_dotted(key: str) -> str:
+    return ".".join(part.strip().strip("\"'") for part in key.split("."))
+
+
+def _file_origin(source: str, lines: dict[str, int], dotted: str) -> str:
+    section = dotted.split(".")[0]
+    line = lines.get(dotted) or lines.get(section)
+    return f"{source}, line {line}" if line else source
+
+
+def _merge_file(
+    values: _Values,
+    origins: _Origins,
+    data: Mapping[str, Any],
+    source: str,
+    lines: dict[str, int],
+) -> None:
+    for section, table in data.items():
+        where = _file_origin(source, lines, section)
+        _check_section(section, where)
+        if not isinstance(table, Mapping):
+            raise ConfigError(
+                f"{where}: {section!r} must be a table ([{section}]), got {table!r} "
+                f"({type(table).__name__})"
+            )
+        for key, value in table.items():
+            dotted = f"{section}.{key}"
+            where = _file_origin(source, lines, dotted)
+            _check_key(section, key, where)
+            values.setdefault(section, {})[key] = value
+            origins[dotted] = where
+
+
+def _check_section(section: str, where: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"{where}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+        )
+
+
+def _check_key(section: str, key: str, where: str) -> None:
+    """Unknown keys are errors; [head] takes any knob here, checked once the name is final."""
+    fields = _section_fields(section)
+    if section != "head" and key not in fields:
+        raise ConfigError(
+            f"{where}: unknown key '{section}.{key}'; valid keys in [{section}]: "
+            f"{', '.join(fields)}"
+        )
+
+
+# ---- overrides --------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """``"--section.key=value"`` -> (section, key, value text); a bad shape is a ConfigError."""
+    body = text[2:] if text.startswith("--") else text
+    if "=" not in body:
+        raise ConfigError(
+            f"override {text!r} has no '='; write section.key=value, e.g. train.lr=20"
+        )
+    dotted, value = (part.strip() for part in body.split("=", 1))
+    parts = dotted.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"override {text!r}: the key {dotted!r} must be section.key, e.g. train.lr=20 "
+            f"(sections: {', '.join(SECTIONS)})"
+        )
+    return parts[0], parts[1], value
+
+
+def _parse_literal(text: str, expected: Any) -> Any:
+    """A TOML literal when ``text`` is one, else the text; string fields keep the text."""
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+    if expected is str and not isinstance(value, str):
+        return text
+    return value
+
+
+def _apply_override(values: _Values, origins: _Origins, text: str) -> None:
+    section, key, value_text = parse_override(text)
+    where = f"override {text!r}"
+    _check_section(section, where)
+    _check_key(section, key, where)
+    expected = _section_fields(section).get(key)
+    values.setdefault(section, {})[key] = _parse_literal(value_text, expected)
+    origins[f"{section}.{key}"] = where
+
+
+# ---- building and type checks -----------------------------------------------------------------
+
+
+def _build(values: _Values, origins: _Origins) -> Config:
+    sections: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        given = values.get(section, {})
+        if section == "head":
+            sections[section] = _build_head(given, origins)
+            continue
+        hints = typing.get_type_hints(cls)
+        kwargs = {
+            key: _check_type(f"{section}.{key}", value, hints[key], origins)
+            for key, value in given.items()
+        }
+        sections[section] = cls(**kwargs)
+    return Config(**sections)
+
+
+def _build_head(given: dict[str, Any], origins: _Origins) -> HeadConfig:
+    """Check the name, then every knob against that head's signature; fill in the defaults."""
+    name = _check_type("head.name", given.get("name", HeadConfig.name), str, origins)
+    if name not in HEADS:
+        raise ConfigError(
+            f"{_origin(origins, 'head.name')}: head.name = {_show(name)} is not a known head; "
+            f"choose one of: {', '.join(HEADS)}"
+        )
+    defaults = _configurable_knobs(name)
+    knobs = {key: value for key, value in defaults.items() if value is not None}
+    for key, value in given.items():
+        if key != "name":
+            knobs[key] = _check_knob(name, key, value, defaults, origins)
+    return HeadConfig(name=name, knobs=knobs)
+
+
+def _configurable_knobs(name: str) -> dict[str, Any]:
+    return {k: v for k, v in head_knobs(name).items() if k not in MODEL_SET_KNOBS}
+
+
+def _check_knob(
+    name: str, key: str, value: Any, defaults: dict[str, Any], origins: _Origins
+) -> Any:
+    dotted = f"head.{key}"
+    where = _origin(origins, dotted)
+    if key in MODEL_SET_KNOBS:
+        raise ConfigError(
+            f"{where}: {dotted} is set by the model from [model] (d_embed, tie_weights), "
+            f"not in [head]; remove it"
+        )
+    if key not in defaults:
+        valid = ", ".join(f"{k} (default {v!r})" for k, v in defaults.items()) or "none"
+        raise ConfigError(
+            f"{where}: head {name!r} has no knob {key!r}; valid knobs for {name!r}: {valid}"
+        )
+    default = defaults[key]
+    return value if default is None else _check_type(dotted, value, type(default), origins)
+
+
+def _check_type(dotted: str, value: Any, expected: Any, origins: _Origins) -> Any:
+    """``value`` if it has type ``expected`` (int -> float converted); else a ConfigError."""
+    options = typing.get_args(expected) if typing.get_origin(expected) is not None else ()
+    if type(None) in options:
+        if value is None:
+            return None
+        expected = next(t for t in options if t is not type(None))
+    base = typing.get_origin(expected) or expected
+    if base is float and _is_number(value):
+        return float(value)
+    if isinstance(value, base) and not (base is int and isinstance(value, bool)):
+        return value
+    hint = "; booleans are not numbers" if isinstance(value, bool) and base in (int, float) else ""
+    if base is float:
+        hint = hint or " (an int is accepted)"
+    raise ConfigError(
+        f"{_origin(origins, dotted)}: {dotted} = {_show(value)} has type {type(value).__name__}; "
+        f"expected {base.__name__}{hint}"
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    """A value as the user would write it in TOML (``true``, ``"x"``), else its repr."""
+    try:
+        return toml_value(value)
+    except ConfigError:
+        return repr(value)
+
+
+def _origin(origins: Mapping[str, str], dotted: str) -> str:
+    return origins.get(dotted, "default")
+
+
+# ---- value constraints ------------------------------------------------------------------------
+
+_Rule = tuple[Callable[[Any], bool], str]
+
+
+def _positive_int(v: Any) -> bool:
+    return v > 0
+
+
+def _non_negative(v: Any) -> bool:
+    return v >= 0
+
+
+def _positive_finite(v: Any) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+def _non_negative_finite(v: Any) -> bool:
+    return math.isfinite(v) and v >= 0
+
+
+def _probability(v: Any) -> bool:
+    return 0 <= v < 1
+
+
+def _one_of(choices: Sequence[str]) -> _Rule:
+    return (lambda v: v in choices), "one of: " + ", ".join(repr(c) for c in choices)
+
+
+POSITIVE: _Rule = (_positive_int, "> 0")
+NON_NEGATIVE: _Rule = (_non_negative, ">= 0")
+POSITIVE_FINITE: _Rule = (_positive_finite, "a finite number > 0")
+NON_NEGATIVE_FINITE: _Rule = (_non_negative_finite, "a finite number >= 0")
+PROBABILITY: _Rule = (_probability, "a probability in [0, 1)")
+NON_EMPTY: _Rule = (bool, "a non-empty string")
+DEVICE: _Rule = (
+    lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
+    "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'",
+)
+SEED: _Rule = (lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
+
+# Dotted key -> rule; None values (unset optional keys) are not checked.
+RULES: dict[str, _Rule] = {
+    "data.dir": NON_EMPTY,
+    "data.mode": _one_of(MODES),
+    "data.cache_dir": NON_EMPTY,
+    "model.backbone": _one_of(BACKBONES),
+    **{f"model.{k}": POSITIVE for k in ("d_embed", "d_hidden", "n_layers", "d_last")},
+    **{
+        f"model.{k}": PROBABILITY
+        for k in (
+            "dropout_embedding",
+            "dropout_input",
+            "dropout_hidden",
+            "dropout_output",
+            "weight_drop",
+        )
+    },
+    "model.ar_alpha": NON_NEGATIVE_FINITE,
+    "model.tar_beta": NON_NEGATIVE_FINITE,
+    **{
+        f"train.{k}": POSITIVE
+        for k in (
+            "batch_size",
+            "bptt",
+            "epochs",
+            "nonmono",
+            "switch_epoch",
+            "eval_batch_size",
+            "test_batch_size",
+            "log_every",
+            "chunk_size",
+        )
+    },
+    "train.max_seq_len_delta": NON_NEGATIVE,
+    "train.max_nonfinite_skips": NON_NEGATIVE,
+    "train.lr": POSITIVE_FINITE,
+    "train.weight_decay": NON_NEGATIVE_FINITE,
+    "train.clip": NON_NEGATIVE_FINITE,
+    "train.optimizer": _one_of(SWITCH_POLICIES),
+    "train.seed": SEED,
+    "finetune.lr": POSITIVE_FINITE,
+    "finetune.epochs": NON_NEGATIVE,
+    "dynamic_eval.lr": POSITIVE_FINITE,
+    "dynamic_eval.epsilon": POSITIVE_FINITE,
+    "dynamic_eval.prior_decay": NON_NEGATIVE_FINITE,
+    **{f"dynamic_eval.{k}": POSITIVE for k in ("batch_size", "bptt", "stats_batch_size")},
+    "run.out_dir": NON_EMPTY,
+    "run.device": DEVICE,
+}
+
+
+def validate_config(config: Config, origins: Mapping[str, str] | None = None) -> None:
+    """Check the head's name and knobs, value ranges and cross-key rules (also for a Config
+    built in code); ``origins`` maps dotted keys to their source for the messages."""
+    origins = dict(origins or {})
+    _build_head({"name": config.head.name, **config.head.knobs}, origins)
+    for dotted, (accepts, expected) in RULES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(config, section), key)
+        if value is not None and not accepts(value):
+            raise ConfigError(
+                f"{_origin(origins, dotted)}: {dotted} = {_show(value)} is out of range; "
+                f"expected {expected}"
+            )
+    _validate_switch_epoch(config, origins)
+
+
+def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
+    train = config.train
+    if train.optimizer == "et-asgd" and train.switch_epoch >= train.epochs:
+        raise ConfigError(
+            f"{_origin(origins, 'train.switch_epoch')}: train.switch_epoch = "
+            f"{train.switch_epoch} with train.epochs = {train.epochs}: et-asgd switches after "
+            f"epoch switch_epoch, so it would never average; lower train.switch_epoch or raise "
+            f"train.epochs"
+        )
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+
+def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    """The TOML-shaped dict of ``config``: one table per section, head knobs beside the name.
+    Unset keys (None) are kept; :func:`dump_toml` leaves them out."""
+    result: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        value = getattr(config, section)
+        if section == "head":
+            result[section] = {"name": value.name, **value.knobs}
+        else:
+            result[section] = dataclasses.asdict(value)
+    return result
+
+
+def dump_toml(config: Config) -> str:
+    """``config`` as TOML text that :func:`load_config` reads back equal."""
+    out = ["# highrank experiment config (resolved)"]
+    for section, table in config_to_dict(config).items():
+        out += ["", *_toml_table(section, table)]
+    return "\n".join(out) + "\n"
+
+
+def save_config(config: Config, path: str | os.PathLike) -> None:
+    """Write ``config`` as TOML to ``path`` (the run directory's resolved config)."""
+    Path(path).write_text(dump_toml(config), encoding="utf-8")
+
+
+def _toml_table(name: str, table: Mapping[str, Any]) -> list[str]:
+    """``[name]`` with its scalar keys, then nested tables as ``[name.sub]``."""
+    lines = [f"[{name}]"]
+    nested = []
+    for key, value in table.items():
+        if value is None:
+            continue
+        if isinstance(value, Mapping):
+            nested.append((key, value))
+        else:
+            lines.append(f"{_toml_key(key)} = {toml_value(value)}")
+    for key, value in nested:
+        lines += ["", *_toml_table(f"{name}.{_toml_key(key)}", value)]
+    return lines
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
+
+
+def toml_value(value: Any) -> str:
+    """One TOML literal: str, int, float, bool and lists of them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _toml_float(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} ({type(value).__name__}) as a TOML value")
+
+
+def _toml_float(value: float) -> str:
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return repr(value)  # shortest exact repr: '30.0', '1.2e-06' are valid TOML floats
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string; control characters (and DEL) escaped as TOML requires."""
+    escaped = []
+    for char in text:
+        if char in '"\\':
+            escaped.append("\\" + char)
+        elif char in _SHORT_ESCAPES:
+            escaped.append(_SHORT_ESCAPES[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\u{ord(char):04x}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+_SHORT_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+__all__ = [
+    "BACKBONES",
+    "MODEL_SET_KNOBS",
+    "SECTIONS",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DynamicEvalConfig",
+    "FinetuneConfig",
+    "HeadConfig",
+    "ModelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "dump_toml",
+    "load_config",
+    "parse_override",
+    "save_config",
+    "toml_value",
+    "validate_config",
+]
