@@ -1,0 +1,104 @@
+"""LanguageModel = embedding + backbone + head: the composition, and the weight tying.
+
+The backbone (AWD-LSTM) owns the input embedding and produces time-major hidden states
+``(T, B, d_last)``; the head turns them into a normalised next-token distribution and owns
+the loss. Tying passes the embedding's Parameter to the head explicitly, so the two share
+one tensor. Heads with internal dropout get ``dropout_time_dim=0`` so that it is *locked*
+over time as in the AWD-LSTM and MoS code.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from highrank.backbones.awd_lstm import AWDLSTM, AWDLSTMExtras, AWDLSTMState
+from highrank.config import Config
+from highrank.heads import HEADS, OutputHead, build_head
+
+
+class LanguageModel(nn.Module):
+    """``log p(x_{t+1} | x_{<=t})`` from a backbone and an output head."""
+
+    def __init__(self, backbone: AWDLSTM, head: OutputHead) -> None:
+        super().__init__()
+        if head.d_in != backbone.d_last:
+            raise ValueError(
+                f"head reads d_in={head.d_in} but the backbone outputs d_last={backbone.d_last}"
+            )
+        self.backbone = backbone
+        self.head = head
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        target: torch.Tensor,
+        state: AWDLSTMState | None = None,
+        *,
+        chunk_size: int | None = None,
+    ) -> tuple[torch.Tensor, AWDLSTMState, AWDLSTMExtras]:
+        """Mean NLL of ``target (T, B)`` given ``tokens (T, B)``, the new state, and the
+        backbone extras (for AR/TAR: ``backbone.regularization_loss(extras)``)."""
+        hidden, state, extras = self.backbone(tokens, state)
+        return self.head.loss(hidden, target, chunk_size=chunk_size), state, extras
+
+    def nll(
+        self, tokens: torch.Tensor, target: torch.Tensor, state: AWDLSTMState | None = None
+    ) -> tuple[torch.Tensor, AWDLSTMState]:
+        """Per-token NLL ``(T, B)`` and the new state (for evaluation)."""
+        hidden, state, _ = self.backbone(tokens, state)
+        return self.head.loss(hidden, target, reduction="none"), state
+
+    def log_prob(
+        self, tokens: torch.Tensor, state: AWDLSTMState | None = None
+    ) -> tuple[torch.Tensor, AWDLSTMState]:
+        """Next-token log-probabilities ``(T, B, V)`` and the new state."""
+        hidden, state, _ = self.backbone(tokens, state)
+        return self.head.log_prob(hidden), state
+
+    def init_state(self, batch_size: int) -> AWDLSTMState:
+        return self.backbone.init_state(batch_size)
+
+    def parameter_groups(self, lr: float) -> list[dict]:
+        """Optimizer groups: the head's (which may carry their own lr, e.g. PLIF's slopes)
+        and the backbone's, each Parameter once (a tied embedding is shared by both)."""
+        groups = self.head.parameter_groups(lr)
+        seen = {id(p) for group in groups for p in group["params"]}
+        rest = [p for p in self.backbone.parameters() if p.requires_grad and id(p) not in seen]
+        groups[0] = {**groups[0], "params": list(groups[0]["params"]) + rest}
+        return groups
+
+
+def build_model(config: Config, vocab_size: int) -> LanguageModel:
+    """The model a config describes, for a vocabulary of ``vocab_size`` tokens."""
+    m = config.model
+    backbone = AWDLSTM(
+        vocab_size,
+        d_embed=m.d_embed,
+        d_hidden=m.d_hidden,
+        n_layers=m.n_layers,
+        d_last=m.d_last,
+        dropout_embedding=m.dropout_embedding,
+        dropout_input=m.dropout_input,
+        dropout_hidden=m.dropout_hidden,
+        dropout_output=m.dropout_output,
+        weight_drop=m.weight_drop,
+        ar_alpha=m.ar_alpha,
+        tar_beta=m.tar_beta,
+    )
+    wired: dict = {"d_embed": m.d_embed}
+    if m.tie_weights:
+        wired["tied_weight"] = backbone.embedding.weight
+    if "dropout_time_dim" in inspect.signature(HEADS[config.head.name]).parameters:
+        wired["dropout_time_dim"] = 0  # time-major (T, B, d): locked dropout as in MoS
+    head = build_head(
+        config.head.name, d_in=backbone.d_last, vocab_size=vocab_size, **config.head.knobs, **wired
+    )
+    return LanguageModel(backbone, head)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
