@@ -1,0 +1,102 @@
+"""The ``highrank`` command line: one smoke test per verb, help, version and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from highrank import __version__
+from highrank.cli import VERBS, main
+from highrank.heads import HEADS
+
+TINY = ["--rank", "6", "--dim", "2", "--vocab", "20", "--contexts", "12", "--steps", "20"]
+
+
+def test_demo_verb_writes_files_and_prints_the_table(tmp_path, capsys):
+    out = tmp_path / "demo"
+    code = main(["demo", *TINY, "--heads", "softmax,mos", "--out", str(out), "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["heads"]) == ["softmax", "mos"]
+    assert results["settings"]["rank"] == 6 and results["settings"]["steps"] == 20
+    assert (out / "kl_curves.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "Press rank" in printed and "softmax" in printed and "d + 2 = 4" in printed
+
+
+def test_demo_gives_the_same_numbers_in_a_fresh_process(tmp_path):
+    args = ["demo", *TINY, "--heads", "softmax,plif", "--no-progress"]
+    main([*args, "--out", str(tmp_path / "here")])
+    subprocess.run(
+        [sys.executable, "-m", "highrank", *args, "--out", str(tmp_path / "there")],
+        check=True,
+        capture_output=True,
+    )
+    here, there = (
+        json.loads((tmp_path / name / "results.json").read_text()) for name in ("here", "there")
+    )
+    for name in ("softmax", "plif"):
+        assert here["heads"][name]["kl"] == there["heads"][name]["kl"]
+        assert here["heads"][name]["curve"] == there["heads"][name]["curve"]
+
+
+def test_python_dash_m_help_lists_every_verb():
+    done = subprocess.run(
+        [sys.executable, "-m", "highrank", "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0
+    assert all(verb.name in done.stdout for verb in VERBS)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert __version__ in capsys.readouterr().out
+
+
+def test_demo_help_names_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--rank", "--dim", "--vocab", "--contexts", "--heads", "--steps", "--seed"):
+        assert option in text
+    assert "--out" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        ([], ["VERB"]),
+        (["nope"], ["nope", "demo"]),
+        (["demo", "--heads", "softmax,foo"], ["--heads", "'foo'", *HEADS]),
+        (["demo", "--heads", "mos,mos"], ["--heads", "twice"]),
+        (["demo", "--heads", ","], ["--heads", "empty"]),
+        (["demo", "--rank", "0"], ["--rank", "positive integer"]),
+        (["demo", "--dim", "two"], ["--dim", "'two'"]),
+        (["demo", "--steps", "-5"], ["--steps"]),
+        (["demo", "--seed", "-1"], ["--seed"]),
+        (
+            ["demo", "--rank", "50", "--vocab", "40", "--contexts", "30"],
+            ["contexts=30", "vocab=40"],
+        ),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message_naming_the_option(argv, words, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", str(tmp_path)] if argv[:1] == ["demo"] else argv)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert all(word in message for word in words), message
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_dim_at_least_rank_minus_1_runs_with_a_note(tmp_path, capsys):
+    argv = ["demo", "--rank", "3", "--dim", "4", "--vocab", "8", "--contexts", "8"]
+    code = main([*argv, "--steps", "5", "--heads", "softmax", "--out", str(tmp_path)])
+    assert code == 0
+    assert "no bottleneck" in capsys.readouterr().err
