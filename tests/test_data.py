@@ -222,14 +222,15 @@ def test_use_cache_false_writes_nothing(tmp_path, cache):
     assert not cache.exists()
 
 
-def test_default_cache_dir_is_inside_a_writable_corpus(tmp_path):
-    assert data.default_cache_dir(tmp_path) == tmp_path / ".highrank-cache"
-
-
-def test_default_cache_dir_falls_back_to_home(tmp_path, monkeypatch):
-    monkeypatch.setattr(data.os, "access", lambda *args: False)  # as if read-only
+def test_default_cache_dir_is_the_users_cache_never_the_corpus(tmp_path, monkeypatch):
+    monkeypatch.delenv("HIGHRANK_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert data.default_cache_dir(tmp_path) == tmp_path / "home" / ".cache" / "highrank"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert data.default_cache_dir() == tmp_path / "xdg" / "highrank"
+    monkeypatch.setenv("HIGHRANK_CACHE_DIR", str(tmp_path / "mine"))
+    assert data.default_cache_dir() == tmp_path / "mine"
 
 
 def test_unwritable_cache_warns_and_still_loads(tmp_path):

@@ -15,7 +15,7 @@ was expected. A run writes its resolved config with :func:`dump_toml` / :func:`s
 Sections and keys (defaults: AWD-LSTM with a softmax head on Penn Treebank, Merity et al. 2018;
 the MoS values of Yang et al. 2018 are in the docstrings):
 
-* ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: beside the corpus) —
+* ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: the user cache, ~/.cache/highrank) —
   :func:`highrank.data.load_corpus`.
 * ``[model]`` backbone (``awd-lstm``), d_embed, d_hidden, n_layers, d_last (unset: d_embed),
   tie_weights, dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop,
@@ -72,7 +72,7 @@ class DataConfig:
     Attributes:
         dir: corpus directory.
         mode: ``"word"`` (whitespace tokens) or ``"char"`` (characters).
-        cache_dir: where token-id caches go; None (unset): a cache folder beside the corpus.
+        cache_dir: where token-id caches go; None (unset): the user cache (~/.cache/highrank).
     """
 
     dir: str = "data/ptb"

@@ -48,7 +48,6 @@ SPLITS = ("train", "valid", "test")
 MODES = ("word", "char")
 # Bump when the tokenisation or the cache layout changes: old cache files then miss and rebuild.
 CACHE_VERSION = 1
-CACHE_DIR_NAME = ".highrank-cache"
 VOCAB_FORMAT = "highrank-vocab"
 
 
@@ -385,12 +384,14 @@ def _first_line_with(text: str, token: str, mode: str) -> int | str:
 # ---- the on-disk cache --------------------------------------------------------------------
 
 
-def default_cache_dir(directory: str | os.PathLike) -> Path:
-    """``<directory>/.highrank-cache`` when it can be written, else ``~/.cache/highrank``."""
-    local = Path(directory) / CACHE_DIR_NAME
-    target = local if local.exists() else local.parent
-    if os.access(target, os.W_OK | os.X_OK):
-        return local
+def default_cache_dir(directory: str | os.PathLike | None = None) -> Path:
+    """The user's cache: ``$HIGHRANK_CACHE_DIR``, else ``$XDG_CACHE_HOME/highrank``, else
+    ``~/.cache/highrank``. Never the corpus folder itself: corpora are often shared, read-only
+    data (``directory`` is accepted for backwards compatibility and ignored)."""
+    if os.environ.get("HIGHRANK_CACHE_DIR"):
+        return Path(os.environ["HIGHRANK_CACHE_DIR"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "highrank"
     return Path.home() / ".cache" / "highrank"
 
 
