@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +101,51 @@ def test_dim_at_least_rank_minus_1_runs_with_a_note(tmp_path, capsys):
     code = main([*argv, "--steps", "5", "--heads", "softmax", "--out", str(tmp_path)])
     assert code == 0
     assert "no bottleneck" in capsys.readouterr().err
+
+
+SHARED_PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
+
+
+def _tiny_corpus(folder: Path) -> Path:
+    folder.mkdir()
+    for split, text in {"train": "a b c\nb c\n", "valid": "a b\n", "test": "c a\n"}.items():
+        (folder / f"{split}.txt").write_text(text)
+    return folder
+
+
+def test_data_stats_prints_lines_tokens_and_vocabulary(tmp_path, capsys):
+    corpus = _tiny_corpus(tmp_path / "corpus")
+    assert main(["data", "stats", str(corpus), "--cache-dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert "vocabulary: 4 tokens" in out  # a, b, c and <eos>
+    assert main(["data", "stats", str(corpus), "--json", "--cache-dir", str(tmp_path / "c")]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["splits"]["train"]["tokens"] == 7 and stats["vocab_size"] == 4
+
+
+def test_data_stats_on_penn_treebank(tmp_path, capsys):
+    if not SHARED_PTB.is_dir():
+        pytest.skip(f"Penn Treebank not found at {SHARED_PTB} (the shared data folder)")
+    assert main(["data", "stats", str(SHARED_PTB), "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for figure in ("929,589", "73,760", "82,430", "vocabulary: 10,000"):
+        assert figure in out
+
+
+def test_data_stats_on_a_missing_folder_is_a_clear_error(tmp_path, capsys):
+    assert main(["data", "stats", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_heads_writes_json_and_markdown(tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["bench", "heads", "--vocab", "300", "--cases", "softmax,mixtape", "--tokens", "70"]
+    assert main([*argv, "--repeats", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert "| 300 | mixtape |" in capsys.readouterr().out
+    assert json.loads((out / "heads.json").read_text())["settings"]["vocab_sizes"] == [300]
+
+
+def test_bench_rejects_unknown_cases():
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "heads", "--cases", "softmax,moz"])
+    assert exit_info.value.code == 2
