@@ -37,7 +37,7 @@ class LanguageModel(nn.Module):
         target: torch.Tensor,
         state: AWDLSTMState | None = None,
         *,
-        chunk_size: int | None = None,
+        chunk_size: int | None | str = "auto",
     ) -> tuple[torch.Tensor, AWDLSTMState, AWDLSTMExtras]:
         """Mean NLL of ``target (T, B)`` given ``tokens (T, B)``, the new state, and the
         backbone extras (for AR/TAR: ``backbone.regularization_loss(extras)``)."""

@@ -52,7 +52,7 @@ def test_run_benchmark_writes_json_and_markdown(tmp_path):
     assert loaded["machine"]["torch_threads"] >= 1
     assert all(row["budget"]["tokens"] % bench.BPTT == 0 for row in loaded["rows"])
     table = md_path.read_text()
-    assert "| 200 | mos | 16 |" in table and "Same memory budget" in table
+    assert "| 200 | mos | auto |" in table and "Same memory budget" in table
 
 
 def test_unknown_case_is_a_clear_error():

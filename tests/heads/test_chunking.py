@@ -88,3 +88,22 @@ def test_chunked_loss_can_be_scaled_and_combined_before_backward(make_head):
     hidden.grad = None
     (3.0 * head.loss(hidden, target) + hidden.square().sum()).backward()
     torch.testing.assert_close(chunked, hidden.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_auto_chunking_matches_the_whole_batch(make_head, name, monkeypatch):
+    from highrank.heads import base
+
+    monkeypatch.setattr(base, "AUTO_CHUNK_ELEMENTS", 50 * 7)  # 7 tokens of V = 50 per chunk
+    head = make_head(name).eval()
+    expected_chunk = 7 // (3 if name == "mos" else 1) or 1
+    assert head._resolve_chunk_size("auto", "mean") == expected_chunk
+    hidden, target = torch.randn(30, 12), torch.randint(0, 50, (30,))
+    auto = _grads(head, hidden, target)  # chunk_size defaults to "auto"
+    whole = _grads(head, hidden, target, chunk_size=None)
+    torch.testing.assert_close(auto[0], whole[0])
+    torch.testing.assert_close(auto[1], whole[1], atol=1e-6, rtol=1e-5)
+    # Per-token losses with gradients are computed whole (no recomputation) under "auto".
+    assert head._resolve_chunk_size("auto", "none") is None
+    with torch.no_grad():
+        assert head._resolve_chunk_size("auto", "none") == expected_chunk

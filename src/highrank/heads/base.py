@@ -4,10 +4,11 @@ A head maps hidden states ``[..., d_in]`` to a *normalised* next-token distribut
 ``vocab_size`` tokens and owns its loss, so model and loss can never disagree:
 
 * ``log_prob(hidden) -> [..., V]``: float32 log-probabilities, normalised, computed in log space.
-* ``loss(hidden, target, *, reduction="mean", chunk_size=None)``: negative log-likelihood of
-  ``target [...]``. With ``chunk_size`` the flattened tokens are processed ``chunk_size`` at a
-  time (see ``highrank.heads.chunking``), so peak memory is about ``chunk_size x K x V``
-  instead of ``N x K x V``.
+* ``loss(hidden, target, *, reduction="mean", chunk_size="auto")``: negative log-likelihood
+  of ``target [...]``. With a ``chunk_size`` the flattened tokens are processed
+  ``chunk_size`` at a time (see ``highrank.heads.chunking``), so peak memory is about
+  ``chunk_size x K x V`` instead of ``N x K x V``; ``None`` processes them all at once, and
+  ``"auto"`` (the default) picks chunks of about ``AUTO_CHUNK_ELEMENTS`` logits.
 * ``forward(hidden, target=None)``: ``loss`` with a target (mean), ``log_prob`` without.
 
 Subclasses implement two methods on flattened inputs, ``h: (N, d_in)``:
@@ -37,6 +38,9 @@ from highrank.heads.chunking import (
 from highrank.heads.functional import locked_dropout_mask, widen
 
 _REDUCTIONS = ("mean", "sum", "none")
+# "auto" chunks hold about 2**21 logits (8 MiB in float32): small enough to stay in cache-
+# friendly sizes and bound memory, large enough for efficient matmuls (benchmarks/heads).
+AUTO_CHUNK_ELEMENTS = 2**21
 
 
 class OutputHead(nn.Module):
@@ -90,12 +94,15 @@ class OutputHead(nn.Module):
         target: torch.Tensor,
         *,
         reduction: str = "mean",
-        chunk_size: int | None = None,
+        chunk_size: int | None | str = "auto",
     ) -> torch.Tensor:
         """Negative log-likelihood of ``target [...]`` given ``hidden [..., d_in]``.
 
         ``reduction`` is "mean" (per token), "sum", or "none" (shape of ``target``).
-        ``chunk_size`` bounds the tokens whose ``V``-sized intermediates live at once.
+        ``chunk_size`` bounds the tokens whose ``V``-sized intermediates live at once: an
+        int, None (all at once) or "auto" (chunks of about ``AUTO_CHUNK_ELEMENTS`` logits for
+        scalar losses and for evaluation; per-token losses that need gradients are computed
+        whole, since chunking them costs a recomputation: pass an int to bound their memory).
         """
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}; expected one of {_REDUCTIONS}")
@@ -103,8 +110,7 @@ class OutputHead(nn.Module):
         target_rows = self._flatten_target(hidden, target)
         masks = self._draw_masks(hidden)
         n = rows.shape[0]
-        if chunk_size is not None:
-            _check_positive_int("chunk_size", chunk_size)
+        chunk_size = self._resolve_chunk_size(chunk_size, reduction)
         if chunk_size is None or chunk_size >= n:
             nll = self._nll_rows(rows, target_rows, *masks)
         elif not torch.is_grad_enabled():
@@ -125,6 +131,19 @@ class OutputHead(nn.Module):
         if reduction == "sum":
             return nll.sum()
         return nll.reshape(target.shape)
+
+    def _resolve_chunk_size(self, chunk_size: int | None | str, reduction: str) -> int | None:
+        if chunk_size == "auto":
+            if reduction == "none" and torch.is_grad_enabled():
+                return None
+            return max(1, AUTO_CHUNK_ELEMENTS // self.logits_per_token())
+        if chunk_size is not None:
+            _check_positive_int("chunk_size", chunk_size)
+        return chunk_size
+
+    def logits_per_token(self) -> int:
+        """How many vocabulary-sized values one token's loss materialises (K x V for MoS)."""
+        return self.vocab_size
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         if target is None:

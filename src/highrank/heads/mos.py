@@ -90,6 +90,9 @@ class MixtureOfSoftmaxes(ContextMixture):
         log_prior, latents = self._prior_and_latents(h, latent_mask)
         return mixture_nll(log_prior, self._decoder_logits(latents), target)
 
+    def logits_per_token(self) -> int:
+        return self.n_components * self.vocab_size
+
     def _chunked_nll_sum(self, rows, target, masks, chunk_size):
         log_prior, latents = self._prior_and_latents(rows, *masks)
         return mixture_cross_entropy_sum(

@@ -1,0 +1,248 @@
+"""Run directories: what a training run writes besides its checkpoints.
+
+Layout of ``config.run.out_dir``::
+
+    config.toml         the resolved config (highrank.config.save_config); load_config reads it
+    command.txt         the command line that started the run; resumes and finetunes append one
+    environment.json    python, torch, numpy versions, platform, threads, git commit (or null)
+    vocab.json          the vocabulary (highrank.data.Vocab.save), id order
+    metrics.jsonl       one JSON object per line: "kind": "step" every train.log_every steps,
+                        "kind": "epoch" after each epoch's validation (see highrank.train)
+    checkpoints/        last.pt (+ last.prev.pt), best.pt, finetune-last.pt, finetuned.pt
+    tensorboard/        the same scalars, when the optional ``tensorboard`` package imports
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from highrank.checkpoint import CHECKPOINT_DIR, VOCAB_FILE
+from highrank.config import Config, load_config, save_config
+from highrank.data import Vocab
+
+CONFIG_FILE = "config.toml"
+COMMAND_FILE = "command.txt"
+ENVIRONMENT_FILE = "environment.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"  # one subfolder per stage: train, finetune
+
+
+class RunDirError(ValueError):
+    """A run directory is missing, incomplete, or would be overwritten."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run directory (see the module docstring)."""
+
+    path: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def vocab_file(self) -> Path:
+        return self.path / VOCAB_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINT_DIR
+
+    def checkpoint(self, name: str) -> Path:
+        """``checkpoints/<name>.pt``."""
+        return self.checkpoints / f"{name}.pt"
+
+    @classmethod
+    def create(
+        cls, path: str | os.PathLike, config: Config, vocab: Vocab, command: Sequence[str]
+    ) -> RunDir:
+        """A new run directory with config, command, environment and vocabulary written.
+
+        Refuses a directory that already holds a run, so nothing is overwritten.
+        """
+        run = cls(Path(path))
+        if run.config_file.exists():
+            raise RunDirError(
+                f"{run.path} already holds a run ({CONFIG_FILE} exists); continue it with "
+                f"`highrank train --resume {run.path}`, or choose another run.out_dir "
+                f"(--run.out_dir=...)"
+            )
+        run.checkpoints.mkdir(parents=True, exist_ok=True)
+        save_config(config, run.config_file)
+        run.append_command(command)
+        run.path.joinpath(ENVIRONMENT_FILE).write_text(
+            json.dumps(environment(), indent=2) + "\n", encoding="utf-8"
+        )
+        vocab.save(run.vocab_file)
+        return run
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> RunDir:
+        """An existing run directory (it must hold ``config.toml``)."""
+        run = cls(Path(path))
+        if not run.config_file.is_file():
+            raise RunDirError(
+                f"{run.path} is not a run directory: {CONFIG_FILE} is missing (expected a "
+                f"directory written by `highrank train`)"
+            )
+        return run
+
+    def append_command(self, command: Sequence[str]) -> None:
+        """Add one shell-quoted command line to ``command.txt``."""
+        with self.path.joinpath(COMMAND_FILE).open("a", encoding="utf-8") as handle:
+            handle.write(shlex.join(command) + "\n")
+
+    def load_config(self) -> Config:
+        return load_config(self.config_file)
+
+    def load_vocab(self) -> Vocab:
+        return Vocab.load(self.vocab_file)
+
+
+# ---- environment ------------------------------------------------------------------------------
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts worth keeping beside a result."""
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "git_commit": git_commit(Path(__file__).resolve().parent),
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def git_commit(directory: Path, timeout: float = 5.0) -> str | None:
+    """``git rev-parse HEAD`` in ``directory`` (+ ``-dirty`` with local changes), or None when
+    git is missing, slow, or the directory is not in a repository."""
+    try:
+        head = _git(["rev-parse", "HEAD"], directory, timeout)
+        dirty = _git(["status", "--porcelain", "--untracked-files=no"], directory, timeout)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
+def _git(arguments: list[str], directory: Path, timeout: float) -> str:
+    done = subprocess.run(
+        ["git", *arguments],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl``: one JSON object per line, flushed at once.
+
+    :meth:`offset` is the file's size; a resumed run :meth:`truncate` s back to the offset
+    its checkpoint recorded, so lines written after that checkpoint are not repeated.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def offset(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def truncate(self, offset: int) -> None:
+        if self.path.exists() and self.path.stat().st_size > offset:
+            with self.path.open("r+b") as handle:
+                handle.truncate(offset)
+
+
+def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (only those of ``kind`` when given)."""
+    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    return [r for r in records if kind is None or r.get("kind") == kind]
+
+
+class TensorBoardLog:
+    """Scalars to ``tensorboard/`` when ``torch.utils.tensorboard`` imports, else nothing.
+
+    TensorBoard is an optional extra; without it a one-line note is printed once.
+    """
+
+    _noted = False
+
+    def __init__(self, directory: Path, purge_step: int | None = None) -> None:
+        self.writer = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            self._note()
+            return
+        self.writer = SummaryWriter(str(directory), purge_step=purge_step)
+
+    @classmethod
+    def _note(cls) -> None:
+        if not cls._noted:
+            print(
+                "note: TensorBoard logging is off (pip install tensorboard to enable it)",
+                file=sys.stderr,
+            )
+            cls._noted = True
+
+    def write(self, record: Mapping[str, Any], step: int) -> None:
+        if self.writer is None:
+            return
+        prefix = f"{record.get('stage', 'train')}/{record.get('kind', 'step')}"
+        for key, value in record.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+__all__ = [
+    "COMMAND_FILE",
+    "CONFIG_FILE",
+    "ENVIRONMENT_FILE",
+    "METRICS_FILE",
+    "MetricsLog",
+    "RunDir",
+    "RunDirError",
+    "TensorBoardLog",
+    "environment",
+    "git_commit",
+    "read_metrics",
+]

@@ -1,0 +1,199 @@
+"""highrank.checkpoint: atomic writes, weights_only loading, RNG round trips, fallbacks."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from highrank.checkpoint import (
+    CheckpointError,
+    NonFiniteCheckpointError,
+    capture_rng,
+    evaluation_state_dict,
+    load_checkpoint,
+    load_resumable,
+    load_run,
+    previous_path,
+    restore_rng,
+    save_checkpoint,
+)
+from highrank.config import load_config
+from highrank.optim import switch_to_asgd
+from highrank.runs import read_metrics
+from highrank.train import TrainOptions, resume, train
+
+QUIET = TrainOptions(progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def payload(**model: torch.Tensor) -> dict:
+    """A minimal valid checkpoint payload."""
+    return {
+        "format": "highrank-checkpoint",
+        "version": 1,
+        "kind": "last",
+        "config": {},
+        "vocab_size": 3,
+        "model": model,
+    }
+
+
+@pytest.fixture
+def tiny_run(tmp_path) -> Path:
+    """A finished 2-epoch run of a tiny model on a tiny corpus."""
+    rng = random.Random(0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split, lines in (("train", 60), ("valid", 20), ("test", 20)):
+        text = [" ".join(rng.choices("abcdefghij", k=rng.randint(2, 7))) for _ in range(lines)]
+        (corpus / f"{split}.txt").write_text("\n".join(text) + "\n")
+    out = tmp_path / "run"
+    overrides = ["model.d_embed=6", "model.d_hidden=8", "model.n_layers=2", "train.bptt=5"]
+    overrides += ["train.batch_size=3", "train.eval_batch_size=2", "train.epochs=2"]
+    config = load_config(None, [f"data.dir={corpus}", f"run.out_dir={out}", *overrides])
+    train(config, options=QUIET)
+    return out
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+
+def test_saved_checkpoint_loads_with_weights_only_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "sub" / "a.pt"
+    save_checkpoint(payload(w=torch.arange(3.0)), path)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["model"]["w"], torch.arange(3.0))
+    assert [p.name for p in path.parent.iterdir()] == ["a.pt"]
+
+
+def test_keep_previous_renames_the_replaced_file(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint(payload(w=torch.zeros(2)), path, keep_previous=True)
+    assert not previous_path(path).exists()
+    save_checkpoint(payload(w=torch.ones(2)), path, keep_previous=True)
+    assert previous_path(path).name == "last.prev.pt"
+    assert torch.equal(load_checkpoint(previous_path(path))["model"]["w"], torch.zeros(2))
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.ones(2))
+
+
+def test_non_finite_weights_are_refused_and_the_old_file_kept(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint(payload(w=torch.zeros(2)), path)
+    bad = payload(w=torch.tensor([1.0, float("nan")]))
+    with pytest.raises(NonFiniteCheckpointError, match=r"last\.pt: model\['w'\] holds 1 non-fin"):
+        save_checkpoint(bad, path, keep_previous=True)
+    assert torch.equal(load_checkpoint(path)["model"]["w"], torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+
+
+def test_every_checkpoint_of_a_run_loads_with_weights_only(tiny_run):
+    for path in (tiny_run / "checkpoints").iterdir():
+        loaded = torch.load(path, weights_only=True)
+        assert loaded["format"] == "highrank-checkpoint"
+        assert {"optimizer", "rng", "progress", "hidden", "trigger"} <= loaded["training"].keys()
+
+
+# ---- reading and fallbacks --------------------------------------------------------------------
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def test_truncated_checkpoint_is_a_clear_error_naming_the_file(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint(payload(w=torch.zeros(1000)), path)
+    truncate(path)
+    with pytest.raises(CheckpointError, match=r"last\.pt cannot be read: the file is truncated"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+    torch.save({"hello": 1}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not a highrank checkpoint"):
+        load_checkpoint(tmp_path / "other.pt")
+
+
+def test_resume_falls_back_to_the_previous_checkpoint_when_last_is_truncated(tiny_run):
+    checkpoints = tiny_run / "checkpoints"
+    truncate(checkpoints / "last.pt")
+    with pytest.warns(RuntimeWarning, match=r"resuming from .*last\.prev\.pt instead.*last\.pt"):
+        loaded, path = load_resumable(checkpoints)
+    assert path.name == "last.prev.pt"
+    truncate(checkpoints / "last.prev.pt", 0.1)
+    with pytest.warns(RuntimeWarning, match=r"best\.pt instead"):
+        assert load_resumable(checkpoints)[1].name == "best.pt"
+    (checkpoints / "best.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no checkpoint to resume from"):
+        load_resumable(checkpoints)
+
+
+def test_a_run_with_a_corrupted_last_checkpoint_resumes_from_the_previous_one(tiny_run):
+    before = read_metrics(tiny_run / "metrics.jsonl", "epoch")
+    corrupted = tiny_run / "checkpoints" / "last.pt"
+    data = bytearray(corrupted.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = b"\xff" * 64  # garbage inside the zip
+    corrupted.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="last.prev.pt"):
+        result = resume(tiny_run, overrides=["train.epochs=3"], options=QUIET)
+    assert result.epochs_completed == 3
+    after = read_metrics(tiny_run / "metrics.jsonl", "epoch")
+    assert [r["epoch"] for r in after] == [1, 2, 3] and after[:2] == before
+
+
+# ---- RNG, averaged weights, load_run -----------------------------------------------------------
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
+    generator = torch.Generator().manual_seed(3)
+    random.seed(1), np.random.seed(2), torch.manual_seed(4)
+    random.gauss(0, 1)  # leaves a cached gaussian in python's state
+    path = tmp_path / "rng.pt"
+    save_checkpoint(payload() | {"rng": capture_rng(generator)}, path)
+    expected = (random.random(), np.random.rand(), torch.rand(2), torch.rand(2, generator=generator))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9), generator.manual_seed(9)
+    restore_rng(load_checkpoint(path)["rng"], generator)
+    again = (random.random(), np.random.rand(), torch.rand(2), torch.rand(2, generator=generator))
+    assert again[:2] == expected[:2]
+    assert torch.equal(again[2], expected[2]) and torch.equal(again[3], expected[3])
+
+
+def test_evaluation_state_dict_holds_the_asgd_averages_themselves():
+    model = torch.nn.Linear(2, 2)
+    optimizer = switch_to_asgd(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in evaluation_state_dict(
+        model, optimizer).items())  # fmt: skip
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    state = evaluation_state_dict(model, optimizer)
+    assert state["weight"] is optimizer.state[model.weight]["ax"]
+    assert not torch.equal(state["weight"], model.weight)
+
+
+def test_load_run_builds_the_model_without_touching_the_global_rng(tiny_run):
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    model, config, vocab = load_run(tiny_run, "last")
+    assert torch.equal(torch.rand(3), expected)
+    assert not model.training and config.model.d_embed == 6 and len(vocab) == 11
+    best = load_checkpoint(tiny_run / "checkpoints/best.pt")["model"]
+    model, _, _ = load_run(tiny_run)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in best.items())
+    with pytest.raises(CheckpointError, match="finetune"):
+        load_run(tiny_run, "finetuned")
+    with pytest.raises(CheckpointError, match="names no checkpoint"):
+        load_run(tiny_run, "nope")

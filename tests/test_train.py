@@ -1,0 +1,343 @@
+"""highrank.train: the AWD-LSTM loop, the run directory, exact resume, NaN guard, finetuning."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import highrank.train as train_module
+from highrank.checkpoint import load_checkpoint, load_run
+from highrank.config import load_config
+from highrank.runs import read_metrics
+from highrank.train import (
+    TrainingError,
+    TrainOptions,
+    evaluate_loss,
+    finetune,
+    resume,
+    train,
+)
+
+WORDS = [f"w{i}" for i in range(30)]
+# A 2-layer AWD-LSTM of a few hundred parameters; ~33 steps per epoch on the tiny corpus.
+TINY = [
+    "model.d_embed=8",
+    "model.d_hidden=12",
+    "model.n_layers=2",
+    "train.batch_size=4",
+    "train.bptt=6",
+    "train.max_seq_len_delta=3",
+    "train.eval_batch_size=2",
+    "train.lr=5",
+    "train.log_every=1",
+]
+QUIET = TrainOptions(progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine runs timing benchmarks; and results are exact
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_corpus(folder: Path, seed: int = 0) -> Path:
+    """train / valid / test of random 3-9 word lines over a 30-word vocabulary."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
+        text = [" ".join(rng.choices(WORDS, k=rng.randint(3, 9))) for _ in range(lines)]
+        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
+    return folder
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus")
+
+
+def tiny_config(corpus: Path, out: Path, *overrides: str):
+    return load_config(None, [f"data.dir={corpus}", f"run.out_dir={out}", *TINY, *overrides])
+
+
+def options(**kwargs) -> TrainOptions:
+    return TrainOptions(progress=False, **kwargs)
+
+
+def trajectory(run_dir: Path) -> list[tuple]:
+    """Every logged loss of a run, without timings."""
+    keys = ("kind", "stage", "epoch", "step", "train_loss", "val_loss", "phase", "lr")
+    return [tuple(r.get(k) for k in keys) for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def weights(path: Path, key: str = "model") -> dict[str, torch.Tensor]:
+    payload = load_checkpoint(path)
+    return payload[key] if key == "model" else payload["training"][key]
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# ---- the run directory ------------------------------------------------------------------------
+
+
+def test_run_directory_holds_config_command_environment_vocab_metrics_checkpoints(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = train(tiny_config(corpus, out, "train.epochs=2"), options=QUIET, command=["x", "y"])
+    assert result.epochs_completed == 2 and result.stop_reason == "epochs"
+    names = {p.name for p in out.iterdir()}
+    assert {"config.toml", "command.txt", "environment.json", "vocab.json"} <= names
+    assert {"metrics.jsonl", "checkpoints"} <= names
+    stored = load_config(out / "config.toml")
+    assert stored.train.epochs == 2 and Path(stored.data.dir).is_absolute()
+    assert (out / "command.txt").read_text() == "x y\n"
+    env = json.loads((out / "environment.json").read_text())
+    assert env["torch"] == torch.__version__ and {"python", "numpy", "platform"} <= env.keys()
+    assert "git_commit" in env
+    vocab = json.loads((out / "vocab.json").read_text())["words"]
+    assert len(vocab) == 31 and "<eos>" in vocab
+    checkpoints = {p.name for p in (out / "checkpoints").iterdir()}
+    assert checkpoints == {"last.pt", "last.prev.pt", "best.pt"}
+
+
+def test_metrics_have_a_line_per_logged_step_and_per_epoch(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, "train.epochs=2", "train.log_every=5"), options=QUIET)
+    epochs = read_metrics(out / "metrics.jsonl", "epoch")
+    steps = read_metrics(out / "metrics.jsonl", "step")
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    for field in ("train_loss", "val_loss", "val_ppl", "lr", "phase", "tokens_per_s"):
+        assert field in epochs[0]
+    assert {"skipped_steps", "seconds"} <= epochs[0].keys()
+    assert epochs[0]["val_ppl"] == pytest.approx(math.exp(epochs[0]["val_loss"]))
+    assert epochs[0]["phase"] == "sgd" and epochs[0]["lr"] == 5.0
+    assert [s["step"] for s in steps] == list(range(5, epochs[-1]["step"] + 1, 5))
+    assert all(s["train_loss"] > 0 for s in steps)
+
+
+def test_refuses_to_overwrite_an_existing_run(corpus, tmp_path):
+    config = tiny_config(corpus, tmp_path / "run", "train.epochs=1")
+    train(config, options=options(max_steps=2))
+    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+        train(config, options=QUIET)
+
+
+# ---- exact resume -----------------------------------------------------------------------------
+
+# ET-ASGD switching after epoch 1 (step 33 on the tiny corpus): interruptions mid-epoch before
+# the switch, exactly at the end of epoch 1 (before its validation), and after the switch.
+SWITCHING = ("train.epochs=3", "train.optimizer=et-asgd", "train.switch_epoch=1")
+
+
+@pytest.fixture
+def straight_run(corpus, tmp_path) -> Path:
+    out = tmp_path / "straight"
+    train(tiny_config(corpus, out, *SWITCHING), options=QUIET)
+    return out
+
+
+def epoch_end_step(run_dir: Path, epoch: int) -> int:
+    return next(r["step"] for r in read_metrics(run_dir / "metrics.jsonl", "epoch")
+                if r["epoch"] == epoch)  # fmt: skip
+
+
+@pytest.mark.parametrize("stop", ["mid-epoch", "epoch-end", "after-switch"])
+def test_interrupted_and_resumed_run_is_bit_identical(straight_run, corpus, tmp_path, stop):
+    end = epoch_end_step(straight_run, 1)
+    max_steps = {"mid-epoch": 10, "epoch-end": end, "after-switch": end + 7}[stop]
+    out = tmp_path / "interrupted"
+    first = train(tiny_config(corpus, out, *SWITCHING), options=options(max_steps=max_steps))
+    assert first.stop_reason == "max_steps" and first.steps == max_steps
+    second = resume(out, options=QUIET)
+    assert second.stop_reason == "epochs" and second.phase == "asgd"
+    assert trajectory(out) == trajectory(straight_run)
+    for name in ("last.pt", "best.pt"):
+        assert_same_weights(weights(out / "checkpoints" / name), weights(
+            straight_run / "checkpoints" / name))  # fmt: skip
+    assert_same_weights(
+        weights(out / "checkpoints/last.pt", "optimizer")["state"][0],
+        weights(straight_run / "checkpoints/last.pt", "optimizer")["state"][0],
+    )
+
+
+def test_a_crash_resumes_from_the_periodic_checkpoint_exactly(straight_run, corpus, tmp_path):
+    """The callback raises right after the checkpoint at the last step of epoch 1 is written:
+    metrics lines logged after it are dropped on resume, validation and switch happen then."""
+    end = epoch_end_step(straight_run, 1)
+
+    def crash(info):
+        if info.step == end:
+            raise KeyboardInterrupt("simulated crash")
+
+    out = tmp_path / "crashed"
+    config = tiny_config(corpus, out, *SWITCHING)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, options=options(checkpoint_every=end, callback=crash))
+    saved = load_checkpoint(out / "checkpoints/last.pt")["training"]["progress"]
+    assert saved["step"] == end and saved["epoch"] == 1  # before the end-of-epoch work
+    resume(out, options=QUIET, command=["highrank", "train", "--resume", "x"])
+    assert trajectory(out) == trajectory(straight_run)
+    assert_same_weights(
+        weights(out / "checkpoints/best.pt"), weights(straight_run / "checkpoints/best.pt")
+    )
+    assert (out / "command.txt").read_text().splitlines()[-1] == "highrank train --resume x"
+
+
+def test_resume_may_raise_the_epoch_limit_but_not_change_the_model(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, "train.epochs=1"), options=QUIET)
+    result = resume(out, overrides=["--train.epochs=2"], options=QUIET)
+    assert result.epochs_completed == 2
+    with pytest.raises(ValueError, match="train.lr cannot change when continuing"):
+        resume(out, overrides=["train.lr=1"], options=QUIET)
+
+
+# ---- NT-ASGD and averaged evaluation ----------------------------------------------------------
+
+
+def test_nt_asgd_switches_on_the_crafted_validation_sequence_and_evaluates_the_average(
+    corpus, tmp_path, monkeypatch
+):
+    # n = 2: at epoch 4 the history is [5, 4, 4.5] and 5.5 > min(history[:-2]) = 5 switches;
+    # 4.9 at epoch 3 would not (not > 5), nor would any loss before the history has 3 entries.
+    crafted = iter([5.0, 4.0, 4.5, 5.5, 3.0, 2.9])
+    seen: list[dict] = []
+
+    def fake_evaluate(model, source, bptt, *, chunk_size=None):
+        seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return next(crafted)
+
+    monkeypatch.setattr(train_module, "evaluate_loss", fake_evaluate)
+    out = tmp_path / "run"
+    config = tiny_config(corpus, out, "train.epochs=6", "train.nonmono=2")
+    result = train(config, options=QUIET)
+    epochs = read_metrics(out / "metrics.jsonl", "epoch")
+    assert [e["switched"] for e in epochs] == [False, False, False, True, False, False]
+    assert [e["phase"] for e in epochs] == ["sgd"] * 4 + ["asgd"] * 2
+    assert result.phase == "asgd" and result.best_epoch == 6
+    # Epoch 6 was evaluated with the averages that best.pt and last.pt's "model" hold, and
+    # these differ from the raw iterates the training continues from.
+    last = load_checkpoint(out / "checkpoints/last.pt")
+    for name, value in seen[-1].items():
+        assert torch.equal(value, last["model"][name]), name
+    raw = last["training"]["model"]
+    assert any(not torch.equal(raw[name], last["model"][name]) for name in seen[-1])
+
+
+# ---- non-finite guard -------------------------------------------------------------------------
+
+
+def poison(monkeypatch, steps: set[int], where: str = "loss"):
+    """Make the training loss (or only its gradient) non-finite at the given 1-based steps."""
+    real = train_module.training_loss
+    calls = {"n": 0}
+
+    def poisoned(model, tokens, target, state, chunk_size):
+        calls["n"] += 1
+        loss, nll, new_state = real(model, tokens, target, state, chunk_size)
+        if calls["n"] in steps:
+            if where == "loss":
+                loss = loss * math.nan
+            else:  # finite loss, NaN gradient: d sqrt(x)/dx at 0 is inf, times 0
+                loss = loss + torch.sqrt(0 * model.backbone.embedding.weight.sum())
+        return loss, nll, new_state
+
+    monkeypatch.setattr(train_module, "training_loss", poisoned)
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_non_finite_step_is_skipped_without_touching_the_weights(
+    corpus, tmp_path, monkeypatch, where
+):
+    poison(monkeypatch, {3}, where)
+    models = []
+    real_build = train_module.build_model
+    monkeypatch.setattr(
+        train_module, "build_model", lambda *args: models.append(real_build(*args)) or models[-1]
+    )
+    seen = {}
+
+    def snapshot(info):
+        params = list(models[0].parameters())
+        seen[info.step] = (info.skipped, [p.detach().clone() for p in params])
+        if info.skipped:
+            assert all(p.grad is None for p in params)  # gradients zeroed
+
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, "train.epochs=1"), options=options(callback=snapshot))
+    assert seen[3][0] and not seen[2][0] and not seen[4][0]
+    for before, after in zip(seen[2][1], seen[3][1], strict=True):
+        assert torch.equal(before, after)
+    lines = read_metrics(out / "metrics.jsonl")
+    assert next(r for r in lines if r["step"] == 3)["skipped_steps"] == 1
+    assert next(r for r in lines if r["step"] == 3)["train_loss"] is None
+    assert next(r for r in lines if r["kind"] == "epoch")["skipped_steps"] == 1
+
+
+def test_too_many_consecutive_non_finite_steps_stop_with_advice(corpus, tmp_path, monkeypatch):
+    poison(monkeypatch, set(range(4, 100)))
+    out = tmp_path / "run"
+    config = tiny_config(corpus, out, "train.epochs=1", "train.max_nonfinite_skips=3")
+    with pytest.raises(TrainingError) as error:
+        train(config, options=options(checkpoint_every=2))
+    message = str(error.value)
+    assert "step 7" in message and "train.max_nonfinite_skips = 3" in message
+    assert "--train.lr=2.5" in message and "train.clip" in message
+    # last.pt is from step 6: three skipped steps left the weights finite and as they were.
+    assert load_checkpoint(out / "checkpoints/last.pt")["training"]["progress"]["step"] == 6
+
+
+# ---- evaluation, finetuning, load_run ---------------------------------------------------------
+
+
+def test_best_checkpoint_reproduces_its_validation_loss_through_load_run(corpus, tmp_path):
+    out = tmp_path / "run"
+    result = train(tiny_config(corpus, out, "train.epochs=2"), options=QUIET)
+    model, config, vocab = load_run(out)
+    assert not model.training and len(vocab) == 31 and config.train.epochs == 2
+    from highrank.data import load_corpus
+
+    valid = load_corpus(corpus).batchify("valid", config.train.eval_batch_size)
+    assert evaluate_loss(model, valid, config.train.bptt) == result.best_val_loss
+
+
+def test_finetune_restarts_averaged_sgd_from_best_and_saves_improvements(
+    corpus, tmp_path, monkeypatch
+):
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, "train.epochs=2"), options=QUIET)
+    best_loss = load_checkpoint(out / "checkpoints/best.pt")["training"]["progress"]
+    # Finetune validation: better at epoch 1, then never better than min(history[:-1]).
+    crafted = iter([best_loss["best_val_loss"] - 1.0, 100.0, 100.0, 100.0, 100.0])
+    monkeypatch.setattr(train_module, "evaluate_loss", lambda *a, **k: next(crafted))
+    result = finetune(out, overrides=["finetune.epochs=5", "train.nonmono=1"], options=QUIET)
+    assert result.stage == "finetune" and result.stop_reason == "nonmono"
+    assert result.epochs_completed == 3 and result.best_epoch == 1
+    lines = read_metrics(out / "metrics.jsonl", "epoch")
+    finetuned = [r for r in lines if r["stage"] == "finetune"]
+    assert [r["stopped"] for r in finetuned] == [False, False, True]
+    assert all(r["phase"] == "asgd" and r["lr"] == 30.0 for r in finetuned)
+    saved = load_checkpoint(out / "checkpoints/finetuned.pt")
+    assert saved["kind"] == "finetuned" and saved["training"]["progress"]["best_epoch"] == 1
+    model, _, _ = load_run(out, "finetuned")
+    assert model.backbone.vocab_size == 31
+    with pytest.raises(Exception, match="already finetuned.*--resume"):
+        finetune(out, options=QUIET)
+
+
+def test_finetune_resumes_exactly(corpus, tmp_path):
+    for name in ("a", "b"):
+        train(tiny_config(corpus, tmp_path / name, "train.epochs=1"), options=QUIET)
+    finetune(tmp_path / "a", overrides=["finetune.epochs=2"], options=QUIET)
+    finetune(tmp_path / "b", overrides=["finetune.epochs=2"], options=options(max_steps=40))
+    finetune(tmp_path / "b", resume=True, options=QUIET)
+    assert trajectory(tmp_path / "a") == trajectory(tmp_path / "b")
