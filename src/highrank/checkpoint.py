@@ -27,7 +27,8 @@ and None, so ``torch.load(path, weights_only=True)`` reads it (no pickled classe
 
 Writing (:func:`save_checkpoint`) goes to a temporary file in the same directory, is flushed
 and fsynced, replaces the target with ``os.replace`` and then fsyncs the directory, so a crash
-leaves either the old or the new file, never a partial one. With ``keep_previous`` the file
+leaves either the old or the new file, never a partial one. A sha256 of the contents is stored
+under ``"digest"`` and checked on load. With ``keep_previous`` the file
 being replaced is kept as ``<name>.prev.pt``. A checkpoint with a NaN or inf in any floating
 tensor is refused (:class:`NonFiniteCheckpointError`): the previous file stays.
 
@@ -46,6 +47,7 @@ the ASGD switch) and the run's ``vocab.json``, and returns the model in eval mod
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import tempfile
@@ -104,11 +106,12 @@ def save_checkpoint(
     """
     path = Path(path)
     check_finite(payload, path)
+    payload = {**payload, "digest": content_digest(payload)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(dict(payload), handle)
+            torch.save(payload, handle)
             handle.flush()
             os.fsync(handle.fileno())
         # A torch.save file is a zip: a file without a readable zip directory is no "good" one.
@@ -161,6 +164,37 @@ def _floating_tensors(value: Any, where: str) -> Iterator[tuple[str, torch.Tenso
             yield from _floating_tensors(item, f"{where}[{index}]")
 
 
+def content_digest(payload: Mapping[str, Any]) -> str:
+    """sha256 over every key path, value and tensor byte of ``payload`` (but its "digest").
+
+    Stored in the file and checked on load: torch's zip reader does not verify its CRCs, so a
+    flipped byte inside a tensor would otherwise load silently.
+    """
+    digest = hashlib.sha256()
+    for where, value in _leaves({k: v for k, v in payload.items() if k != "digest"}, ""):
+        digest.update(where.encode())
+        if isinstance(value, torch.Tensor):
+            flat = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{flat.dtype}{tuple(value.shape)}".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+def _leaves(value: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """(key path, value) for every non-container value, in order."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _leaves(item, f"{where}[{key!r}]")
+    elif isinstance(value, list | tuple):
+        yield where, type(value).__name__  # a list and a tuple differ
+        for index, item in enumerate(value):
+            yield from _leaves(item, f"{where}[{index}]")
+    else:
+        yield where, value
+
+
 # ---- reading ----------------------------------------------------------------------------------
 
 
@@ -182,6 +216,11 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"(last.prev.pt, best.pt) or restart"
         ) from None
     _check_payload(payload, path)
+    if "digest" in payload and payload["digest"] != content_digest(payload):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted: its contents do not match the checksum written "
+            f"with them; use another checkpoint of the run (last.prev.pt, best.pt) or restart"
+        )
     return payload
 
 

@@ -256,3 +256,25 @@ def test_high_rank_heads_exceed_three_times_d(name, knobs):
         head.weight.normal_()
     rank = press_rank(_log_prob_matrix(head, 500, D, 2.0))
     assert rank > 3 * D
+
+
+def test_plif_hand_written_backward_passes_gradcheck():
+    head = _plif(n_pieces=30).double()
+    z = (3 * torch.randn(40, dtype=torch.float64)).requires_grad_(True)  # inside and beyond
+    torch.autograd.gradcheck(lambda logits, theta: head.transform(logits), (z, head.slope_logits))
+
+
+def test_plif_backward_is_deterministic_with_several_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        head = build_head("plif", d_in=8, vocab_size=256, n_pieces=1000)
+        hidden = torch.randn(256, 8)
+        grads = set()
+        for _ in range(5):
+            head.zero_grad()
+            head.log_prob(hidden).logsumexp(0).sum().backward()
+            grads.add(head.slope_logits.grad.numpy().tobytes())
+        assert len(grads) == 1
+    finally:
+        torch.set_num_threads(threads)

@@ -69,16 +69,8 @@ class PiecewiseLinearSoftmax(PointwiseSoftmax):
         return F.softplus(self.slope_logits)
 
     def transform(self, logits: torch.Tensor) -> torch.Tensor:
-        slopes = self.slopes()
-        rise = slopes * self.piece_width  # (P,) increase of f across each piece
-        # f at the left knot of every piece, anchored f(low) = low so that unit slopes give
-        # the identity. Summed in float64: 100,000 float32 terms would drift visibly.
-        left_value = self.low + (torch.cumsum(rise.double(), 0) - rise.double()).to(rise.dtype)
-        position = (logits - self.low) / self.piece_width  # in units of pieces
-        # Out-of-range logits use the edge pieces, whose lines extend linearly.
-        piece = position.detach().floor().clamp_(0, self.n_pieces - 1)
-        index = piece.long()
-        return left_value[index] + rise[index] * (position - piece)
+        rise = self.slopes() * self.piece_width  # (P,) increase of f across each piece
+        return piecewise_linear(logits, rise, self.low, self.piece_width)
 
     def parameter_groups(self, lr: float) -> list[dict]:
         slope_params = [self.slope_logits] if self.learn_slopes else []
@@ -94,3 +86,52 @@ class PiecewiseLinearSoftmax(PointwiseSoftmax):
             f"{super().extra_repr()}, n_pieces={self.n_pieces}, range=[{self.low}, {self.high}], "
             f"learn_slopes={self.learn_slopes}"
         )
+
+
+def piecewise_linear(logits: torch.Tensor, rise: torch.Tensor, low: float, width: float):
+    """The continuous piecewise-linear f with pieces of ``width`` from ``low``, piece j rising
+    by ``rise[j]``, anchored at f(low) = low, applied to every logit; linear beyond the range
+    with the edge slopes."""
+    return _PiecewiseLinear.apply(logits, rise, low, width)
+
+
+def _locate(logits: torch.Tensor, low: float, width: float, n_pieces: int):
+    """Piece index (no gradient) and position within the piece in [0, 1) (beyond the range:
+    below 0 or above 1, so the edge pieces extend linearly)."""
+    position = (logits - low) / width  # in units of pieces
+    piece = position.floor().clamp_(0, n_pieces - 1)
+    return piece.long(), position - piece
+
+
+class _PiecewiseLinear(torch.autograd.Function):
+    """Forward and backward written out, so that backward keeps only the logits (4 bytes per
+    logit instead of ~20 for autograd's gathers) and sums the slope gradients with
+    ``bincount``, which is deterministic where a scatter-add of many logits into few pieces is
+    not (and is faster)."""
+
+    @staticmethod
+    def forward(ctx, logits, rise, low, width):
+        # f at the left knot of every piece; summed in float64, as 100,000 float32 terms
+        # would drift visibly.
+        left_value = low + (torch.cumsum(rise.double(), 0) - rise.double()).to(rise.dtype)
+        index, offset = _locate(logits, low, width, rise.shape[0])
+        ctx.save_for_backward(logits, rise)
+        ctx.low, ctx.width = low, width
+        return left_value[index] + rise[index] * offset
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, rise = ctx.saved_tensors
+        index, offset = _locate(logits, ctx.low, ctx.width, rise.shape[0])
+        grad_logits = grad * (rise / ctx.width)[index] if ctx.needs_input_grad[0] else None
+        grad_rise = None
+        if ctx.needs_input_grad[1]:
+            # d f / d rise_j = offset on piece j itself, 1 on every piece to its right.
+            flat_index = index.reshape(-1)
+            on_piece = torch.bincount(
+                flat_index, (grad * offset).reshape(-1).double(), rise.numel()
+            )
+            per_piece = torch.bincount(flat_index, grad.reshape(-1).double(), rise.numel())
+            to_the_right = per_piece.sum() - torch.cumsum(per_piece, 0)
+            grad_rise = (on_piece + to_the_right).to(rise.dtype)
+        return grad_logits, grad_rise, None, None
