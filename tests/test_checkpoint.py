@@ -120,6 +120,12 @@ def test_truncated_checkpoint_is_a_clear_error_naming_the_file(tmp_path):
         load_checkpoint(path)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "missing.pt")
+    save_checkpoint(payload(w=torch.zeros(1000)), path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: torch's zip reader does not notice
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"last\.pt.*corrupted"):
+        load_checkpoint(path)
     torch.save({"hello": 1}, tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="not a highrank checkpoint"):
         load_checkpoint(tmp_path / "other.pt")
@@ -181,8 +187,8 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
 def test_evaluation_state_dict_holds_the_asgd_averages_themselves():
     model = torch.nn.Linear(2, 2)
     optimizer = switch_to_asgd(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in evaluation_state_dict(
-        model, optimizer).items())  # fmt: skip
+    before = evaluation_state_dict(model, optimizer)  # no averages yet: the plain weights
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in before.items())
     for _ in range(3):
         optimizer.zero_grad()
         model(torch.ones(1, 2)).sum().backward()

@@ -146,8 +146,8 @@ def straight_run(corpus, tmp_path) -> Path:
 
 
 def epoch_end_step(run_dir: Path, epoch: int) -> int:
-    return next(r["step"] for r in read_metrics(run_dir / "metrics.jsonl", "epoch")
-                if r["epoch"] == epoch)  # fmt: skip
+    lines = read_metrics(run_dir / "metrics.jsonl", "epoch")
+    return next(r["step"] for r in lines if r["epoch"] == epoch)
 
 
 @pytest.mark.parametrize("stop", ["mid-epoch", "epoch-end", "after-switch"])
@@ -161,12 +161,30 @@ def test_interrupted_and_resumed_run_is_bit_identical(straight_run, corpus, tmp_
     assert second.stop_reason == "epochs" and second.phase == "asgd"
     assert trajectory(out) == trajectory(straight_run)
     for name in ("last.pt", "best.pt"):
-        assert_same_weights(weights(out / "checkpoints" / name), weights(
-            straight_run / "checkpoints" / name))  # fmt: skip
+        ours, straight = out / "checkpoints" / name, straight_run / "checkpoints" / name
+        assert_same_weights(weights(ours), weights(straight))
     assert_same_weights(
         weights(out / "checkpoints/last.pt", "optimizer")["state"][0],
         weights(straight_run / "checkpoints/last.pt", "optimizer")["state"][0],
     )
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        ["head.name=mos", "head.n_components=2"],  # latent dropout: draws from the torch RNG
+        ["head.name=mixtape", "head.gate_dim=3", "head.gate_noise=0.1", "head.gate_dropout=0.2"],
+        ["head.name=plif", "head.n_pieces=50"],  # slopes in their own parameter group
+    ],
+    ids=lambda head: head[0].removeprefix("head.name="),
+)
+def test_resume_is_bit_identical_for_stochastic_and_grouped_heads(corpus, tmp_path, head):
+    overrides = ("train.epochs=2", "train.optimizer=et-asgd", "train.switch_epoch=1", *head)
+    train(tiny_config(corpus, tmp_path / "straight", *overrides), options=QUIET)
+    out = tmp_path / "interrupted"
+    train(tiny_config(corpus, out, *overrides), options=options(max_steps=40))
+    resume(out, options=QUIET)
+    assert trajectory(out) == trajectory(tmp_path / "straight")
 
 
 def test_a_crash_resumes_from_the_periodic_checkpoint_exactly(straight_run, corpus, tmp_path):
@@ -341,3 +359,69 @@ def test_finetune_resumes_exactly(corpus, tmp_path):
     finetune(tmp_path / "b", overrides=["finetune.epochs=2"], options=options(max_steps=40))
     finetune(tmp_path / "b", resume=True, options=QUIET)
     assert trajectory(tmp_path / "a") == trajectory(tmp_path / "b")
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def cli_overrides(corpus: Path, out: Path) -> list[str]:
+    return [f"--data.dir={corpus}", f"--run.out_dir={out}", *(f"--{o}" for o in TINY)]
+
+
+def test_cli_train_resume_and_finetune_on_a_tiny_corpus(corpus, tmp_path, capsys):
+    from highrank.cli import main
+
+    out = tmp_path / "run"
+    config = tmp_path / "tiny.toml"
+    config.write_text('[head]\nname = "softmax"\n\n[train]\nepochs = 3\n')
+    args = ["train", str(config), *cli_overrides(corpus, out), "--train.epochs=1"]
+    assert main([*args, "--no-progress", "--max-steps", "5"]) == 0
+    assert "stopped at --max-steps" in capsys.readouterr().out
+    assert load_config(out / "config.toml").train.epochs == 1  # the override beat the file
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    assert "all epochs done after 1 epoch(s)" in capsys.readouterr().out
+    command = (out / "command.txt").read_text().splitlines()
+    assert command[0].startswith(f"highrank train {config} --data.dir=")
+    assert command[0].endswith("--train.epochs=1 --max-steps 5")
+    assert command[1] == f"highrank train --resume {out}"
+    assert main(["finetune", str(out), "--finetune.epochs=1", "--no-progress"]) == 0
+    assert "finetune: all epochs done after 1 epoch(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--train.lr=-1"], ["train.lr = -1.0", "out of range"]),
+        (["--head.n_components=3"], ["'softmax' has no knob 'n_components'"]),
+        (["--data.dir=/nonexistent/corpus"], ["/nonexistent/corpus does not exist"]),
+    ],
+)
+def test_cli_train_reports_bad_input_in_one_line_with_status_2(
+    corpus, tmp_path, capsys, argv, words
+):
+    from highrank.cli import main
+
+    base = cli_overrides(corpus, tmp_path / "run")
+    code = main(["train", str(write_toml(tmp_path)), *base, *argv, "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("highrank train: error: ") and len(err.strip().splitlines()) == 1
+    for word in words:
+        assert word in err
+
+
+def write_toml(tmp_path: Path) -> Path:
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    return path
+
+
+def test_cli_train_needs_exactly_one_of_config_and_resume(tmp_path, capsys):
+    from highrank.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train"])
+    assert exit_info.value.code == 2
+    assert "either CONFIG" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err

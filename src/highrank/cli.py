@@ -241,6 +241,233 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# ---- train, finetune, config show ------------------------------------------------------------
+
+
+class _Override(argparse.Action):
+    """``--section.key=value`` (or ``--section.key value``) appended to ``args.overrides`` in
+    command-line order, for :func:`highrank.config.load_config`."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        overrides = list(getattr(namespace, "overrides", None) or [])
+        overrides.append(f"{option_string.removeprefix('--')}={values}")
+        namespace.overrides = overrides
+
+
+def _config_keys() -> list[str]:
+    """Every dotted config key, head knobs of every head included."""
+    import dataclasses
+
+    from highrank.config import MODEL_SET_KNOBS, SECTIONS
+    from highrank.heads import HEADS, head_knobs
+
+    keys = ["head.name"]
+    for section, schema in SECTIONS.items():
+        if section != "head":
+            keys += [f"{section}.{f.name}" for f in dataclasses.fields(schema)]
+    knobs = {k for name in HEADS for k in head_knobs(name) if k not in MODEL_SET_KNOBS}
+    return keys + [f"head.{k}" for k in sorted(knobs)]
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    """One ``--section.key`` option per config key (hidden from --help, listed in the epilog)."""
+    for key in _config_keys():
+        parser.add_argument(f"--{key}", action=_Override, dest="overrides", help=argparse.SUPPRESS)
+    parser.set_defaults(overrides=[])
+    parser.epilog = (
+        "Any config key can be overridden as --section.key=value (e.g. --train.lr=20 "
+        "--head.name=mos --run.out_dir=runs/x); `highrank config show` prints them all."
+    )
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    from highrank.train import CHECKPOINT_EVERY
+
+    parser.add_argument(
+        "--max-steps",
+        type=positive_int,
+        help="stop after this many steps in total, saving last.pt (resume continues exactly)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=CHECKPOINT_EVERY,
+        help="steps between saves of checkpoints/last.pt, besides every epoch end "
+        "(default %(default)s)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def _train_options(args: argparse.Namespace):
+    from highrank.train import TrainOptions
+
+    return TrainOptions(
+        max_steps=args.max_steps,
+        checkpoint_every=args.checkpoint_every,
+        progress=not args.no_progress,
+    )
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """Errors in what the user gave (config, corpus, run directory): exit status 2."""
+    from highrank.checkpoint import CheckpointError
+    from highrank.config import ConfigError
+    from highrank.data import CorpusError
+    from highrank.runs import RunDirError
+
+    return ConfigError, CorpusError, CheckpointError, RunDirError
+
+
+def _guarded(verb: str, job: Callable[[], int]) -> int:
+    """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130."""
+    from highrank.checkpoint import NonFiniteCheckpointError
+    from highrank.train import TrainingError
+
+    try:
+        return job()
+    except (TrainingError, NonFiniteCheckpointError) as error:
+        print(f"highrank {verb}: stopped: {error}", file=sys.stderr)
+        return 1
+    except _input_errors() as error:
+        print(f"highrank {verb}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"highrank {verb}: interrupted; continue from the last checkpoint with --resume",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML experiment file (see configs/)")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint, exactly (no CONFIG)",
+    )
+    _add_run_options(parser)
+    _add_overrides(parser)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from highrank import train as training
+    from highrank.config import load_config
+
+    if (args.config is None) == (args.resume is None):
+        args.parser.error("give either CONFIG (a new run) or --resume RUN_DIR, not both")
+    command = ["highrank", "train", *([args.config] if args.config else [])]
+    command += [*(["--resume", args.resume] if args.resume else []), *_flags(args)]
+
+    def job() -> int:
+        options = _train_options(args)
+        if args.resume:
+            kwargs = {"overrides": args.overrides, "options": options, "command": command}
+            result = training.resume(args.resume, **kwargs)
+        else:
+            config = load_config(args.config, args.overrides)
+            result = training.train(config, options=options, command=command)
+        print(_result_line(result))
+        return 0
+
+    return _guarded("train", job)
+
+
+def _flags(args: argparse.Namespace) -> list[str]:
+    """The options of a train / finetune command line, for command.txt."""
+    from highrank.train import CHECKPOINT_EVERY
+
+    words = [f"--{text}" for text in args.overrides]
+    if args.max_steps is not None:
+        words += ["--max-steps", str(args.max_steps)]
+    if args.checkpoint_every != CHECKPOINT_EVERY:
+        words += ["--checkpoint-every", str(args.checkpoint_every)]
+    return words
+
+
+def _result_line(result) -> str:
+    how = {"epochs": "all epochs done", "nonmono": "stopped by the non-monotone rule"}
+    how["max_steps"] = "stopped at --max-steps (continue with --resume)"
+    best = (
+        f"best validation perplexity {result.best_val_ppl:.2f} (epoch {result.best_epoch})"
+        if result.best_epoch
+        else "no validation improvement"
+    )
+    return (
+        f"{result.stage}: {how.get(result.stop_reason, result.stop_reason)} after "
+        f"{result.epochs_completed} epoch(s), {result.steps} steps; {best}; "
+        f"run directory {result.run_dir}"
+    )
+
+
+def _finetune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `highrank train`")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue an interrupted finetuning exactly"
+    )
+    _add_run_options(parser)
+    _add_overrides(parser)
+
+
+def _run_finetune(args: argparse.Namespace) -> int:
+    from highrank import train as training
+
+    command = ["highrank", "finetune", args.run_dir, *(["--resume"] if args.resume else [])]
+    command += _flags(args)
+
+    def job() -> int:
+        result = training.finetune(
+            args.run_dir,
+            resume=args.resume,
+            overrides=args.overrides,
+            options=_train_options(args),
+            command=command,
+        )
+        print(_result_line(result))
+        return 0
+
+    return _guarded("finetune", job)
+
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action", choices=["show"], help="show: the resolved config and its parameter count"
+    )
+    parser.add_argument("config", nargs="?", help="TOML experiment file (default: the defaults)")
+    parser.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        help="vocabulary size for the parameter count (default: read the corpus at data.dir; "
+        "PTB 10000, WikiText-2 33278)",
+    )
+    _add_overrides(parser)
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from highrank.config import ConfigError, dump_toml, load_config
+    from highrank.train import corpus_vocab_size, parameter_count
+
+    def job() -> int:
+        config = load_config(args.config, args.overrides)
+        vocab_size, source = args.vocab_size, "--vocab-size"
+        if vocab_size is None:
+            if not Path(config.data.dir).is_dir():
+                raise ConfigError(
+                    f"cannot count the parameters: data.dir = {config.data.dir!r} is not a "
+                    "directory; pass --vocab-size N (PTB 10000, WikiText-2 33278) or "
+                    "--data.dir=PATH to the corpus"
+                )
+            vocab_size, source = corpus_vocab_size(config), f"the corpus at {config.data.dir}"
+        print(dump_toml(config), end="")
+        print(f"\n# vocabulary size {vocab_size} ({source}); model built on the meta device")
+        print(f"parameters: {parameter_count(config, vocab_size)}")
+        return 0
+
+    return _guarded("config show", job)
+
+
 VERBS: list[Verb] = [
     Verb(
         "demo",
@@ -259,6 +486,24 @@ VERBS: list[Verb] = [
         "benchmark the heads' time and peak memory against a naive softmax",
         _bench_arguments,
         _run_bench,
+    ),
+    Verb(
+        "train",
+        "train a language model from a TOML config (or --resume a run exactly)",
+        _train_arguments,
+        _run_train,
+    ),
+    Verb(
+        "finetune",
+        "finetune a trained run: averaged SGD restarted from its best checkpoint",
+        _finetune_arguments,
+        _run_finetune,
+    ),
+    Verb(
+        "config",
+        "show a resolved config and its parameter count",
+        _config_arguments,
+        _run_config,
     ),
 ]
 

@@ -1,0 +1,108 @@
+"""configs/: every recipe loads and validates; paper recipes have the published parameter counts;
+``highrank config show`` prints the resolved config and the parameter count."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from highrank.config import SECTIONS, load_config
+from highrank.heads import HEADS
+from highrank.train import parameter_count
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ALL = sorted(CONFIGS.glob("*/*.toml"))
+VOCAB = {"ptb": 10_000, "wt2": 33_278}  # read from no file: the published sizes
+DATA_DIR = {"ptb": "../shared/data/ptb", "wt2": "../shared/data/wikitext-2"}
+
+# Published parameter counts (millions): Merity et al. 2018 (AWD-LSTM), Yang et al. 2018 (MoS),
+# Ganea et al. 2019 (LMS-PLIF).
+PUBLISHED = {
+    "ptb/awd-lstm-softmax": 24.22,
+    "ptb/awd-lstm-mos": 21.50,
+    "ptb/awd-lstm-plif": 24.32,
+    "wt2/awd-lstm-softmax": 33.55,
+    "wt2/awd-lstm-mos": 34.90,
+}
+
+
+def name_of(path: Path) -> str:
+    return f"{path.parent.name}/{path.stem}"
+
+
+def test_there_is_a_paper_recipe_per_head_and_dataset_and_a_small_one_per_head():
+    names = {name_of(p) for p in ALL}
+    for head in HEADS:
+        assert {f"ptb/awd-lstm-{head}", f"wt2/awd-lstm-{head}", f"ptb/small-{head}"} <= names
+
+
+@pytest.mark.parametrize("path", ALL, ids=name_of)
+def test_every_config_loads_validates_and_names_its_head_and_data(path):
+    config = load_config(path)
+    dataset = path.parent.name
+    assert config.data.dir == DATA_DIR[dataset]
+    assert path.stem.endswith(f"-{config.head.name}")
+    assert config.run.out_dir == f"runs/{dataset}/{path.stem}"
+    # Every table of the file is a real section; nothing silently defaulted by a typo.
+    assert set(tomllib.loads(path.read_text())) <= set(SECTIONS)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_paper_recipes_have_the_published_parameter_counts(name):
+    config = load_config(CONFIGS / f"{name}.toml")
+    count = parameter_count(config, VOCAB[name.split("/")[0]])
+    published = PUBLISHED[name] * 1e6
+    assert abs(count - published) / published < 0.01, f"{name}: {count:,} vs {published:,.0f}"
+
+
+def test_small_recipes_are_small():
+    for path in CONFIGS.glob("ptb/small-*.toml"):
+        assert parameter_count(load_config(path), VOCAB["ptb"]) < 6e6, path.name
+
+
+# ---- highrank config show ---------------------------------------------------------------------
+
+
+def test_config_show_prints_the_resolved_toml_and_the_parameter_count(capsys, tmp_path):
+    from highrank.cli import main
+
+    path = CONFIGS / "ptb/awd-lstm-mos.toml"
+    overrides = ["--data.dir=/nowhere", "--train.lr=25"]
+    assert main(["config", "show", str(path), *overrides, "--vocab-size", "10000"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: 21500620" in out.splitlines()
+    toml_part = out.split("\n# vocabulary size")[0]
+    shown = tmp_path / "shown.toml"
+    shown.write_text(toml_part)
+    assert load_config(shown) == load_config(path, ["data.dir=/nowhere", "train.lr=25"])
+
+
+def test_config_show_reads_the_vocabulary_size_from_the_corpus(capsys, tmp_path):
+    from highrank.cli import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split in ("train", "valid", "test"):
+        (corpus / f"{split}.txt").write_text("a b c\nd e\n")
+    argv = ["config", "show", f"--data.dir={corpus}", "--model.d_embed=4", "--model.d_hidden=5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "vocabulary size 6 (the corpus at" in out
+    count = int(out.strip().splitlines()[-1].removeprefix("parameters: "))
+    assert count == parameter_count(
+        load_config(None, [f"data.dir={corpus}", "model.d_embed=4", "model.d_hidden=5"]), 6
+    )
+
+
+def test_config_show_without_corpus_or_vocab_size_says_what_to_pass(capsys):
+    from highrank.cli import main
+
+    assert main(["config", "show", "--data.dir=/nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert "'/nowhere' is not a directory" in err and "--vocab-size" in err
+    with pytest.raises(SystemExit) as exit_info:  # an unknown key is an argparse error
+        main(["config", "show", "--train.nope=1"])
+    assert exit_info.value.code == 2
+    assert "--train.nope=1" in capsys.readouterr().err
