@@ -425,3 +425,37 @@ def test_cli_train_needs_exactly_one_of_config_and_resume(tmp_path, capsys):
     assert "either CONFIG" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_cli_eval_and_dynamic_eval_of_a_tiny_run(corpus, tmp_path, capsys):
+    from highrank.cli import main
+    from highrank.data import load_corpus
+    from highrank.evaluate import evaluate_perplexity
+
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, "train.epochs=1"), options=QUIET)
+    nll_file = tmp_path / "nll.tsv"
+    assert (
+        main(["eval", str(out), "--split", "valid", "--no-progress", "--token-nll", str(nll_file)])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    record = json.loads((out / "eval-valid-best.json").read_text())
+    model, _, _ = load_run(out)
+    expected = evaluate_perplexity(model, load_corpus(corpus).valid, batch_size=2, bptt=70)
+    assert record["perplexity"] == pytest.approx(expected.perplexity, rel=1e-9)
+    assert record["batch_size"] == 2  # the run's train.eval_batch_size
+    assert f"perplexity {expected.perplexity:.2f}" in printed
+    assert nll_file.read_text().startswith("position\ttarget\tnll\n")
+
+    assert main(["dynamic-eval", str(out), "--no-progress", "--max-stats-batches", "3"]) == 0
+    dynamic = json.loads((out / "dynamic-eval-test-best.json").read_text())
+    assert dynamic["split"] == "test" and dynamic["lr"] == 0.002 and dynamic["tokens"] > 0
+    assert math.isfinite(dynamic["perplexity"])
+
+
+def test_cli_eval_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
+    from highrank.cli import main
+
+    assert main(["eval", str(tmp_path / "nowhere"), "--no-progress"]) == 2
+    assert "nowhere" in capsys.readouterr().err

@@ -468,6 +468,148 @@ def _run_config(args: argparse.Namespace) -> int:
     return _guarded("config show", job)
 
 
+# ---- eval, dynamic-eval --------------------------------------------------------------------
+
+
+def _add_eval_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `highrank train`")
+    parser.add_argument("--split", choices=["valid", "test"], default="test", help="(test)")
+    parser.add_argument(
+        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
+    )
+    parser.add_argument("--data-dir", help="corpus folder (default: the run's data.dir)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_eval_options(parser)
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help="columns (default: the run's eval_batch_size (10) for valid, test_batch_size (1) "
+        "for test)",
+    )
+    parser.add_argument("--bptt", type=positive_int, default=70, help="segment length (70)")
+    parser.add_argument("--token-nll", help="also write per-token NLL to this .tsv or .npy file")
+
+
+def _load_for_eval(args: argparse.Namespace):
+    """The run's model, config and the ids of ``args.split``, checked against its vocabulary."""
+    from highrank.checkpoint import CheckpointError, load_run
+    from highrank.data import load_corpus
+
+    model, config, vocab = load_run(args.run_dir, args.which)
+    corpus = load_corpus(
+        args.data_dir or config.data.dir, mode=config.data.mode, cache_dir=config.data.cache_dir
+    )
+    if corpus.vocab.words != vocab.words:
+        raise CheckpointError(
+            f"the corpus at {corpus.directory} has a different vocabulary than run "
+            f"{args.run_dir} ({len(corpus.vocab)} vs {len(vocab)} tokens); pass --data-dir"
+        )
+    return model, config, corpus
+
+
+def _report_eval(args: argparse.Namespace, kind: str, result, extra: dict) -> None:
+    import json
+    from pathlib import Path
+
+    record = {
+        "split": args.split,
+        "checkpoint": args.which,
+        "loss": result.loss,
+        "perplexity": result.perplexity,
+        "tokens": result.tokens,
+        **extra,
+    }
+    path = Path(args.run_dir) / f"{kind}-{args.split}-{Path(args.which).stem}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    print(
+        f"{kind} {args.split}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
+        f"over {result.tokens:,} tokens; wrote {path}"
+    )
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    from highrank.evaluate import evaluate_perplexity, write_token_nll
+
+    def job() -> int:
+        model, config, corpus = _load_for_eval(args)
+        default_batch = {
+            "valid": config.train.eval_batch_size,
+            "test": config.train.test_batch_size,
+        }
+        batch_size = args.batch_size or default_batch[args.split]
+        result = evaluate_perplexity(
+            model,
+            corpus.split(args.split),
+            batch_size=batch_size,
+            bptt=args.bptt,
+            progress=not args.no_progress,
+            return_token_nll=bool(args.token_nll),
+            name=str(corpus.path(args.split)),
+        )
+        if args.token_nll:
+            print(f"wrote {write_token_nll(args.token_nll, result, corpus.vocab)}")
+        _report_eval(args, "eval", result, {"batch_size": batch_size, "bptt": args.bptt})
+        return 0
+
+    return _guarded("eval", job)
+
+
+def _dynamic_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_eval_options(parser)
+    for flag, meaning in (("--lr", "eta"), ("--epsilon", "epsilon"), ("--prior-decay", "lambda")):
+        parser.add_argument(flag, type=float, help=f"{meaning} (default: the run's [dynamic_eval])")
+    parser.add_argument(
+        "--max-stats-batches",
+        type=positive_int,
+        help="gradient statistics from only this many training segments (default: all)",
+    )
+
+
+def _run_dynamic_eval(args: argparse.Namespace) -> int:
+    from highrank.evaluate import dynamic_evaluate, gradient_statistics
+
+    def job() -> int:
+        model, config, corpus = _load_for_eval(args)
+        settings = config.dynamic_eval
+        stats = gradient_statistics(
+            model,
+            corpus.train,
+            batch_size=settings.stats_batch_size,
+            bptt=settings.bptt,
+            progress=not args.no_progress,
+            max_batches=args.max_stats_batches,
+            name=str(corpus.path("train")),
+        )
+        knobs = {
+            "lr": settings.lr if args.lr is None else args.lr,
+            "epsilon": settings.epsilon if args.epsilon is None else args.epsilon,
+            "prior_decay": settings.prior_decay if args.prior_decay is None else args.prior_decay,
+        }
+        result = dynamic_evaluate(
+            model,
+            corpus.split(args.split),
+            stats,
+            **knobs,
+            batch_size=settings.batch_size,
+            bptt=settings.bptt,
+            progress=not args.no_progress,
+            name=str(corpus.path(args.split)),
+        )
+        extra = {
+            **knobs,
+            "batch_size": settings.batch_size,
+            "bptt": settings.bptt,
+            "max_stats_batches": args.max_stats_batches,
+        }
+        _report_eval(args, "dynamic-eval", result, extra)
+        return 0
+
+    return _guarded("dynamic-eval", job)
+
+
 VERBS: list[Verb] = [
     Verb(
         "demo",
@@ -504,6 +646,18 @@ VERBS: list[Verb] = [
         "show a resolved config and its parameter count",
         _config_arguments,
         _run_config,
+    ),
+    Verb(
+        "eval",
+        "perplexity of a trained run on a split (hidden state carried)",
+        _eval_arguments,
+        _run_eval,
+    ),
+    Verb(
+        "dynamic-eval",
+        "dynamic evaluation (Krause et al. 2017) of a trained run",
+        _dynamic_eval_arguments,
+        _run_dynamic_eval,
     ),
 ]
 

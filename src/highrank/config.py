@@ -26,7 +26,7 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   holds every knob, defaults filled in, so the written config records them.
 * ``[train]`` batch_size, bptt, max_seq_len_delta, lr, weight_decay, clip, epochs, optimizer
   (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.optim`), nonmono, switch_epoch,
-  seed, eval_batch_size, test_batch_size, log_every, chunk_size (unset: no chunking),
+  seed, eval_batch_size, test_batch_size, log_every, chunk_size (unset: "auto"),
   max_nonfinite_skips.
 * ``[finetune]`` lr, epochs.
 * ``[dynamic_eval]`` lr, epsilon, prior_decay, batch_size, bptt, stats_batch_size (Krause
@@ -148,7 +148,8 @@ class TrainConfig:
         eval_batch_size: validation batch size.
         test_batch_size: test batch size.
         log_every: log every this many training steps.
-        chunk_size: tokens per chunk of the head loss; None (unset): one chunk.
+        chunk_size: tokens per chunk of the head loss; None (unset): "auto", chunks of about
+            2**21 logits (see OutputHead.loss).
         max_nonfinite_skips: steps with a non-finite loss or gradient that may be skipped
             before the run stops with an error.
     """
