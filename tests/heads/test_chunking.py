@@ -94,9 +94,10 @@ def test_chunked_loss_can_be_scaled_and_combined_before_backward(make_head):
 def test_auto_chunking_matches_the_whole_batch(make_head, name, monkeypatch):
     from highrank.heads import base
 
-    monkeypatch.setattr(base, "AUTO_CHUNK_ELEMENTS", 50 * 7)  # 7 tokens of V = 50 per chunk
+    monkeypatch.setattr(base, "AUTO_CHUNK_ELEMENTS", 50 * 7)  # fused: 7 tokens of V = 50
+    monkeypatch.setattr(base, "GENERIC_AUTO_CHUNK_TOKENS", 5)
     head = make_head(name).eval()
-    expected_chunk = 7 // (3 if name == "mos" else 1) or 1
+    expected_chunk = {"softmax": 7, "moc": 7, "mos": 7 // 3}.get(name, 5)
     assert head._resolve_chunk_size("auto", "mean") == expected_chunk
     hidden, target = torch.randn(30, 12), torch.randint(0, 50, (30,))
     auto = _grads(head, hidden, target)  # chunk_size defaults to "auto"

@@ -8,7 +8,7 @@ A head maps hidden states ``[..., d_in]`` to a *normalised* next-token distribut
   of ``target [...]``. With a ``chunk_size`` the flattened tokens are processed
   ``chunk_size`` at a time (see ``highrank.heads.chunking``), so peak memory is about
   ``chunk_size x K x V`` instead of ``N x K x V``; ``None`` processes them all at once, and
-  ``"auto"`` (the default) picks chunks of about ``AUTO_CHUNK_ELEMENTS`` logits.
+  ``"auto"`` (the default) picks the head's ``auto_chunk_tokens()``.
 * ``forward(hidden, target=None)``: ``loss`` with a target (mean), ``log_prob`` without.
 
 Subclasses implement two methods on flattened inputs, ``h: (N, d_in)``:
@@ -38,9 +38,12 @@ from highrank.heads.chunking import (
 from highrank.heads.functional import locked_dropout_mask, widen
 
 _REDUCTIONS = ("mean", "sum", "none")
-# "auto" chunks hold about 2**21 logits (8 MiB in float32): small enough to stay in cache-
-# friendly sizes and bound memory, large enough for efficient matmuls (benchmarks/heads).
+# "auto" chunk sizes, measured in benchmarks/results/heads-*: heads with a fused chunked loss
+# (softmax, MoS, MoC) accumulate parameter gradients in place, so small chunks of about 2**21
+# logits (8 MiB) cost nothing; the generic path allocates a full decoder gradient per chunk,
+# so it takes fewer, larger chunks of 256 tokens.
 AUTO_CHUNK_ELEMENTS = 2**21
+GENERIC_AUTO_CHUNK_TOKENS = 256
 
 
 class OutputHead(nn.Module):
@@ -100,8 +103,8 @@ class OutputHead(nn.Module):
 
         ``reduction`` is "mean" (per token), "sum", or "none" (shape of ``target``).
         ``chunk_size`` bounds the tokens whose ``V``-sized intermediates live at once: an
-        int, None (all at once) or "auto" (chunks of about ``AUTO_CHUNK_ELEMENTS`` logits for
-        scalar losses and for evaluation; per-token losses that need gradients are computed
+        int, None (all at once) or "auto" (``auto_chunk_tokens()`` per chunk for scalar
+        losses and for evaluation; per-token losses that need gradients are computed
         whole, since chunking them costs a recomputation: pass an int to bound their memory).
         """
         if reduction not in _REDUCTIONS:
@@ -136,14 +139,22 @@ class OutputHead(nn.Module):
         if chunk_size == "auto":
             if reduction == "none" and torch.is_grad_enabled():
                 return None
-            return max(1, AUTO_CHUNK_ELEMENTS // self.logits_per_token())
+            return self.auto_chunk_tokens()
         if chunk_size is not None:
             _check_positive_int("chunk_size", chunk_size)
         return chunk_size
 
+    def auto_chunk_tokens(self) -> int:
+        """Tokens per chunk under ``chunk_size="auto"``."""
+        return GENERIC_AUTO_CHUNK_TOKENS
+
     def logits_per_token(self) -> int:
         """How many vocabulary-sized values one token's loss materialises (K x V for MoS)."""
         return self.vocab_size
+
+    def fused_auto_chunk_tokens(self) -> int:
+        """Chunks of about ``AUTO_CHUNK_ELEMENTS`` logits, for heads with a fused chunked loss."""
+        return max(1, AUTO_CHUNK_ELEMENTS // self.logits_per_token())
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         if target is None:
@@ -172,7 +183,8 @@ class OutputHead(nn.Module):
         self, rows: torch.Tensor, target: torch.Tensor, masks: tuple, chunk_size: int
     ) -> torch.Tensor:
         """Summed NLL, chunked, with gradients computed in the forward pass; heads with a
-        closed-form gradient (softmax, MoS, MoC) override it with a fused version."""
+        closed-form gradient (softmax, MoS, MoC) override it with a fused version (and
+        ``auto_chunk_tokens`` with ``fused_auto_chunk_tokens``)."""
         params = [p for p in self.parameters() if p.requires_grad]
         return gradient_in_forward_nll(self._nll_rows, rows, target, masks, params, chunk_size)
 

@@ -48,6 +48,9 @@ class ContextMixture(OutputHead):
         self.prior = nn.Linear(d_in, n_components, bias=False)
         self.latent = nn.Linear(d_in, n_components * self.d_embed)
 
+    def auto_chunk_tokens(self) -> int:
+        return self.fused_auto_chunk_tokens()
+
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
         width = self.n_components * self.d_embed
         return (self._dropout_mask(hidden, width, self.latent_dropout),)

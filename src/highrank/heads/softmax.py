@@ -65,6 +65,9 @@ class Softmax(PointwiseSoftmax):
         tied_weight: the input embedding Parameter ``(V, d_embed)`` to share as E.
     """
 
+    def auto_chunk_tokens(self) -> int:
+        return self.fused_auto_chunk_tokens()
+
     def _chunked_nll_sum(self, rows, target, masks, chunk_size):
         latents = self._project(rows).unsqueeze(1)  # (N, 1, d_embed)
         return mixture_cross_entropy_sum(latents, None, self.weight, self.bias, target, chunk_size)
