@@ -65,8 +65,15 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory() as scratch:
         rows = [run_recipe(h, Path(args.data), Path(scratch)) for h in args.heads.split(",")]
-    result = {"machine": machine_info("cpu"), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    out = Path(args.out)
+    # Rows of heads not run now are kept, so one recipe can be re-measured on its own.
+    kept = json.loads(out.read_text(encoding="utf-8"))["rows"] if out.is_file() else []
+    fresh = {row["head"] for row in rows}
+    result = {
+        "machine": machine_info("cpu"),
+        "rows": [row for row in kept if row["head"] not in fresh] + rows,
+    }
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(rows, indent=2))
     return 0
 
