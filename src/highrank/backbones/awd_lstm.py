@@ -28,6 +28,7 @@ from highrank.backbones.regularizers import (
     embedding_dropout,
     temporal_activation_regularization,
 )
+from highrank.heads.base import check_positive_int
 
 AWDLSTMState = list[LSTMState]  # one (h, c) per layer, each (1, B, H_layer)
 
@@ -89,7 +90,7 @@ class AWDLSTM(nn.Module):
             ("n_layers", n_layers),
             ("d_last", d_embed if d_last is None else d_last),
         ):
-            _check_positive_int(name, value)
+            check_positive_int(name, value)
         self.vocab_size = vocab_size
         self.d_embed = d_embed
         self.d_last = d_embed if d_last is None else d_last
@@ -139,7 +140,7 @@ class AWDLSTM(nn.Module):
 
     def init_state(self, batch_size: int) -> AWDLSTMState:
         """Zero ``(h, c)`` per layer, each ``(1, batch_size, H_layer)``, on the model's device."""
-        _check_positive_int("batch_size", batch_size)
+        check_positive_int("batch_size", batch_size)
         like = self.embedding.weight
         return [layer.zero_state(batch_size, like) for layer in self.layers]
 
@@ -183,11 +184,6 @@ class AWDLSTM(nn.Module):
                     f"AWDLSTM: state[{i}] has shapes h {tuple(h.shape)}, c {tuple(c.shape)}; "
                     f"expected {expected} each (use init_state({batch_size}))"
                 )
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
 def _check_non_negative(name: str, value: object) -> float:
