@@ -610,6 +610,21 @@ def _run_dynamic_eval(args: argparse.Namespace) -> int:
     return _guarded("dynamic-eval", job)
 
 
+# ---- analysis (highrank.analysis.commands routes each to its module) ------------------------
+
+
+def _analyze_arguments(parser: argparse.ArgumentParser) -> None:
+    from highrank.analysis.commands import analyze_arguments
+
+    analyze_arguments(parser)
+
+
+def _run_analyze(args: argparse.Namespace) -> int:
+    from highrank.analysis.commands import run_analyze
+
+    return _guarded("analyze", lambda: run_analyze(args))
+
+
 VERBS: list[Verb] = [
     Verb(
         "demo",
@@ -658,6 +673,12 @@ VERBS: list[Verb] = [
         "dynamic evaluation (Krause et al. 2017) of a trained run",
         _dynamic_eval_arguments,
         _run_dynamic_eval,
+    ),
+    Verb(
+        "analyze",
+        "measure the bottleneck of trained runs: rank, KL, top-k, word similarity",
+        _analyze_arguments,
+        _run_analyze,
     ),
 ]
 

@@ -1,0 +1,49 @@
+"""The analysis verbs of the command line: ``highrank analyze KIND``, ``compare``, ``report``.
+
+Each analysis module keeps its own command-line glue next to the code it runs, as two
+functions, ``add_arguments(parser)`` and ``run(args) -> exit status``; this module only
+routes to them, so adding an analysis is adding one entry to :data:`ANALYSES`.
+
+    highrank analyze rank runs/ptb-softmax runs/ptb-mos --split test
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# kind -> (module under highrank.analysis, one-line help)
+ANALYSES: dict[str, tuple[str, str]] = {}
+
+
+def _module(name: str):
+    return importlib.import_module(f"highrank.analysis.{name}")
+
+
+def analyze_arguments(parser: argparse.ArgumentParser) -> None:
+    """``highrank analyze KIND ...``: one sub-subcommand per entry of :data:`ANALYSES`."""
+    kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for kind, (module, help_text) in ANALYSES.items():
+        sub = kinds.add_parser(kind, help=help_text, description=help_text)
+        _module(module).add_arguments(sub)
+        sub.set_defaults(analysis_module=module)
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    return _module(args.analysis_module).run(args)
+
+
+def compare_arguments(parser: argparse.ArgumentParser) -> None:
+    _module("significance").add_arguments(parser)
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    return _module("significance").run(args)
+
+
+def report_arguments(parser: argparse.ArgumentParser) -> None:
+    _module("report").add_arguments(parser)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    return _module("report").run(args)

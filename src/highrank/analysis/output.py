@@ -1,0 +1,126 @@
+"""Where analysis results go and how they look: JSON records and plain-text tables.
+
+Every ``highrank analyze`` verb keeps one JSON record per run in ``RUN_DIR/analysis/``
+(:func:`run_record_path`), so ``highrank report`` can assemble them later without recomputing,
+and prints a table a person reads. Records are written atomically (temporary file in the
+same directory, then renamed), so an interrupted analysis never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ANALYSIS_DIR = "analysis"
+
+
+def run_record_path(run_dir: str | os.PathLike, kind: str, tag: str = "") -> Path:
+    """``RUN_DIR/analysis/<kind>[-<tag>].json``: where a run's ``kind`` analysis is kept."""
+    name = f"{kind}-{tag}" if tag else kind
+    return Path(run_dir) / ANALYSIS_DIR / f"{name}.json"
+
+
+def write_json(path: str | os.PathLike, record: Mapping[str, Any]) -> Path:
+    """Write ``record`` as indented JSON, atomically; NumPy scalars and arrays become plain
+    numbers and lists, non-finite floats become null. Returns the path."""
+    path = Path(path)
+    text = json.dumps(_plain(record), indent=2, allow_nan=False) + "\n"
+    write_text_atomic(path, text)
+    return path
+
+
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """A record written by :func:`write_json`; a clear error names a missing or broken file."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}") from None
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def text_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], *, markdown: bool = False
+) -> str:
+    """Rows under headers, columns aligned; numbers right-aligned, floats to 4 significant
+    digits (ints with thousands separators). ``markdown=True`` gives a Markdown table."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    numeric = [
+        all(_is_number(row[i]) for row in rows) if rows else False for i in range(len(headers))
+    ]
+    if markdown:
+        rule = ["---:" if right else "---" for right in numeric]
+        lines = [headers, rule, *cells]
+        return "\n".join("| " + " | ".join(line) + " |" for line in lines) + "\n"
+    widths = [max(len(str(h)), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            value.rjust(width) if right else value.ljust(width)
+            for value, width, right in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)]) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int | np.integer):
+        return f"{int(value):,}"
+    if isinstance(value, float | np.floating):
+        value = float(value)
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:,.0f}"
+    return str(value)
+
+
+def _is_number(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    )
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copy: NumPy/torch scalars and arrays to Python, NaN/inf to None."""
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if isinstance(value, np.ndarray):
+        return _plain(value.tolist())
+    if hasattr(value, "tolist") and not isinstance(value, str):  # torch tensors, numpy scalars
+        return _plain(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, os.PathLike):
+        return str(value)
+    return value
