@@ -1,0 +1,150 @@
+"""Contexts of a corpus as a trained model sees them: the head's input for each position.
+
+A *context* is a prefix ``x_1 .. x_t`` of the token stream; the model summarises it in the
+hidden state ``g_t`` that its output head turns into ``P(. | x_1 .. x_t)``. Every analysis
+that looks at next-token distributions (the log-probability matrix, pairwise KL, top-k) reads
+contexts from :func:`iter_contexts`, which runs the backbone exactly as evaluation does
+(:func:`highrank.evaluate.evaluate_perplexity`): the stream laid out in ``batch_size`` columns,
+segments of ``bptt`` tokens, the hidden state carried, every dropout off.
+
+With ``batch_size=1`` (the papers' test setting, and the default) contexts come in stream
+order: context ``i`` ends at token ``i`` and predicts token ``i + 1``, for ``i = 0 .. N - 2``.
+With more columns they come segment by segment, column-major within a segment; each block
+carries the stream positions so that no analysis has to know the layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from highrank.checkpoint import CheckpointError, load_run
+from highrank.config import Config
+from highrank.data import Vocab, batchify, iter_batches, load_corpus
+from highrank.model import LanguageModel
+
+
+@dataclass(frozen=True, eq=False)
+class ContextBlock:
+    """A block of n contexts.
+
+    Attributes:
+        positions: ``(n,)`` int64, the stream position of each context's last token.
+        targets: ``(n,)`` int64, the token that followed (``ids[position + 1]``).
+        hidden: ``(n, d)`` the head's input for each context.
+    """
+
+    positions: torch.Tensor
+    targets: torch.Tensor
+    hidden: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.positions.numel()
+
+
+@dataclass(frozen=True, eq=False)
+class RunSplit:
+    """A trained run's model with one split of its corpus, ready to read contexts from."""
+
+    run_dir: Path
+    model: LanguageModel
+    config: Config
+    vocab: Vocab
+    ids: torch.Tensor  # (N,) the split's token ids
+    split: str
+    source: str  # the split's file, for messages
+
+
+def load_run_split(
+    run_dir: str | os.PathLike,
+    split: str = "test",
+    *,
+    which: str = "best",
+    data_dir: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+) -> RunSplit:
+    """The model of ``run_dir`` (checkpoint ``which``) and the token ids of ``split``.
+
+    The corpus is the run's ``data.dir`` unless ``data_dir`` names another folder; it must
+    give the same vocabulary the run was trained with (a clear error says otherwise).
+    """
+    model, config, vocab = load_run(run_dir, which, device=device)
+    corpus = load_corpus(
+        data_dir or config.data.dir, mode=config.data.mode, cache_dir=config.data.cache_dir
+    )
+    if corpus.vocab.words != vocab.words:
+        raise CheckpointError(
+            f"the corpus at {corpus.directory} has a different vocabulary than run {run_dir} "
+            f"({len(corpus.vocab)} vs {len(vocab)} tokens); pass the run's corpus as data_dir"
+        )
+    return RunSplit(
+        Path(run_dir), model, config, vocab, corpus.split(split), split, str(corpus.path(split))
+    )
+
+
+def count_contexts(n_tokens: int, batch_size: int = 1) -> int:
+    """How many contexts :func:`iter_contexts` yields for a stream of ``n_tokens``: one per
+    row of each column except the last (which has no next token)."""
+    rows = n_tokens // batch_size
+    return max(rows - 1, 0) * batch_size
+
+
+@torch.no_grad()
+def iter_contexts(
+    model: LanguageModel,
+    ids: torch.Tensor,
+    *,
+    batch_size: int = 1,
+    bptt: int = 70,
+    max_contexts: int | None = None,
+    progress: bool = False,
+    name: str = "token stream",
+) -> Iterator[ContextBlock]:
+    """Blocks of contexts of the stream ``ids``, at most ``max_contexts`` in all.
+
+    The model is put in eval mode for the duration (its training flag is restored after);
+    ``hidden`` is on the model's device, positions and targets on the CPU.
+    """
+    if max_contexts is not None and max_contexts < 1:
+        raise ValueError(f"max_contexts must be a positive int or None; got {max_contexts!r}")
+    device = next(model.parameters()).device
+    source = batchify(ids, batch_size, name=name)  # (T, B)
+    rows = source.shape[0]
+    total = count_contexts(ids.numel(), batch_size)
+    if max_contexts is not None:
+        total = min(total, max_contexts)
+    column_start = torch.arange(batch_size) * rows  # stream position of each column's row 0
+    was_training = model.training
+    model.eval()
+    try:
+        state = model.init_state(batch_size)
+        done = 0
+        with tqdm(total=total, desc="contexts", unit="ctx", disable=not progress) as bar:
+            for index, (tokens, target) in enumerate(iter_batches(source, bptt)):
+                row = index * bptt  # the segment's first row
+                hidden, state, _ = model.backbone(tokens.to(device), state)  # (L, B, d)
+                length = tokens.shape[0]
+                # (L, B) -> column-major rows so that B = 1 is plain stream order.
+                positions = (column_start[None, :] + row + torch.arange(length)[:, None]).t()
+                block = ContextBlock(
+                    positions.reshape(-1),
+                    target.t().reshape(-1),
+                    hidden.transpose(0, 1).reshape(length * batch_size, -1),
+                )
+                take = min(len(block), total - done)
+                if take < len(block):
+                    block = ContextBlock(
+                        block.positions[:take], block.targets[:take], block.hidden[:take]
+                    )
+                yield block
+                done += take
+                bar.update(take)
+                if done >= total:
+                    break
+    finally:
+        model.train(was_training)
