@@ -13,7 +13,9 @@ import argparse
 import importlib
 
 # kind -> (module under highrank.analysis, one-line help)
-ANALYSES: dict[str, tuple[str, str]] = {}
+ANALYSES: dict[str, tuple[str, str]] = {
+    "rank": ("rank_cli", "log-prob matrix, Press and epsilon-effective rank, singular values"),
+}
 
 
 def _module(name: str):

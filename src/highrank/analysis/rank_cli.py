@@ -1,0 +1,280 @@
+"""``highrank analyze rank RUN_DIR...``: each run's log-probability matrix on a split, its
+Press rank, epsilon-effective ranks, singular values and the spectrum plot.
+
+Per run, in ``RUN_DIR/analysis/`` (``TAG`` = split and checkpoint, e.g. ``test-best``, plus
+``-logits`` or ``-first<N>`` when asked):
+
+* ``rank-TAG.json``: the record (shape, Press rank and threshold, effective ranks, timings);
+* ``rank-TAG.singular_values.npy``: every singular value, descending (float64);
+* ``logprob-TAG.npy`` (+ ``.json``, ``.contexts.npz``): the matrix, kept with
+  ``--keep-matrix`` (PTB test: 3.3 GB) and otherwise deleted once its rank is known.
+
+An interrupted run resumes: the matrix is only deleted after success and is reused when its
+record matches, and the Gram matrix is checkpointed in ``rank-TAG.state/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from highrank.analysis.contexts import load_run_split
+from highrank.analysis.logprob_matrix import (
+    MATRIX_KINDS,
+    contexts_path,
+    matrix_record,
+    write_log_prob_matrix,
+)
+from highrank.analysis.output import (
+    ANALYSIS_DIR,
+    read_json,
+    run_record_path,
+    text_table,
+    write_json,
+)
+from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS, GRAM_BACKENDS, rank_report_file
+from highrank.analysis.spectrum import plot_spectrum
+
+
+def rank_tag(
+    split: str, which: str, kind: str = "log_prob", max_contexts: int | None = None
+) -> str:
+    """``test-best``, ``test-best-logits``, ``valid-last-first5000``, ...: names a run's files."""
+    tag = f"{split}-{Path(which).stem}"
+    if kind != "log_prob":
+        tag += f"-{kind}"
+    if max_contexts is not None:
+        tag += f"-first{max_contexts}"
+    return tag
+
+
+def analyze_run(
+    run_dir: str | Path,
+    *,
+    split: str = "test",
+    which: str = "best",
+    data_dir: str | None = None,
+    kind: str = "log_prob",
+    batch_size: int = 1,
+    bptt: int = 70,
+    max_contexts: int | None = None,
+    keep_matrix: bool = False,
+    backend: str = "auto",
+    device: str = "cpu",
+    block_rows: int = 2048,
+    checkpoint_seconds: float = 600.0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Write (or reuse) the run's matrix, compute its rank, save and return the record."""
+    run_dir = Path(run_dir)
+    tag = rank_tag(split, which, kind, max_contexts)
+    folder = run_dir / ANALYSIS_DIR
+    matrix_path = folder / f"logprob-{tag}.npy"
+    settings = {
+        "split": split,
+        "which": which,
+        "kind": kind,
+        "batch_size": batch_size,
+        "bptt": bptt,
+        "max_contexts": max_contexts,
+    }
+    began = time.perf_counter()
+    head = _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress)
+    matrix_seconds = time.perf_counter() - began
+    began = time.perf_counter()
+    report = rank_report_file(
+        matrix_path,
+        block_rows=block_rows,
+        backend=backend,
+        device=device,
+        state_dir=folder / f"rank-{tag}.state",
+        checkpoint_seconds=checkpoint_seconds,
+        progress=progress,
+    )
+    rank_seconds = time.perf_counter() - began
+    values = report.pop("singular_values")
+    values_path = folder / f"rank-{tag}.singular_values.npy"
+    np.save(values_path, values)
+    record = {
+        "run_dir": str(run_dir),
+        "head": head,
+        **settings,
+        **report,
+        "s_max": float(values[0]),
+        "singular_values_file": values_path.name,
+        "matrix_seconds": round(matrix_seconds, 2),
+        "rank_seconds": round(rank_seconds, 2),
+        "backend": backend,
+        "device": device,
+    }
+    write_json(run_record_path(run_dir, "rank", tag), record)
+    if not keep_matrix:
+        for path in (matrix_path, matrix_path.with_suffix(".json"), contexts_path(matrix_path)):
+            path.unlink(missing_ok=True)
+    return record
+
+
+def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -> str:
+    """Reuse ``matrix_path`` when it was written with ``settings``; write it otherwise.
+    Returns the head's name."""
+    if matrix_path.is_file() and matrix_path.with_suffix(".json").is_file():
+        existing = matrix_record(matrix_path)
+        if all(existing.get(key) == value for key, value in settings.items()):
+            return existing["head_name"]
+    loaded = load_run_split(
+        run_dir, settings["split"], which=settings["which"], data_dir=data_dir, device=device
+    )
+    if progress:
+        print(f"{run_dir}: writing the {settings['kind']} matrix of {loaded.source}")
+    write_log_prob_matrix(
+        matrix_path,
+        loaded.model,
+        loaded.ids,
+        kind=settings["kind"],
+        batch_size=settings["batch_size"],
+        bptt=settings["bptt"],
+        max_contexts=settings["max_contexts"],
+        progress=progress,
+        source=loaded.source,
+        metadata={**settings, "run_dir": str(run_dir), "head_name": loaded.config.head.name},
+    )
+    return loaded.config.head.name
+
+
+def run_label(record: dict[str, Any]) -> str:
+    """``<run folder> (<head>)``: how a run is named in tables and legends."""
+    return f"{Path(record['run_dir']).name} ({record['head']})"
+
+
+def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    """One row per run: contexts x vocabulary, Press rank, effective ranks, s_max, seconds."""
+    epsilons = [str(eps) for eps in EFFECTIVE_RANK_EPSILONS]
+    headers = [
+        "run",
+        "matrix",
+        "Press rank",
+        *[f"eff. rank {e}" for e in epsilons],
+        "s_max",
+        "seconds",
+    ]
+    rows = [
+        [
+            run_label(r),
+            f"{r['shape'][0]:,} x {r['shape'][1]:,}",
+            r["press_rank"],
+            *[r["effective_rank"][e] for e in epsilons],
+            r["s_max"],
+            r["matrix_seconds"] + r["rank_seconds"],
+        ]
+        for r in records
+    ]
+    return text_table(headers, rows, markdown=markdown)
+
+
+def write_spectrum(records: list[dict[str, Any]], path: Path) -> Path:
+    """The spectrum plot of runs whose singular values were saved beside their records."""
+    curves, thresholds = {}, {}
+    for record in records:
+        folder = Path(record["run_dir"]) / ANALYSIS_DIR
+        label = run_label(record)
+        curves[label] = np.load(folder / record["singular_values_file"])
+        thresholds[label] = record["press_threshold"] / record["s_max"]
+    return plot_spectrum(curves, path, press_thresholds=thresholds)
+
+
+# ---- command line (wired into `highrank analyze rank` by analysis/commands.py) ------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs of `highrank train`")
+    parser.add_argument(
+        "--split", choices=["train", "valid", "test"], default="test", help="(test)"
+    )
+    parser.add_argument(
+        "--which", default="best", help="checkpoint: best, last, finetuned, or a .pt path (best)"
+    )
+    parser.add_argument("--data-dir", help="corpus folder (default: the run's data.dir)")
+    parser.add_argument(
+        "--kind",
+        choices=MATRIX_KINDS,
+        default="log_prob",
+        help="log_prob, or the transformed logits of the softmax family (log_prob)",
+    )
+    parser.add_argument(
+        "--max-contexts",
+        type=_positive_int,
+        help="only the first N contexts (default: the whole split)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1,
+        help="columns the split is read in (1: stream order, as the papers)",
+    )
+    parser.add_argument("--bptt", type=_positive_int, default=70, help="segment length (70)")
+    parser.add_argument(
+        "--keep-matrix",
+        action="store_true",
+        help="keep the matrix .npy in RUN_DIR/analysis (default: delete it)",
+    )
+    parser.add_argument("--backend", choices=GRAM_BACKENDS, default="auto", help="(auto)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    parser.add_argument(
+        "--block-rows", type=_positive_int, default=2048, help="rows read at a time (2048)"
+    )
+    parser.add_argument(
+        "--checkpoint-minutes",
+        type=float,
+        default=10.0,
+        help="minutes between Gram-matrix checkpoints (10)",
+    )
+    parser.add_argument("--out", help="also write rank.json, rank.md and spectrum.png here")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    records = []
+    for run_dir in args.run_dirs:
+        record = analyze_run(
+            run_dir,
+            split=args.split,
+            which=args.which,
+            data_dir=args.data_dir,
+            kind=args.kind,
+            batch_size=args.batch_size,
+            bptt=args.bptt,
+            max_contexts=args.max_contexts,
+            keep_matrix=args.keep_matrix,
+            backend=args.backend,
+            device=args.device,
+            block_rows=args.block_rows,
+            checkpoint_seconds=args.checkpoint_minutes * 60,
+            progress=not args.no_progress,
+        )
+        records.append(record)
+        tag = rank_tag(args.split, args.which, args.kind, args.max_contexts)
+        print(f"wrote {run_record_path(run_dir, 'rank', tag)}")
+    print(summary_table(records), end="")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "rank.json", {"runs": records})
+        (out / "rank.md").write_text(summary_table(records, markdown=True), encoding="utf-8")
+        plot = write_spectrum(records, out / "spectrum.png")
+        print(f"wrote {out / 'rank.json'}, {out / 'rank.md'}, {plot}")
+    return 0
+
+
+def load_rank_records(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every rank record kept in a run's analysis folder (for reports)."""
+    folder = Path(run_dir) / ANALYSIS_DIR
+    return [read_json(path) for path in sorted(folder.glob("rank-*.json"))]
+
+
+def _positive_int(text: str) -> int:
+    from highrank.cli import positive_int
+
+    return positive_int(text)

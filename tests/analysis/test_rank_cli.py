@@ -1,0 +1,83 @@
+"""``highrank analyze rank``: files per run, the combined outputs, reuse and resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from highrank.analysis.rank import rank_report
+from highrank.analysis.rank_cli import analyze_run, rank_tag
+from highrank.analysis.spectrum import cumulative_share
+from highrank.cli import main
+
+
+@pytest.fixture
+def run_copy(tiny_run, tmp_path):
+    return shutil.copytree(tiny_run, tmp_path / "run")
+
+
+def test_analyze_rank_writes_the_record_values_and_combined_outputs(run_copy, tmp_path, capsys):
+    status = main(
+        [
+            "analyze",
+            "rank",
+            str(run_copy),
+            "--keep-matrix",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "Press rank" in printed and "run (softmax)" in printed
+    folder = run_copy / "analysis"
+    record = json.loads((folder / "rank-test-best.json").read_text())
+    matrix = np.load(folder / "logprob-test-best.npy")
+    expected = rank_report(matrix)
+    assert record["press_rank"] == expected["press_rank"]
+    assert record["effective_rank"] == expected["effective_rank"]
+    assert record["shape"] == list(matrix.shape) and record["head"] == "softmax"
+    values = np.load(folder / record["singular_values_file"])
+    np.testing.assert_allclose(values, expected["singular_values"], rtol=1e-4, atol=1e-5)
+    for name in ("rank.json", "rank.md", "spectrum.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    assert not (folder / "rank-test-best.state").exists() or not any(
+        (folder / "rank-test-best.state").iterdir()
+    )
+
+
+def test_the_matrix_is_deleted_unless_kept_and_reused_when_it_matches(run_copy, monkeypatch):
+    record = analyze_run(run_copy, split="valid", max_contexts=30)
+    tag = rank_tag("valid", "best", max_contexts=30)
+    assert tag == "valid-best-first30" and record["shape"][0] == 30
+    assert not (run_copy / "analysis" / f"logprob-{tag}.npy").exists()
+
+    analyze_run(run_copy, split="valid", max_contexts=30, keep_matrix=True)
+    import highrank.analysis.rank_cli as rank_cli
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the kept matrix should have been reused")
+
+    monkeypatch.setattr(rank_cli, "load_run_split", no_model)
+    again = analyze_run(run_copy, split="valid", max_contexts=30, keep_matrix=True)
+    assert again["press_rank"] == record["press_rank"]
+
+
+def test_logits_kind_and_bad_run_dir(run_copy, tmp_path, capsys):
+    record = analyze_run(run_copy, kind="logits", max_contexts=40)
+    assert record["kind"] == "logits" and record["shape"] == [40, record["shape"][1]]
+    status = main(["analyze", "rank", str(tmp_path / "nowhere"), "--no-progress"])
+    assert status == 2
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_cumulative_share_counts_values_strictly_below():
+    values = np.array([8.0, 1.0, 0.5, 0.125])  # normalised: 1, 1/8, 1/16, 1/64 (exact)
+    share = cumulative_share(values, np.array([0.01, 1 / 64, 0.07, 1.0, 2.0]))
+    np.testing.assert_allclose(share, [0, 0, 0.5, 0.75, 1.0])
+    with pytest.raises(ValueError, match="positive singular value"):
+        cumulative_share(np.zeros(3), np.array([1.0]))
