@@ -15,6 +15,9 @@ import importlib
 # kind -> (module under highrank.analysis, one-line help)
 ANALYSES: dict[str, tuple[str, str]] = {
     "rank": ("rank_cli", "log-prob matrix, Press and epsilon-effective rank, singular values"),
+    "similarity": ("similarity", "word similarity of the input and output embeddings (Spearman)"),
+    "kl": ("kl", "expected pairwise KL divergence between next-token distributions"),
+    "topk": ("topk", "top-k next tokens of several models side by side, with the reference"),
 }
 
 

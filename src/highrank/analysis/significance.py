@@ -1,0 +1,363 @@
+"""Is one model better than another over random seeds, and does rank track perplexity?
+
+The recipe of the softmax-bottleneck literature (e.g. Kanai et al. 2018, Sigsoftmax; Ganea
+et al. 2019, "Breaking the Softmax Bottleneck via Learnable Monotonic Pointwise
+Non-linearities"): train each model with several seeds (10), compare their test perplexities
+with an unpaired two-sample t-test, two-sided, and call the difference significant at
+p < 0.05; relate log-probability rank and perplexity by Pearson's correlation across models.
+
+:func:`compare_groups` is Student's t-test (pooled variance, df = n_a + n_b - 2) or, with
+``welch=True``, Welch's (df by Welch-Satterthwaite), computed by SciPy's ``ttest_ind``;
+:func:`pearson` is SciPy's ``pearsonr``.
+
+    highrank eval runs/softmax-s1 --split test    # ... for every run: eval-test-best.json
+    highrank compare runs/softmax-s* -- runs/mos-s* --names softmax,mos --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy import stats
+
+from highrank.analysis.output import read_json, text_table, write_json, write_text_atomic
+
+SEPARATOR = "--"
+MIN_CORRELATION_POINTS = 3  # Pearson of two points is always +-1
+
+
+class CompareError(ValueError):
+    """Input to a comparison that cannot be used: too few or non-finite values, missing files."""
+
+
+@dataclass(frozen=True)
+class GroupComparison:
+    """An unpaired two-sample t-test of groups a and b (``std_*`` with ddof=1; ``p``
+    two-sided)."""
+
+    mean_a: float
+    mean_b: float
+    std_a: float
+    std_b: float
+    n_a: int
+    n_b: int
+    t: float
+    df: float
+    p: float
+    welch: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Correlation:
+    """Pearson's r of n points and its two-sided p-value (no correlation as the null)."""
+
+    r: float
+    p: float
+    n: int
+
+
+def _as_sample(values: Sequence[float], name: str, minimum: int = 2) -> np.ndarray:
+    """``values`` as a float64 vector of at least ``minimum`` finite numbers."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.ndim != 1 or array.size < minimum:
+        raise CompareError(
+            f"{name} has {array.size} value(s); expected a list of at least {minimum}"
+        )
+    bad = [f"#{i}={v}" for i, v in enumerate(array.tolist()) if not math.isfinite(v)]
+    if bad:
+        raise CompareError(f"{name} holds non-finite values ({', '.join(bad)}); expected numbers")
+    return array
+
+
+def welch_df(var_a: float, n_a: int, var_b: float, n_b: int) -> float:
+    """Welch-Satterthwaite degrees of freedom of two samples' variances (ddof=1)."""
+    a, b = var_a / n_a, var_b / n_b
+    return (a + b) ** 2 / (a**2 / (n_a - 1) + b**2 / (n_b - 1))
+
+
+def compare_groups(
+    a: Sequence[float], b: Sequence[float], *, welch: bool = False
+) -> GroupComparison:
+    """Two-sided unpaired t-test of the means of ``a`` and ``b`` (Student's with pooled
+    variance, or Welch's); ``t`` is positive when ``a``'s mean is larger."""
+    x, y = _as_sample(a, "group a"), _as_sample(b, "group b")
+    var_x, var_y = float(x.var(ddof=1)), float(y.var(ddof=1))
+    if var_x == 0.0 and var_y == 0.0:
+        raise CompareError(
+            "both groups have zero spread (every value equal within each group): the t "
+            "statistic is undefined; were the runs trained with different seeds?"
+        )
+    result = stats.ttest_ind(x, y, equal_var=not welch)
+    df = welch_df(var_x, x.size, var_y, y.size) if welch else float(x.size + y.size - 2)
+    return GroupComparison(
+        mean_a=float(x.mean()),
+        mean_b=float(y.mean()),
+        std_a=math.sqrt(var_x),
+        std_b=math.sqrt(var_y),
+        n_a=int(x.size),
+        n_b=int(y.size),
+        t=float(result.statistic),
+        df=df,
+        p=float(result.pvalue),
+        welch=welch,
+    )
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> Correlation:
+    """Pearson's correlation of ``x`` and ``y`` with its two-sided p-value (SciPy)."""
+    u = _as_sample(x, "x", MIN_CORRELATION_POINTS)
+    v = _as_sample(y, "y", MIN_CORRELATION_POINTS)
+    if u.size != v.size:
+        raise CompareError(f"x has {u.size} values but y has {v.size}; expected equal lengths")
+    for name, values in (("x", u), ("y", v)):
+        if np.ptp(values) == 0:
+            raise CompareError(
+                f"{name} is constant ({values[0]:g} every time): the correlation is undefined"
+            )
+    result = stats.pearsonr(u, v)
+    return Correlation(r=float(result.statistic), p=float(result.pvalue), n=int(u.size))
+
+
+# ---- reading run directories ---------------------------------------------------------------
+
+
+def eval_path(run_dir: str | Path, split: str, which: str) -> Path:
+    """``RUN_DIR/eval-<split>-<which>.json``, as ``highrank eval`` writes it."""
+    return Path(run_dir) / f"eval-{split}-{Path(which).stem}.json"
+
+
+def rank_path(run_dir: str | Path, split: str, which: str) -> Path:
+    """``RUN_DIR/analysis/rank-<split>-<which>.json``, the record of ``highrank analyze rank``."""
+    return Path(run_dir) / "analysis" / f"rank-{split}-{Path(which).stem}.json"
+
+
+def read_perplexity(run_dir: str | Path, split: str, which: str) -> float:
+    """The ``"perplexity"`` of a run's eval record; a missing record names the command that
+    writes it."""
+    path = eval_path(run_dir, split, which)
+    if not path.is_file():
+        raise CompareError(
+            f"run {run_dir} has no {path.name}: evaluate it first with "
+            f"`highrank eval {run_dir} --split {split} --which {which}`"
+        )
+    return _number(_read_record(path), "perplexity", path, float)
+
+
+def read_press_rank(run_dir: str | Path, split: str, which: str) -> int | None:
+    """The ``"press_rank"`` of a run's rank record, None when the run has none."""
+    path = rank_path(run_dir, split, which)
+    return _number(_read_record(path), "press_rank", path, int) if path.is_file() else None
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        record = read_json(path)
+    except ValueError as error:
+        raise CompareError(str(error)) from None
+    if not isinstance(record, dict):
+        raise CompareError(f"{path} holds a {type(record).__name__}; expected a JSON object")
+    return record
+
+
+def _number(record: dict[str, Any], key: str, path: Path, kind: type) -> Any:
+    value = record.get(key)
+    wanted = "an integer" if kind is int else "a finite number"
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if not ok or isinstance(value, bool) or not math.isfinite(value):
+        raise CompareError(f"{path}: key {key!r} is {value!r}; expected {wanted}")
+    return kind(value)
+
+
+# ---- the comparison of two groups of runs ----------------------------------------------------
+
+
+def compare_runs(
+    groups: dict[str, Sequence[str]],
+    *,
+    split: str = "test",
+    which: str = "best",
+    welch: bool = False,
+    alpha: float = 0.05,
+) -> dict[str, Any]:
+    """The record of ``highrank compare``: each group's perplexities, the t-test and, when
+    every run has a rank record, the Pearson correlation of Press rank and perplexity."""
+    (name_a, runs_a), (name_b, runs_b) = groups.items()
+    ppl = {name: [read_perplexity(r, split, which) for r in runs] for name, runs in groups.items()}
+    test = compare_groups(ppl[name_a], ppl[name_b], welch=welch)
+    better = name_a if test.mean_a < test.mean_b else name_b
+    return {
+        "split": split,
+        "checkpoint": which,
+        "test": "Welch's t-test" if welch else "Student's t-test (pooled variance)",
+        "alpha": alpha,
+        "groups": {
+            name: {"runs": [str(r) for r in runs], "perplexities": ppl[name]}
+            for name, runs in groups.items()
+        },
+        **test.as_dict(),
+        "significant": test.p < alpha,
+        "lower_perplexity": better,
+        "rank_vs_perplexity": rank_correlation(
+            [*runs_a, *runs_b], [*ppl[name_a], *ppl[name_b]], split, which
+        ),
+    }
+
+
+def rank_correlation(
+    runs: Sequence[str], perplexities: Sequence[float], split: str, which: str
+) -> dict[str, Any]:
+    """Pearson of press_rank vs perplexity over ``runs``, or ``{"skipped": why}``."""
+    ranks = [read_press_rank(run, split, which) for run in runs]
+    missing = [str(run) for run, rank in zip(runs, ranks, strict=True) if rank is None]
+    if missing:
+        return {
+            "skipped": f"{len(missing)} of {len(runs)} runs have no "
+            f"{rank_path('RUN_DIR', split, which)} (`highrank analyze rank`): " + ", ".join(missing)
+        }
+    try:
+        correlation = pearson(ranks, perplexities)
+    except CompareError as error:
+        return {"skipped": f"press_rank vs perplexity: {error}"}
+    return {**asdict(correlation), "press_ranks": ranks}
+
+
+# ---- command line: highrank compare --------------------------------------------------------
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--names", type=_two_names, default=("A", "B"), help="names of the groups (A,B)"
+    )
+    parser.add_argument("--split", choices=["valid", "test"], default="test", help="(test)")
+    parser.add_argument(
+        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
+    )
+    parser.add_argument("--welch", action="store_true", help="Welch's t-test (unequal variances)")
+    parser.add_argument(
+        "--alpha", type=_probability, default=0.05, help="significance level (0.05)"
+    )
+    parser.add_argument("--out", help="also write compare.json and compare.md here")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``highrank compare GROUP_A_RUN... -- GROUP_B_RUN... [options]``.
+
+    argparse drops ``--`` from ordinary positionals, so the runs are one REMAINDER
+    positional holding the separator; options written after the runs land in it too and are
+    parsed again by :func:`split_groups`.
+    """
+    _add_options(parser)
+    parser.add_argument(
+        "runs",
+        nargs=argparse.REMAINDER,
+        metavar="GROUP_A_RUN... -- GROUP_B_RUN...",
+        help="run directories of the two groups (each evaluated with `highrank eval`)",
+    )
+    parser.epilog = "Options may come before the runs or after the last run of group B."
+
+
+def split_groups(
+    tokens: Sequence[str], namespace: argparse.Namespace | None = None
+) -> tuple[list[str], list[str]]:
+    """The two groups of run directories around the one ``--`` of ``tokens``; options
+    among them are parsed into ``namespace`` (argparse errors exit with status 2)."""
+    tokens = list(tokens)
+    if tokens.count(SEPARATOR) != 1:
+        raise CompareError(
+            f"found {tokens.count(SEPARATOR)} '--' among the runs; expected two groups of run "
+            "directories separated by one --: highrank compare RUN_A1 RUN_A2 ... -- RUN_B1 ..."
+        )
+    cut = tokens.index(SEPARATOR)
+    parser = argparse.ArgumentParser(prog="highrank compare", add_help=False)
+    _add_options(parser)
+    groups = []
+    for side in (tokens[:cut], tokens[cut + 1 :]):
+        _, runs = parser.parse_known_args(side, namespace)
+        stray = [token for token in runs if token.startswith("-")]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        groups.append(runs)
+    for name, runs in zip("AB", groups, strict=True):
+        if len(runs) < 2:
+            raise CompareError(f"group {name} has {len(runs)} run(s); expected at least 2")
+    return groups[0], groups[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    """``highrank compare``: the t-test of the two groups' perplexities, printed and saved."""
+    try:
+        runs_a, runs_b = split_groups(args.runs, args)
+        name_a, name_b = args.names
+        knobs = {"split": args.split, "which": args.which, "welch": args.welch}
+        record = compare_runs({name_a: runs_a, name_b: runs_b}, **knobs, alpha=args.alpha)
+    except CompareError as error:
+        print(f"highrank compare: error: {error}", file=sys.stderr)
+        return 2
+    print(report(record), end="")
+    if args.out:
+        out = Path(args.out)
+        paths = [
+            write_json(out / "compare.json", record),
+            write_text_atomic(out / "compare.md", report(record, markdown=True)),
+        ]
+        print(f"wrote {paths[0]} and {paths[1]}")
+    return 0
+
+
+def report(record: dict[str, Any], *, markdown: bool = False) -> str:
+    """The groups' table and one line each for the t-test and the rank correlation."""
+    rows = [
+        [name, record[f"n_{side}"], record[f"mean_{side}"], record[f"std_{side}"]]
+        for name, side in zip(record["groups"], "ab", strict=True)
+    ]
+    headers = ["group", "runs", f"mean {record['split']} ppl", "std"]
+    table = text_table(headers, rows, markdown=markdown)
+    lines = [_test_line(record), _rank_line(record["rank_vs_perplexity"])]
+    title = "# Comparison of two groups of runs\n\n" if markdown else ""
+    return title + table + "\n" + "\n".join(lines) + "\n"
+
+
+def _test_line(record: dict[str, Any]) -> str:
+    verdict = "significant" if record["significant"] else "not significant"
+    relation = "<" if record["significant"] else ">="
+    return (
+        f"{record['test']}, two-sided: t = {record['t']:.4g}, df = {record['df']:.4g}, "
+        f"p = {record['p']:.4g} {relation} {record['alpha']:g}: {verdict}; "
+        f"lower mean perplexity: {record['lower_perplexity']}"
+    )
+
+
+def _rank_line(correlation: dict[str, Any]) -> str:
+    if "skipped" in correlation:
+        return f"press rank vs perplexity: skipped: {correlation['skipped']}"
+    return (
+        f"press rank vs perplexity: Pearson r = {correlation['r']:.4g}, "
+        f"p = {correlation['p']:.4g} over {correlation['n']} runs"
+    )
+
+
+def _two_names(text: str) -> tuple[str, str]:
+    names = tuple(name.strip() for name in text.split(","))
+    if len(names) != 2 or not all(names) or names[0] == names[1]:
+        raise argparse.ArgumentTypeError(f"expected two different names like A,B; got {text!r}")
+    return names
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1); got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1); got {text!r}")
+    return value

@@ -1,0 +1,233 @@
+"""Tests for highrank.analysis.significance: the t-test against SciPy and closed forms,
+Welch, Pearson, bad input, the two groups around ``--``, and the ``highrank compare`` verb."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from highrank.analysis.significance import (
+    CompareError,
+    compare_groups,
+    compare_runs,
+    pearson,
+    read_perplexity,
+    split_groups,
+    welch_df,
+)
+from highrank.cli import main
+
+# ---- the t-test --------------------------------------------------------------------------------
+
+
+def test_student_t_test_against_a_closed_form():
+    # a = [1, 3], b = [4, 6]: means 2 and 5, variances 2 and 2, pooled variance 2,
+    # t = (2 - 5) / sqrt(2 * (1/2 + 1/2)) = -3 / sqrt(2), df = 2. With 2 degrees of freedom
+    # the t CDF is 1/2 + t / (2 sqrt(2 + t^2)), so p = 1 - |t| / sqrt(2 + t^2).
+    result = compare_groups([1.0, 3.0], [4.0, 6.0])
+    t = -3 / math.sqrt(2)
+    assert (result.mean_a, result.mean_b) == (2.0, 5.0)
+    assert result.std_a == pytest.approx(math.sqrt(2)) and result.std_b == pytest.approx(
+        math.sqrt(2)
+    )
+    assert (result.n_a, result.n_b, result.df, result.welch) == (2, 2, 2.0, False)
+    assert result.t == pytest.approx(t)
+    assert result.p == pytest.approx(1 - abs(t) / math.sqrt(2 + t * t))
+
+
+def test_student_t_test_matches_scipy_and_the_pooled_formula():
+    rng = np.random.default_rng(0)
+    a, b = 60 + rng.standard_normal(10), 59 + 1.5 * rng.standard_normal(10)
+    result = compare_groups(a, b)
+    expected = stats.ttest_ind(a, b, equal_var=True)
+    assert result.t == pytest.approx(expected.statistic, rel=1e-12)
+    assert result.p == pytest.approx(expected.pvalue, rel=1e-10)
+    pooled = ((a.size - 1) * a.var(ddof=1) + (b.size - 1) * b.var(ddof=1)) / (a.size + b.size - 2)
+    t = (a.mean() - b.mean()) / math.sqrt(pooled * (1 / a.size + 1 / b.size))
+    assert result.t == pytest.approx(t, rel=1e-12) and result.df == 18
+    assert result.p == pytest.approx(2 * stats.t.sf(abs(t), 18), rel=1e-10)
+    assert result.std_a == pytest.approx(np.std(a, ddof=1))
+
+
+def test_welch_t_test_matches_scipy_and_welch_satterthwaite():
+    a, b = [58.1, 58.9, 59.4, 58.6], [57.0, 60.2, 55.9, 61.3, 58.8, 56.4, 59.9]
+    result = compare_groups(a, b, welch=True)
+    expected = stats.ttest_ind(a, b, equal_var=False)
+    va, vb = np.var(a, ddof=1) / 4, np.var(b, ddof=1) / 7
+    df = (va + vb) ** 2 / (va**2 / 3 + vb**2 / 6)
+    assert result.welch and result.df == pytest.approx(df, rel=1e-12)
+    assert result.df == pytest.approx(expected.df, rel=1e-12)
+    assert result.t == pytest.approx((np.mean(a) - np.mean(b)) / math.sqrt(va + vb), rel=1e-12)
+    assert result.p == pytest.approx(expected.pvalue, rel=1e-10)
+    assert result.p == pytest.approx(2 * stats.t.sf(abs(result.t), df), rel=1e-10)
+    # with equal sizes and equal variances Welch's df is the pooled test's 2n - 2
+    assert welch_df(2.0, 5, 2.0, 5) == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "words"),
+    [
+        ([1.0], [2.0, 3.0], ["group a has 1 value(s)", "at least 2"]),
+        ([1.0, 2.0], [], ["group b has 0 value(s)"]),
+        ([1.0, math.nan], [2.0, 3.0], ["group a", "non-finite", "#1=nan"]),
+        ([1.0, 2.0], [math.inf, 3.0], ["group b", "#0=inf"]),
+        ([5.0, 5.0], [6.0, 6.0], ["zero spread"]),
+    ],
+)
+def test_bad_groups_are_clear_errors(a, b, words):
+    with pytest.raises(CompareError) as info:
+        compare_groups(a, b)
+    assert all(word in str(info.value) for word in words), str(info.value)
+
+
+def test_pearson_matches_scipy_and_numpy():
+    x, y = [120, 340, 560, 800, 990], [70.1, 66.3, 64.0, 60.2, 59.9]
+    result = pearson(x, y)
+    expected = stats.pearsonr(x, y)
+    assert result.r == pytest.approx(np.corrcoef(x, y)[0, 1], rel=1e-12)
+    assert result.p == pytest.approx(expected.pvalue, rel=1e-10) and result.n == 5
+
+
+@pytest.mark.parametrize(
+    ("x", "y", "message"),
+    [
+        ([1, 2, 3, 4], [1, 2, 3], "equal lengths"),
+        ([1, 2], [3, 4], "at least 3"),
+        ([7, 7, 7], [1, 2, 3], "x is constant"),
+        ([1, 2, 3], [1, math.nan, 3], "non-finite"),
+    ],
+)
+def test_pearson_bad_input(x, y, message):
+    with pytest.raises(CompareError, match=message):
+        pearson(x, y)
+
+
+# ---- the two groups around -- ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["a1", "a2", "--", "b1", "b2", "b3"],
+        ["--welch", "a1", "a2", "--", "b1", "b2", "b3", "--names", "X,Y"],
+        ["a1", "--welch", "a2", "--", "b1", "b2", "--names=X,Y", "b3"],
+        ["--names", "X,Y", "a1", "a2", "--", "b1", "b2", "b3"],
+    ],
+)
+def test_two_groups_around_the_separator_with_options_anywhere(argv):
+    from highrank.cli import build_parser
+
+    args = build_parser().parse_args(["compare", *argv])
+    assert split_groups(args.runs, args) == (["a1", "a2"], ["b1", "b2", "b3"])
+    welch, names = "--welch" in argv, ("X", "Y") if "X,Y" in " ".join(argv) else ("A", "B")
+    assert (args.welch, args.names) == (welch, names)
+
+
+def test_split_groups_errors():
+    with pytest.raises(CompareError, match="found 0 '--'.*separated by one --"):
+        split_groups(["a1", "a2", "b1", "b2"])
+    with pytest.raises(CompareError, match="found 2 '--'"):
+        split_groups(["--", "a1", "a2", "--", "b1", "b2"])
+    with pytest.raises(CompareError, match="group A has 1 run"):
+        split_groups(["a1", "--", "b1", "b2"])
+    with pytest.raises(CompareError, match="group B has 0 run"):
+        split_groups(["a1", "a2", "--"])
+    with pytest.raises(SystemExit):
+        split_groups(["a1", "a2", "--", "b1", "b2", "--bogus"])
+
+
+# ---- runs on disk ------------------------------------------------------------------------------
+
+
+def fake_run(folder, perplexity, press_rank=None, split="test", which="best"):
+    """A run directory holding only what compare reads: the eval record and a rank record."""
+    folder.mkdir(parents=True)
+    record = {"split": split, "checkpoint": which, "perplexity": perplexity}
+    (folder / f"eval-{split}-{which}.json").write_text(json.dumps(record))
+    if press_rank is not None:
+        (folder / "analysis").mkdir()
+        rank = {"press_rank": press_rank}
+        (folder / "analysis" / f"rank-{split}-{which}.json").write_text(json.dumps(rank))
+    return str(folder)
+
+
+def test_a_missing_eval_record_says_which_run_and_the_command_to_make_it(tmp_path):
+    (tmp_path / "r").mkdir()
+    with pytest.raises(CompareError) as info:
+        read_perplexity(tmp_path / "r", "valid", "last")
+    message = str(info.value)
+    assert "eval-valid-last.json" in message
+    assert f"`highrank eval {tmp_path / 'r'} --split valid --which last`" in message
+
+
+def test_a_broken_eval_record_names_its_file_and_key(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "eval-test-best.json").write_text('{"perplexity": "high"}')
+    with pytest.raises(CompareError, match=r"eval-test-best.json: key 'perplexity' is 'high'"):
+        read_perplexity(run, "test", "best")
+
+
+def test_rank_correlation_uses_every_run_or_says_why_it_was_skipped(tmp_path):
+    a = [fake_run(tmp_path / f"a{i}", p, r) for i, (p, r) in enumerate([(70, 300), (71, 280)])]
+    b = [fake_run(tmp_path / f"b{i}", p, r) for i, (p, r) in enumerate([(60, 900), (61, 850)])]
+    record = compare_runs({"softmax": a, "mos": b})
+    correlation = record["rank_vs_perplexity"]
+    expected = stats.pearsonr([300, 280, 900, 850], [70, 71, 60, 61])
+    assert correlation["r"] == pytest.approx(expected.statistic) and correlation["n"] == 4
+    assert record["lower_perplexity"] == "mos" and record["groups"]["mos"]["perplexities"] == [
+        60,
+        61,
+    ]
+
+    b.append(fake_run(tmp_path / "b2", 62.0))  # no rank record
+    skipped = compare_runs({"softmax": a, "mos": b})["rank_vs_perplexity"]["skipped"]
+    assert "1 of 5 runs" in skipped and str(tmp_path / "b2") in skipped
+
+
+def test_a_malformed_rank_record_is_an_error(tmp_path):
+    a = [fake_run(tmp_path / "a0", 70, 3), fake_run(tmp_path / "a1", 71, 3.5)]
+    b = [fake_run(tmp_path / "b0", 60, 9), fake_run(tmp_path / "b1", 61, 9)]
+    with pytest.raises(CompareError, match=r"rank-test-best.json: key 'press_rank' is 3.5"):
+        compare_runs({"A": a, "B": b})
+
+
+def test_cli_compare_smoke_on_a_tiny_trained_run(tiny_run, tmp_path, capsys):
+    real = tmp_path / "a0"
+    shutil.copytree(tiny_run, real)
+    assert main(["eval", str(real), "--split", "test", "--no-progress"]) == 0
+    ppl = json.loads((real / "eval-test-best.json").read_text())["perplexity"]
+    (real / "analysis").mkdir(exist_ok=True)
+    (real / "analysis" / "rank-test-best.json").write_text('{"press_rank": 40}')
+    a = [str(real), fake_run(tmp_path / "a1", ppl + 1.0, 41), fake_run(tmp_path / "a2", ppl, 39)]
+    b = [fake_run(tmp_path / f"b{i}", ppl - 5.0 + i, 43 + i) for i in range(3)]
+    out = tmp_path / "out"
+    code = main(["compare", *a, "--", *b, "--names", "small,large", "--welch", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    record = json.loads((out / "compare.json").read_text())
+    expected = stats.ttest_ind([ppl, ppl + 1, ppl], [ppl - 5, ppl - 4, ppl - 3], equal_var=False)
+    assert record["p"] == pytest.approx(expected.pvalue) and record["welch"] is True
+    assert record["significant"] == (expected.pvalue < 0.05)
+    assert record["lower_perplexity"] == "large" and record["rank_vs_perplexity"]["n"] == 6
+    assert "Welch's t-test" in printed and "press rank vs perplexity: Pearson r" in printed
+    assert "| small |" in (out / "compare.md").read_text()
+
+
+def test_cli_compare_input_errors_exit_2_in_one_line(tmp_path, capsys):
+    a = [fake_run(tmp_path / "a0", 70), fake_run(tmp_path / "a1", 71)]
+    (tmp_path / "b0").mkdir()
+    code = main(["compare", *a, "--", str(tmp_path / "b0"), fake_run(tmp_path / "b1", 60)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("highrank compare: error: run ")
+    assert f"highrank eval {tmp_path / 'b0'} --split test --which best" in err
+    assert main(["compare", *a]) == 2
+    assert "separated by one --" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--alpha", "2", *a, "--", *a])
+    assert info.value.code == 2 and "--alpha" in capsys.readouterr().err
