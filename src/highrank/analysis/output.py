@@ -69,9 +69,9 @@ def text_table(
 ) -> str:
     """Rows under headers, columns aligned; numbers right-aligned, floats to 4 significant
     digits (ints with thousands separators). ``markdown=True`` gives a Markdown table."""
-    cells = [[_cell(value) for value in row] for row in rows]
+    cells = [[format_cell(value) for value in row] for row in rows]
     numeric = [
-        all(_is_number(row[i]) for row in rows) if rows else False for i in range(len(headers))
+        all(is_number(row[i]) for row in rows) if rows else False for i in range(len(headers))
     ]
     if markdown:
         rule = ["---:" if right else "---" for right in numeric]
@@ -88,7 +88,8 @@ def text_table(
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)]) + "\n"
 
 
-def _cell(value: Any) -> str:
+def format_cell(value: Any) -> str:
+    """How tables show a value: ``-`` for None, ints with separators, floats to 4 digits."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -103,7 +104,8 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A number or None (a missing number): right-aligned in tables."""
     return value is None or (
         isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
     )

@@ -186,20 +186,22 @@ def _peak_memory_in_this_process(
         step()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - before) / 2**20
-    before = _proc_status_kib("VmRSS")
-    _reset_peak_rss()
+    before = proc_status_kib("VmRSS")
+    reset_peak_rss()
     step()
-    return (_proc_status_kib("VmHWM") - before) / 1024
+    return (proc_status_kib("VmHWM") - before) / 1024
 
 
-def _proc_status_kib(field: str) -> int:
+def proc_status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM`` = peak RSS); Linux only."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field} line; peak RSS needs Linux")
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS."""
     # Writing 5 to clear_refs resets the high-water mark VmHWM to the current RSS (Linux).
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")

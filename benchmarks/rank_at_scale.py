@@ -1,0 +1,155 @@
+"""Rank of a large log-probability matrix: highrank's streamed Gram method against
+``numpy.linalg.svd`` on the whole matrix in memory, side by side on one machine.
+
+    python benchmarks/rank_at_scale.py MATRIX.npy [--rows N] [--methods numpy,gram]
+        [--repeats 1] [--out benchmarks/results/rank-at-scale/NAME.json]
+
+MATRIX.npy is a float32 log-probability matrix, e.g. written by
+``highrank analyze rank RUN_DIR --keep-matrix`` (RUN_DIR/analysis/logprob-test-best.npy);
+``--rows N`` takes its first N rows. Each (method, repeat) runs in a fresh process, so that
+its peak resident memory (VmHWM, counted from after the imports) is its own; methods
+alternate within each repeat. Both methods compute every singular value:
+
+* numpy: ``np.load`` (whole matrix in RAM) then ``np.linalg.svd(A, compute_uv=False)`` in
+  float32, as ``numpy.linalg.matrix_rank`` does;
+* gram: :func:`highrank.analysis.rank.rank_report_file` (float64 Gram matrix from blocks of
+  rows, then its eigenvalues).
+
+The record holds each run's seconds and peak MiB, the Press and effective ranks of both, and
+the largest difference between their singular values relative to s_max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import scipy.linalg  # noqa: F401  imported before timing: the gram method uses it
+import scipy.linalg.blas  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from highrank.analysis.rank import (  # noqa: E402
+    EFFECTIVE_RANK_EPSILONS,
+    effective_rank,
+    press_rank_from_singular_values,
+    rank_report_file,
+)
+from highrank.bench.heads import machine_info, proc_status_kib, reset_peak_rss  # noqa: E402
+
+METHODS = ("numpy", "gram")
+
+
+def child(method: str, path: str, values_out: str) -> dict:
+    """One measurement in this (fresh) process; singular values saved to ``values_out``."""
+    reset_peak_rss()
+    start_kib = proc_status_kib("VmRSS")
+    began = time.perf_counter()
+    if method == "numpy":
+        matrix = np.load(path)
+        values = np.linalg.svd(matrix, compute_uv=False).astype(np.float64)
+        shape, dtype = matrix.shape, matrix.dtype
+        del matrix
+    else:
+        report = rank_report_file(path)
+        values, shape, dtype = report["singular_values"], report["shape"], np.float32
+    seconds = time.perf_counter() - began
+    np.save(values_out, values)
+    return {
+        "method": method,
+        "seconds": seconds,
+        "peak_mib": (proc_status_kib("VmHWM") - start_kib) / 1024,
+        "press_rank": press_rank_from_singular_values(values, tuple(shape), dtype),
+        "effective_rank": {str(e): effective_rank(values, e) for e in EFFECTIVE_RANK_EPSILONS},
+    }
+
+
+def prefix_file(path: Path, rows: int, folder: Path) -> Path:
+    """The first ``rows`` rows of the matrix at ``path`` as a .npy in ``folder``."""
+    matrix = np.load(path, mmap_mode="r")
+    if rows > matrix.shape[0]:
+        raise SystemExit(f"--rows {rows} exceeds the {matrix.shape[0]} rows of {path}")
+    target = folder / f"first{rows}.npy"
+    np.save(target, np.ascontiguousarray(matrix[:rows]))
+    return target
+
+
+def measure(path: Path, methods: list[str], repeats: int, scratch: Path) -> dict:
+    runs, values = [], {}
+    for repeat in range(repeats):
+        for method in methods:
+            out = scratch / f"{method}-{repeat}.npy"
+            command = [sys.executable, __file__, "--child", method, str(path), str(out)]
+            result = subprocess.run(command, capture_output=True, text=True, check=True)
+            runs.append({"repeat": repeat, **json.loads(result.stdout.splitlines()[-1])})
+            values[method] = np.load(out)
+            print(
+                f"  {method} run {repeat + 1}/{repeats}: {runs[-1]['seconds']:.1f} s, "
+                f"peak {runs[-1]['peak_mib']:.0f} MiB",
+                flush=True,
+            )
+    summary = {}
+    for method in methods:
+        mine = [r for r in runs if r["method"] == method]
+        summary[method] = {
+            "median_seconds": statistics.median(r["seconds"] for r in mine),
+            "median_peak_mib": statistics.median(r["peak_mib"] for r in mine),
+            "press_rank": mine[0]["press_rank"],
+            "effective_rank": mine[0]["effective_rank"],
+        }
+    if len(values) == 2:
+        a, b = values["numpy"], values["gram"]
+        summary["max_relative_difference"] = float(np.max(np.abs(a - b)) / a[0])
+        summary["time_ratio_gram_to_numpy"] = (
+            summary["gram"]["median_seconds"] / summary["numpy"]["median_seconds"]
+        )
+        summary["memory_ratio_gram_to_numpy"] = (
+            summary["gram"]["median_peak_mib"] / summary["numpy"]["median_peak_mib"]
+        )
+    return {"runs": runs, "summary": summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("matrix", type=Path)
+    parser.add_argument("--rows", type=int, help="only the first N rows")
+    parser.add_argument("--methods", default="numpy,gram")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    if unknown := set(methods) - set(METHODS):
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    with tempfile.TemporaryDirectory(dir=args.matrix.parent) as scratch:
+        scratch = Path(scratch)
+        path = prefix_file(args.matrix, args.rows, scratch) if args.rows else args.matrix
+        shape = np.load(path, mmap_mode="r").shape
+        print(f"{path.name}: {shape[0]:,} x {shape[1]:,} float32", flush=True)
+        result = measure(path, methods, args.repeats, scratch)
+    result = {
+        "matrix": str(args.matrix),
+        "shape": list(shape),
+        "repeats": args.repeats,
+        "machine": machine_info("cpu"),
+        **result,
+    }
+    print(json.dumps(result["summary"], indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        print(json.dumps(child(*sys.argv[2:])))
+    else:
+        main()
