@@ -1,0 +1,505 @@
+"""Expected pairwise KL divergence between a model's next-token distributions.
+
+Yang et al. (2018), "Breaking the Softmax Bottleneck", report E_{c,c'}[KL(P(.|c) || P(.|c'))]
+over pairs of contexts of the Penn Treebank test set (Softmax 4.763, MoC 4.864, MoS 5.284): a
+model whose log-probability matrix has higher rank can make its distributions differ more
+from context to context. The paper does not say how the pairs were chosen; this module's
+protocol is:
+
+1. **Contexts.** The contexts of the split as :func:`~highrank.analysis.contexts.iter_contexts`
+   reads them with ``batch_size=1``, in stream order: context ``i`` ends at token ``i`` and
+   predicts token ``i + 1``, for ``i = 0 .. n - 1`` with ``n = N - 1`` for a split of ``N``
+   tokens, or the first ``n = max_contexts`` contexts when that is smaller. A matrix written
+   by :mod:`~highrank.analysis.logprob_matrix` with ``batch_size=1`` has the same rows.
+2. **Pairs.** ``S`` ordered pairs ``(i, j)``, drawn independently and uniformly from the
+   ``n (n - 1)`` ordered pairs with ``i != j`` (with replacement: a pair may repeat), by
+   :func:`sample_pairs`::
+
+       rng = numpy.random.default_rng(seed)
+       i  = rng.integers(0, n, size=S)          # uniform over 0 .. n-1
+       j_ = rng.integers(0, n - 1, size=S)      # uniform over the n-1 other contexts ...
+       j  = j_ + (j_ >= i)                      # ... skipping i
+
+3. **Divergence.** For each pair, in float64 from the head's float32 log-probabilities
+   (:func:`kl_divergence`)::
+
+       KL(p_i || p_j) = sum_w p_i(w) (log p_i(w) - log p_j(w)),   p_i = exp(log p_i)
+
+   A word with ``p_i(w) = 0`` adds 0 (``0 log 0 = 0``); a word with ``p_i(w) > 0`` and
+   ``p_j(w) = 0`` makes the divergence ``inf``. Nothing is renormalised or smoothed.
+4. **Report.** ``mean`` over the ``S`` pairs, ``std`` the sample standard deviation
+   (``ddof=1``), ``stderr = std / sqrt(S)`` the standard error of the mean, ``pairs = S``,
+   ``distinct_contexts`` the pairs touch and ``infinite_pairs``; with ``n`` and the seed.
+
+Memory. The pairs are drawn first; the contexts are then streamed once, in order, and only the
+rows of contexts that take part in some pair are computed (the head runs on those hidden
+states only) and kept. A pair is scored as soon as its later context arrives, and a row is
+dropped once every pair it belongs to is scored, so the rows held at once are those seen whose
+partner is still to come: at most ``min(2S, n)`` and, for pairs spread over a long stream,
+about ``S / 2`` (PTB, ``S = 10,000``, ``V = 10,000``: ~200 MB of float32). A matrix on disk is
+read through a memory map, only at the rows the pairs need, in the same order.
+
+    highrank analyze kl runs/ptb-softmax runs/ptb-mos --split test --pairs 10000 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
+from highrank.analysis.logprob_matrix import head_rows, matrix_record, npy_layout
+from highrank.analysis.output import run_record_path, text_table, write_json, write_text_atomic
+from highrank.model import LanguageModel
+
+DEFAULT_PAIRS = 10_000
+DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
+CHUNK_ELEMENTS = 2**21  # pairs scored at once: about this many float64 entries per temporary
+
+# A block of rows: (context indices (b,) ascending, rows (b, V) of log-probabilities).
+RowBlock = tuple[np.ndarray, np.ndarray]
+# Given the sorted distinct context indices the pairs need, blocks holding (at least) them.
+RowSource = Callable[[np.ndarray], Iterable[RowBlock]]
+
+PROTOCOL = {
+    "contexts": "the first n contexts of the split in stream order (iter_contexts, batch_size 1)",
+    "pairs": "S ordered pairs (i, j), i != j, uniform with replacement: "
+    "rng = numpy.random.default_rng(seed); i = rng.integers(0, n, S); "
+    "j_ = rng.integers(0, n - 1, S); j = j_ + (j_ >= i)",
+    "kl": "sum_w p_i(w) (log p_i(w) - log p_j(w)) in float64 from float32 log-probs; "
+    "p_i(w) = 0 adds 0, p_j(w) = 0 < p_i(w) gives inf",
+    "std": "sample standard deviation over pairs (ddof=1)",
+    "stderr": "standard error of the mean: std / sqrt(S)",
+}
+
+
+class KLError(ValueError):
+    """Input that the pairwise KL cannot be computed from (too few contexts, a bad matrix)."""
+
+
+# ---- the divergence --------------------------------------------------------------------------
+
+
+def kl_divergence(log_p: np.ndarray | torch.Tensor, log_q: np.ndarray | torch.Tensor) -> np.ndarray:
+    """``KL(p || q) = sum_w p(w) (log p(w) - log q(w))`` of each row, in float64.
+
+    ``log_p`` and ``log_q`` are ``(..., V)`` log-probabilities of one shape. Terms with
+    ``p(w) = 0`` are 0; ``q(w) = 0`` where ``p(w) > 0`` gives ``inf``. Returns ``(...,)``.
+    """
+    log_p, log_q = _float64(log_p), _float64(log_q)
+    if log_p.shape != log_q.shape:
+        raise ValueError(f"log_p and log_q must have one shape; got {log_p.shape}, {log_q.shape}")
+    p = np.exp(log_p)
+    # -inf - -inf (p = q = 0) and 0 * inf are NaN in the branch that np.where discards.
+    with np.errstate(invalid="ignore"):
+        terms = np.where(p > 0.0, p * (log_p - log_q), 0.0)
+    return terms.sum(axis=-1)
+
+
+def _float64(values: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().double().numpy()
+    return np.asarray(values, dtype=np.float64)
+
+
+# ---- the pairs -------------------------------------------------------------------------------
+
+
+def sample_pairs(n_contexts: int, n_pairs: int, seed: int) -> np.ndarray:
+    """``(n_pairs, 2)`` int64 ordered pairs ``(i, j)``, ``i != j``, uniform over the
+    ``n (n - 1)`` such pairs of ``n_contexts`` contexts, with replacement (module step 2)."""
+    if not isinstance(n_contexts, int | np.integer) or n_contexts < 2:
+        raise KLError(f"pairs of distinct contexts need n_contexts >= 2; got {n_contexts!r}")
+    if not isinstance(n_pairs, int | np.integer) or n_pairs < 1:
+        raise KLError(f"n_pairs must be a positive int; got {n_pairs!r}")
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, n_contexts, size=n_pairs)  # (S,)
+    other = rng.integers(0, n_contexts - 1, size=n_pairs)  # (S,) among the n - 1 others
+    second = other + (other >= first)
+    return np.stack([first, second], axis=1).astype(np.int64)
+
+
+# ---- streaming the rows once -----------------------------------------------------------------
+
+
+def pair_kl_values(blocks: Iterable[RowBlock], pairs: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(KL of each pair (S,), most rows held at once)`` from row ``blocks`` in ascending
+    context order, keeping only rows some pending pair still needs (see "Memory" above).
+
+    Blocks may skip contexts no pair needs; each needed context must appear once.
+    """
+    pairs = np.asarray(pairs, dtype=np.int64)  # (S, 2)
+    if pairs.ndim != 2 or pairs.shape[1] != 2 or len(pairs) == 0:
+        raise ValueError(f"pairs must have shape (S, 2) with S >= 1; got {pairs.shape}")
+    finish = pairs.max(axis=1)  # (S,) a pair is scored when its later context arrives
+    by_finish = np.argsort(finish, kind="stable")
+    release = np.full(int(finish.max()) + 1, -1)  # a row can go once its last pair is scored
+    np.maximum.at(release, pairs[:, 0], finish)
+    np.maximum.at(release, pairs[:, 1], finish)
+    needed = np.flatnonzero(release >= 0)
+    by_release = needed[np.argsort(release[needed], kind="stable")]
+    values = np.full(len(pairs), np.nan)
+    kept: dict[int, np.ndarray] = {}
+    scored = released = peak = 0
+    last = -1
+    for indices, rows in blocks:
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) == 0:
+            continue
+        if indices[0] <= last or np.any(np.diff(indices) <= 0):
+            raise ValueError(f"row blocks must come in ascending context order; got {indices}")
+        last = int(indices[-1])
+        for offset in np.flatnonzero(_isin(indices, release)):
+            kept[int(indices[offset])] = np.array(rows[offset], dtype=np.float32)  # a copy
+        peak = max(peak, len(kept))
+        stop = int(np.searchsorted(finish[by_finish], last, side="right"))
+        _score(pairs, by_finish[scored:stop], kept, values)
+        scored = stop
+        while released < len(by_release) and release[by_release[released]] <= last:
+            kept.pop(int(by_release[released]), None)
+            released += 1
+    if scored < len(pairs):
+        missing = sorted({int(i) for i in pairs[by_finish[scored:]].ravel()} - set(kept))
+        raise KLError(
+            f"the rows ended at context {last}, but the pairs need contexts up to "
+            f"{int(finish.max())} (missing e.g. {missing[:5]}); the source has fewer rows "
+            "than n_contexts"
+        )
+    return values, peak
+
+
+def _isin(indices: np.ndarray, release: np.ndarray) -> np.ndarray:
+    """Mask of ``indices`` that some pair needs (``release >= 0``)."""
+    inside = indices < len(release)
+    mask = np.zeros(len(indices), dtype=bool)
+    mask[inside] = release[indices[inside]] >= 0
+    return mask
+
+
+def _score(pairs: np.ndarray, which: np.ndarray, kept: dict, values: np.ndarray) -> None:
+    """``values[which] = KL`` of those pairs, a chunk of pairs at a time."""
+    if len(which) == 0:
+        return
+    absent = sorted({int(i) for i in pairs[which].ravel()} - kept.keys())
+    if absent:
+        raise KLError(f"the row source skipped context(s) {absent[:5]}, which the pairs need")
+    chunk = max(1, CHUNK_ELEMENTS // len(kept[int(pairs[which[0], 0])]))
+    for start in range(0, len(which), chunk):
+        part = which[start : start + chunk]
+        log_p = np.stack([kept[int(i)] for i in pairs[part, 0]])  # (c, V)
+        log_q = np.stack([kept[int(j)] for j in pairs[part, 1]])  # (c, V)
+        values[part] = kl_divergence(log_p, log_q)
+
+
+# ---- row sources: a matrix (in memory or on disk) and a model ---------------------------------
+
+
+def matrix_row_blocks(
+    matrix: np.ndarray | torch.Tensor, needed: np.ndarray, block_rows: int = 1024
+) -> Iterator[RowBlock]:
+    """Rows ``needed`` (sorted) of ``matrix``, ``block_rows`` at a time; a memory-mapped
+    ``.npy`` is read at those rows only."""
+    if isinstance(matrix, torch.Tensor):
+        matrix = matrix.detach().cpu().numpy()
+    for start in range(0, len(needed), block_rows):
+        indices = needed[start : start + block_rows]
+        yield indices, np.asarray(matrix[indices])
+
+
+def model_row_blocks(
+    model: LanguageModel,
+    ids: torch.Tensor,
+    needed: np.ndarray,
+    *,
+    bptt: int = DEFAULT_BPTT,
+    progress: bool = False,
+    name: str = "token stream",
+) -> Iterator[RowBlock]:
+    """Log-prob rows of the contexts ``needed`` (sorted) of the stream ``ids``, read with
+    ``batch_size=1`` up to the last of them; the head runs on the needed contexts only."""
+    wanted = np.zeros(int(needed[-1]) + 1, dtype=bool)
+    wanted[needed] = True
+    with torch.no_grad():
+        for block in iter_contexts(
+            model, ids, bptt=bptt, max_contexts=len(wanted), progress=progress, name=name
+        ):
+            positions = block.positions.numpy()  # (b,) = context indices with batch_size 1
+            mask = wanted[positions]
+            if mask.any():
+                hidden = block.hidden[torch.from_numpy(mask).to(block.hidden.device)]
+                yield positions[mask], head_rows(model.head, hidden).cpu().numpy()
+
+
+# ---- the expectation -------------------------------------------------------------------------
+
+
+def summarize(values: np.ndarray) -> dict[str, Any]:
+    """Mean, sample std (``ddof=1``), standard error and counts of per-pair divergences."""
+    values = np.asarray(values, dtype=np.float64)
+    count = len(values)
+    finite = bool(np.isfinite(values).all())
+    std = float(np.std(values, ddof=1)) if count > 1 and finite else math.nan
+    return {
+        "mean": float(np.mean(values)),
+        "std": std,
+        "stderr": std / math.sqrt(count) if count > 1 else math.nan,
+        "pairs": count,
+        "infinite_pairs": int(np.isinf(values).sum()),
+    }
+
+
+def expected_pairwise_kl(
+    source: RowSource, n_contexts: int, *, n_pairs: int = DEFAULT_PAIRS, seed: int = 0
+) -> dict[str, Any]:
+    """The module's protocol over ``n_contexts`` contexts whose rows ``source`` streams:
+    summary numbers plus the sampling parameters."""
+    pairs = sample_pairs(n_contexts, n_pairs, seed)
+    needed = np.unique(pairs)  # sorted distinct contexts
+    values, peak = pair_kl_values(source(needed), pairs)
+    return {
+        **summarize(values),
+        "n_contexts": n_contexts,
+        "seed": seed,
+        "distinct_contexts": len(needed),
+        "peak_rows_held": peak,
+    }
+
+
+def matrix_pairwise_kl(
+    matrix: np.ndarray | torch.Tensor | str | os.PathLike,
+    *,
+    n_pairs: int = DEFAULT_PAIRS,
+    seed: int = 0,
+    max_contexts: int | None = None,
+) -> dict[str, Any]:
+    """:func:`expected_pairwise_kl` over the rows of a log-prob ``matrix (n, V)``: an array,
+    a tensor, or the path of a ``.npy`` (memory-mapped; only the needed rows are read)."""
+    if isinstance(matrix, str | os.PathLike):
+        matrix = open_matrix(matrix)
+    if matrix.ndim != 2:
+        raise KLError(f"a log-prob matrix is 2-D (contexts, vocabulary); got {matrix.shape}")
+    n_contexts = _cap(matrix.shape[0], max_contexts)
+    return expected_pairwise_kl(
+        lambda needed: matrix_row_blocks(matrix, needed), n_contexts, n_pairs=n_pairs, seed=seed
+    )
+
+
+def open_matrix(path: str | os.PathLike) -> np.ndarray:
+    """The ``.npy`` at ``path`` memory-mapped read-only, its layout checked first."""
+    try:
+        shape, _, _ = npy_layout(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise KLError(str(error)) from None
+    if len(shape) != 2:
+        raise KLError(f"{path} holds an array of shape {shape}; expected (contexts, vocabulary)")
+    return np.load(path, mmap_mode="r")
+
+
+def model_pairwise_kl(
+    model: LanguageModel,
+    ids: torch.Tensor,
+    *,
+    n_pairs: int = DEFAULT_PAIRS,
+    seed: int = 0,
+    max_contexts: int | None = None,
+    bptt: int = DEFAULT_BPTT,
+    progress: bool = False,
+    name: str = "token stream",
+) -> dict[str, Any]:
+    """:func:`expected_pairwise_kl` of ``model`` on the stream ``ids`` (contexts streamed once)."""
+    n_contexts = _cap(count_contexts(ids.numel()), max_contexts)
+
+    def source(needed: np.ndarray) -> Iterator[RowBlock]:
+        return model_row_blocks(model, ids, needed, bptt=bptt, progress=progress, name=name)
+
+    return expected_pairwise_kl(source, n_contexts, n_pairs=n_pairs, seed=seed)
+
+
+def run_pairwise_kl(
+    run_split: RunSplit,
+    *,
+    n_pairs: int = DEFAULT_PAIRS,
+    seed: int = 0,
+    max_contexts: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """:func:`model_pairwise_kl` of a trained run on one split, as a record with the protocol."""
+    result = model_pairwise_kl(
+        run_split.model,
+        run_split.ids,
+        n_pairs=n_pairs,
+        seed=seed,
+        max_contexts=max_contexts,
+        progress=progress,
+        name=run_split.source,
+    )
+    return {
+        "run_dir": str(run_split.run_dir),
+        "head": run_split.config.head.name,
+        "split": run_split.split,
+        "source": run_split.source,
+        "rows_from": "model",
+        "max_contexts": max_contexts,
+        **result,
+        "protocol": PROTOCOL,
+        "numpy": np.__version__,
+    }
+
+
+def _cap(n: int, max_contexts: int | None) -> int:
+    if max_contexts is not None and max_contexts < 1:
+        raise KLError(f"max_contexts must be a positive int or None; got {max_contexts!r}")
+    return n if max_contexts is None else min(n, max_contexts)
+
+
+# ---- command line: highrank analyze kl -------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``highrank analyze kl``."""
+    from highrank.cli import positive_int
+
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
+    parser.add_argument("--split", default="test", choices=("train", "valid", "test"))
+    parser.add_argument(
+        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
+    )
+    parser.add_argument("--data-dir", help="corpus folder (default: the run's data.dir)")
+    parser.add_argument(
+        "--pairs", type=positive_int, default=DEFAULT_PAIRS, help="context pairs (10000)"
+    )
+    parser.add_argument(
+        "--max-contexts", type=positive_int, help="pair among the first N contexts only"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the pair sampler (0)")
+    parser.add_argument(
+        "--matrix",
+        action="append",
+        metavar="PATH",
+        help="read rows from this log-prob .npy (written with batch_size 1) instead of running "
+        "the model; give one per RUN_DIR, in the same order",
+    )
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu)")
+    parser.add_argument("--out", help="also write kl.json and kl.md here")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+HEADERS = ["head", "run", "pairs", "mean KL", "std", "s.e."]
+
+
+def table_rows(records: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """One row per run, in :data:`HEADERS` order (non-finite numbers as ``-``)."""
+    numbers = ("mean", "std", "stderr")
+    return [
+        [r["head"], r["run_dir"], r["pairs"], *(_finite(r[k]) for k in numbers)] for r in records
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """``highrank analyze kl``: one record per run, a table, and a summary with ``--out``."""
+    try:
+        records = _records(args)
+    except KLError as error:
+        print(f"highrank analyze kl: error: {error}", file=sys.stderr)
+        return 2
+    tag = f"{args.split}-{Path(args.which).stem}"
+    written = [write_json(run_record_path(r["run_dir"], "kl", tag), r) for r in records]
+    print(text_table(HEADERS, table_rows(records)), end="")
+    infinite = [r["run_dir"] for r in records if r["infinite_pairs"]]
+    if infinite:
+        print(f"infinite divergences (a zero probability): {', '.join(infinite)}")
+    if args.out:
+        written += _write_summary(Path(args.out), records)
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
+    matrices = args.matrix or []
+    if matrices and len(matrices) != len(args.run_dirs):
+        raise KLError(
+            f"--matrix was given {len(matrices)} time(s) for {len(args.run_dirs)} RUN_DIR(s); "
+            "expected one matrix per run directory, in the same order"
+        )
+    options = {"n_pairs": args.pairs, "seed": args.seed, "max_contexts": args.max_contexts}
+    records = []
+    for index, run_dir in enumerate(args.run_dirs):
+        if matrices:
+            record = _matrix_record(run_dir, matrices[index], args, options)
+        else:
+            split = load_run_split(
+                run_dir, args.split, which=args.which, data_dir=args.data_dir, device=args.device
+            )
+            record = run_pairwise_kl(split, progress=not args.no_progress, **options)
+        records.append({**record, "checkpoint": args.which})
+    return records
+
+
+def _matrix_record(run_dir: str, path: str, args: argparse.Namespace, options: dict) -> dict:
+    """The KL record of ``run_dir`` from the matrix at ``path``, after checking the matrix
+    is the run's log-probabilities of ``args.split`` in stream order."""
+    from highrank.runs import RunDir
+
+    run = RunDir.open(run_dir)
+    vocab_size = len(run.load_vocab())
+    matrix = open_matrix(path)
+    side = _side_record(path)
+    expected = {"kind": "log_prob", "batch_size": 1, "split": args.split, "which": args.which}
+    for key, value in expected.items():
+        if key in side and side[key] != value:
+            raise KLError(
+                f"{path}: its record says {key}={side[key]!r}; the KL protocol needs "
+                f"{key}={value!r} (rewrite the matrix, or change --split / --which)"
+            )
+    if matrix.shape[1] != vocab_size:
+        raise KLError(
+            f"{path} has {matrix.shape[1]} columns but run {run_dir} has a vocabulary of "
+            f"{vocab_size}; is it the matrix of another run?"
+        )
+    return {
+        "run_dir": str(run_dir),
+        "head": run.load_config().head.name,
+        "split": args.split,
+        "source": side.get("source"),
+        "rows_from": str(path),
+        "max_contexts": options["max_contexts"],
+        **matrix_pairwise_kl(matrix, **options),
+        "protocol": PROTOCOL,
+        "numpy": np.__version__,
+    }
+
+
+def _side_record(path: str) -> dict[str, Any]:
+    """The matrix's ``NAME.json`` written beside it, or ``{}`` when there is none."""
+    if not Path(path).with_suffix(".json").is_file():
+        return {}
+    try:
+        return matrix_record(path)
+    except ValueError as error:
+        raise KLError(str(error)) from None
+
+
+def _write_summary(out: Path, records: list[dict[str, Any]]) -> list[Path]:
+    title = "# Expected pairwise KL divergence E[KL(P(.|c) || P(.|c'))]\n\n"
+    first = records[0]
+    note = (
+        f"\n{first['pairs']:,} ordered pairs of distinct contexts, uniform with replacement, "
+        f"seed {first['seed']}, split {first['split']}; KL in nats, float64.\n"
+    )
+    table = text_table(HEADERS, table_rows(records), markdown=True)
+    return [
+        write_json(out / "kl.json", {"protocol": PROTOCOL, "runs": records}),
+        write_text_atomic(out / "kl.md", title + table + note),
+    ]
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
