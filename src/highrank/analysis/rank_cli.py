@@ -38,6 +38,7 @@ from highrank.analysis.output import (
 )
 from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS, GRAM_BACKENDS, rank_report_file
 from highrank.analysis.spectrum import plot_spectrum
+from highrank.cli import positive_int
 
 
 def rank_tag(
@@ -206,16 +207,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-contexts",
-        type=_positive_int,
+        type=positive_int,
         help="only the first N contexts (default: the whole split)",
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="columns the split is read in (1: stream order, as the papers)",
     )
-    parser.add_argument("--bptt", type=_positive_int, default=70, help="segment length (70)")
+    parser.add_argument("--bptt", type=positive_int, default=70, help="segment length (70)")
     parser.add_argument(
         "--keep-matrix",
         action="store_true",
@@ -224,7 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=GRAM_BACKENDS, default="auto", help="(auto)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
     parser.add_argument(
-        "--block-rows", type=_positive_int, default=2048, help="rows read at a time (2048)"
+        "--block-rows", type=positive_int, default=2048, help="rows read at a time (2048)"
     )
     parser.add_argument(
         "--checkpoint-minutes",
@@ -272,9 +273,3 @@ def load_rank_records(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every rank record kept in a run's analysis folder (for reports)."""
     folder = Path(run_dir) / ANALYSIS_DIR
     return [read_json(path) for path in sorted(folder.glob("rank-*.json"))]
-
-
-def _positive_int(text: str) -> int:
-    from highrank.cli import positive_int
-
-    return positive_int(text)
