@@ -246,6 +246,7 @@ def test_bad_override_syntax(override, expected):
         ("model.dropout_output=1.0", "model.dropout_output = 1.0 is out of range; expected a prob"),
         ("model.weight_drop=-0.1", "expected a probability in [0, 1)"),
         ("train.batch_size=0", "train.batch_size = 0 is out of range; expected > 0"),
+        ("train.checkpoint_every=0", "train.checkpoint_every = 0 is out of range; expected > 0"),
         ("train.lr=inf", "train.lr = inf is out of range; expected a finite number > 0"),
         ("train.lr=nan", "train.lr = nan is out of range"),
         ("train.optimizer=adam", "expected one of: 'nt-asgd', 'et-asgd', 'sgd'"),

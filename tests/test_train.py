@@ -197,9 +197,9 @@ def test_a_crash_resumes_from_the_periodic_checkpoint_exactly(straight_run, corp
             raise KeyboardInterrupt("simulated crash")
 
     out = tmp_path / "crashed"
-    config = tiny_config(corpus, out, *SWITCHING)
+    config = tiny_config(corpus, out, *SWITCHING, f"train.checkpoint_every={end}")
     with pytest.raises(KeyboardInterrupt):
-        train(config, options=options(checkpoint_every=end, callback=crash))
+        train(config, options=options(callback=crash))
     saved = load_checkpoint(out / "checkpoints/last.pt")["training"]["progress"]
     assert saved["step"] == end and saved["epoch"] == 1  # before the end-of-epoch work
     resume(out, options=QUIET, command=["highrank", "train", "--resume", "x"])
@@ -208,6 +208,29 @@ def test_a_crash_resumes_from_the_periodic_checkpoint_exactly(straight_run, corp
         weights(out / "checkpoints/best.pt"), weights(straight_run / "checkpoints/best.pt")
     )
     assert (out / "command.txt").read_text().splitlines()[-1] == "highrank train --resume x"
+
+
+def test_checkpoint_every_is_a_config_key_that_a_resume_may_change(corpus, tmp_path):
+    def crash_at(step):
+        def callback(info):
+            if info.step == step:
+                raise KeyboardInterrupt("simulated crash")
+
+        return callback
+
+    def saved_step(out: Path) -> int:
+        return load_checkpoint(out / "checkpoints/last.pt")["training"]["progress"]["step"]
+
+    out = tmp_path / "run"
+    config = tiny_config(corpus, out, "train.epochs=1", "train.checkpoint_every=4")
+    with pytest.raises(KeyboardInterrupt):
+        train(config, options=options(callback=crash_at(11)))
+    assert saved_step(out) == 8
+    changed = ["train.checkpoint_every=3"]
+    with pytest.raises(KeyboardInterrupt):
+        resume(out, overrides=changed, options=options(callback=crash_at(17)))
+    assert saved_step(out) == 15
+    assert load_checkpoint(out / "checkpoints/last.pt")["config"]["train"]["checkpoint_every"] == 3
 
 
 def test_resume_may_raise_the_epoch_limit_but_not_change_the_model(corpus, tmp_path):
@@ -304,9 +327,10 @@ def test_a_non_finite_step_is_skipped_without_touching_the_weights(
 def test_too_many_consecutive_non_finite_steps_stop_with_advice(corpus, tmp_path, monkeypatch):
     poison(monkeypatch, set(range(4, 100)))
     out = tmp_path / "run"
-    config = tiny_config(corpus, out, "train.epochs=1", "train.max_nonfinite_skips=3")
+    overrides = ("train.epochs=1", "train.max_nonfinite_skips=3", "train.checkpoint_every=2")
+    config = tiny_config(corpus, out, *overrides)
     with pytest.raises(TrainingError) as error:
-        train(config, options=options(checkpoint_every=2))
+        train(config, options=QUIET)
     message = str(error.value)
     assert "step 7" in message and "train.max_nonfinite_skips = 3" in message
     assert "--train.lr=2.5" in message and "train.clip" in message
@@ -375,15 +399,19 @@ def test_cli_train_resume_and_finetune_on_a_tiny_corpus(corpus, tmp_path, capsys
     config = tmp_path / "tiny.toml"
     config.write_text('[head]\nname = "softmax"\n\n[train]\nepochs = 3\n')
     args = ["train", str(config), *cli_overrides(corpus, out), "--train.epochs=1"]
-    assert main([*args, "--no-progress", "--max-steps", "5"]) == 0
+    assert main([*args, "--checkpoint-every", "2", "--no-progress", "--max-steps", "5"]) == 0
     assert "stopped at --max-steps" in capsys.readouterr().out
-    assert load_config(out / "config.toml").train.epochs == 1  # the override beat the file
-    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    stored = load_config(out / "config.toml")
+    assert stored.train.epochs == 1  # the override beat the file
+    assert stored.train.checkpoint_every == 2  # --checkpoint-every N is that override
+    previous = load_checkpoint(out / "checkpoints/last.prev.pt")
+    assert previous["training"]["progress"]["step"] == 4  # saved at step 4, then 5 (the stop)
+    assert main(["train", "--resume", str(out), "--no-progress", "--checkpoint-every=3"]) == 0
     assert "all epochs done after 1 epoch(s)" in capsys.readouterr().out
     command = (out / "command.txt").read_text().splitlines()
     assert command[0].startswith(f"highrank train {config} --data.dir=")
-    assert command[0].endswith("--train.epochs=1 --max-steps 5")
-    assert command[1] == f"highrank train --resume {out}"
+    assert command[0].endswith("--train.epochs=1 --train.checkpoint_every=2 --max-steps 5")
+    assert command[1] == f"highrank train --resume {out} --train.checkpoint_every=3"
     assert main(["finetune", str(out), "--finetune.epochs=1", "--no-progress"]) == 0
     assert "finetune: all epochs done after 1 epoch(s)" in capsys.readouterr().out
 

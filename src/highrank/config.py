@@ -26,8 +26,8 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   holds every knob, defaults filled in, so the written config records them.
 * ``[train]`` batch_size, bptt, max_seq_len_delta, lr, weight_decay, clip, epochs, optimizer
   (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.optim`), nonmono, switch_epoch,
-  seed, eval_batch_size, test_batch_size, log_every, chunk_size (unset: "auto"),
-  max_nonfinite_skips.
+  seed, eval_batch_size, test_batch_size, log_every, checkpoint_every, chunk_size (unset:
+  "auto"), max_nonfinite_skips.
 * ``[finetune]`` lr, epochs.
 * ``[dynamic_eval]`` lr, epsilon, prior_decay, batch_size, bptt, stats_batch_size (Krause
   et al. 2017).
@@ -148,6 +148,9 @@ class TrainConfig:
         eval_batch_size: validation batch size.
         test_batch_size: test batch size.
         log_every: log every this many training steps.
+        checkpoint_every: save checkpoints/last.pt every this many training steps (it is
+            also saved at every epoch end and when a run stops at its step limit); changes
+            nothing that is computed, so a resumed run may change it.
         chunk_size: tokens per chunk of the head loss; None (unset): "auto", chunks of about
             2**21 logits (see OutputHead.loss).
         max_nonfinite_skips: steps with a non-finite loss or gradient that may be skipped
@@ -168,6 +171,7 @@ class TrainConfig:
     eval_batch_size: int = 10
     test_batch_size: int = 1
     log_every: int = 200
+    checkpoint_every: int = 1000
     chunk_size: int | None = None
     max_nonfinite_skips: int = 10
 
@@ -579,6 +583,7 @@ RULES: dict[str, _Rule] = {
             "eval_batch_size",
             "test_batch_size",
             "log_every",
+            "checkpoint_every",
             "chunk_size",
         )
     },

@@ -28,12 +28,15 @@ Public API::
     train(config, *, options=TrainOptions(), command=None) -> TrainResult
     resume(run_dir, *, overrides=(), options=TrainOptions(), command=None) -> TrainResult
     finetune(run_dir, *, resume=False, overrides=(), options=TrainOptions(), command=None)
+    optimization_step(model, optimizer, params, tokens, target, state, *, chunk_size, clip,
+                      lr_scale) -> StepOutcome          # one training step, as the trainer's
     evaluate_loss(model, source, bptt, *, chunk_size="auto") -> float  # mean NLL per token
     parameter_count(config, vocab_size) -> int                        # on the meta device
     corpus_vocab_size(config) -> int
 
-``TrainOptions.max_steps`` stops a run after that many steps in total, saving ``last.pt``:
-resuming it continues bit-identically (same losses, same weights) on the same machine.
+``last.pt`` is saved every ``train.checkpoint_every`` steps, at every epoch end and when
+``TrainOptions.max_steps`` stops a run after that many steps in total: resuming it continues
+bit-identically (same losses, same weights) on the same machine.
 The run directory and checkpoint layouts are described in :mod:`highrank.runs` and
 :mod:`highrank.checkpoint`.
 """
@@ -86,12 +89,14 @@ from highrank.optim import (
 )
 from highrank.runs import MetricsLog, RunDir, TensorBoardLog
 
-# Steps between two saves of last.pt (besides every epoch end and an interruption).
-# Requested as a config key train.checkpoint_every; until then a TrainOptions field / CLI flag.
-CHECKPOINT_EVERY = 1000
-
 # Keys a resumed run may change: they do not alter the computation already done.
-RESUME_OVERRIDES = ("train.epochs", "train.log_every", "train.max_nonfinite_skips", "run.device")
+RESUME_OVERRIDES = (
+    "train.epochs",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.max_nonfinite_skips",
+    "run.device",
+)
 FINETUNE_OVERRIDES = ("finetune.lr", "finetune.epochs", *RESUME_OVERRIDES[1:], "train.nonmono")
 FINETUNE_RESUME_OVERRIDES = ("finetune.epochs", *RESUME_OVERRIDES[1:])
 
@@ -197,14 +202,12 @@ class TrainOptions:
     Attributes:
         max_steps: stop once this many steps were taken in total (over all epochs and
             resumes), saving last.pt; None: run to the end.
-        checkpoint_every: steps between saves of last.pt (also saved at every epoch end).
         progress: show a tqdm bar per epoch.
         callback: called with a :class:`StepInfo` after every step (and after a checkpoint due
             at that step); an exception it raises ends the run as a crash would.
     """
 
     max_steps: int | None = None
-    checkpoint_every: int = CHECKPOINT_EVERY
     progress: bool = True
     callback: Callable[[StepInfo], None] | None = None
 
@@ -246,6 +249,44 @@ def training_loss(
     AR/TAR (Merity et al., 2018, Sec. 4.6)."""
     nll, state, extras = model(tokens, target, state, chunk_size=chunk_size)
     return nll + model.backbone.regularization_loss(extras), nll, state
+
+
+class StepOutcome(NamedTuple):
+    """What :func:`optimization_step` did."""
+
+    nll: float | None  # mean head NLL of the window; None: the step was skipped
+    state: AWDLSTMState  # the new state, detached; the state passed in when skipped
+    skip_reason: str  # why it was skipped ("" when it was not)
+
+
+def optimization_step(
+    model: LanguageModel,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    tokens: torch.Tensor,
+    target: torch.Tensor,
+    state: AWDLSTMState,
+    *,
+    chunk_size: int | None | str,
+    clip: float,
+    lr_scale: float,
+) -> StepOutcome:
+    """One training step on a window ``(L, B)``: forward (:func:`training_loss`), backward,
+    clip the gradient norm of ``params`` to ``clip`` (0: no clipping), optimizer step with
+    every group's lr scaled by ``lr_scale``. A non-finite loss or gradient norm skips the step
+    (no update, gradients zeroed) and says why."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, nll, new_state = training_loss(model, tokens, target, state, chunk_size)
+    if not bool(torch.isfinite(loss.detach())):
+        return StepOutcome(None, state, f"loss was {loss.detach().item()}")
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, clip or math.inf)  # norm checked even so
+    if not bool(torch.isfinite(norm)):
+        optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(None, state, f"gradient norm was {float(norm)}")
+    with scaled_lr(optimizer, lr_scale):
+        optimizer.step()
+    return StepOutcome(nll.detach().item(), model.backbone.detach_state(new_state), "")
 
 
 @torch.no_grad()
@@ -410,24 +451,23 @@ class Trainer:
 
     def _optimize(self, tokens: torch.Tensor, target: torch.Tensor) -> float | None:
         """Forward, backward, clip, scaled SGD step; the head NLL, or None if skipped."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss, nll, state = training_loss(
-            self.model, tokens, target, self.hidden, head_chunk_size(self.config)
+        train = self.config.train
+        outcome = optimization_step(
+            self.model,
+            self.optimizer,
+            self.params,
+            tokens,
+            target,
+            self.hidden,
+            chunk_size=head_chunk_size(self.config),
+            clip=train.clip,
+            lr_scale=tokens.size(0) / train.bptt,
         )
-        if not bool(torch.isfinite(loss.detach())):
-            self._skip_reason = f"loss was {loss.detach().item()}"
+        if outcome.nll is None:
+            self._skip_reason = outcome.skip_reason
             return None
-        loss.backward()
-        clip = self.config.train.clip or math.inf  # clip 0: no clipping, norm still checked
-        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        if not bool(torch.isfinite(norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            self._skip_reason = f"gradient norm was {float(norm)}"
-            return None
-        with scaled_lr(self.optimizer, tokens.size(0) / self.config.train.bptt):
-            self.optimizer.step()
-        self.hidden = self.model.backbone.detach_state(state)
-        return nll.detach().item()
+        self.hidden = outcome.state
+        return outcome.nll
 
     def _count_skip(self, skipped: bool) -> None:
         p = self.progress
@@ -452,7 +492,7 @@ class Trainer:
         p = self.progress
         if p.step % self.config.train.log_every == 0:
             self._log_window()
-        if p.step % self.options.checkpoint_every == 0:
+        if p.step % self.config.train.checkpoint_every == 0:
             self.save_last()
         if self.options.callback is not None:
             skipped = math.isnan(self._last_loss)
@@ -856,10 +896,10 @@ def corpus_vocab_size(config: Config) -> int:
 
 
 __all__ = [
-    "CHECKPOINT_EVERY",
     "Meter",
     "Progress",
     "StepInfo",
+    "StepOutcome",
     "TrainOptions",
     "TrainResult",
     "Trainer",
@@ -868,6 +908,7 @@ __all__ = [
     "corpus_vocab_size",
     "evaluate_loss",
     "finetune",
+    "optimization_step",
     "parameter_count",
     "resume",
     "train",
