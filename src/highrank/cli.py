@@ -254,6 +254,14 @@ class _Override(argparse.Action):
         namespace.overrides = overrides
 
 
+class _Alias(_Override):
+    """A flag that stands for one config key (``const``): ``--checkpoint-every 50`` is
+    ``--train.checkpoint_every=50``, an override in command-line order like the others."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, f"--{self.const}")
+
+
 def _config_keys() -> list[str]:
     """Every dotted config key, head knobs of every head included."""
     import dataclasses
@@ -281,8 +289,6 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    from highrank.train import CHECKPOINT_EVERY
-
     parser.add_argument(
         "--max-steps",
         type=positive_int,
@@ -291,9 +297,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint-every",
         type=positive_int,
-        default=CHECKPOINT_EVERY,
-        help="steps between saves of checkpoints/last.pt, besides every epoch end "
-        "(default %(default)s)",
+        action=_Alias,
+        const="train.checkpoint_every",
+        dest="overrides",
+        metavar="N",
+        help="steps between saves of checkpoints/last.pt, besides every epoch end; the same as "
+        "--train.checkpoint_every=N (default: the config's, 1000 unless it says otherwise)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
@@ -301,11 +310,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 def _train_options(args: argparse.Namespace):
     from highrank.train import TrainOptions
 
-    return TrainOptions(
-        max_steps=args.max_steps,
-        checkpoint_every=args.checkpoint_every,
-        progress=not args.no_progress,
-    )
+    return TrainOptions(max_steps=args.max_steps, progress=not args.no_progress)
 
 
 def _input_errors() -> tuple[type[Exception], ...]:
@@ -374,14 +379,11 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _flags(args: argparse.Namespace) -> list[str]:
-    """The options of a train / finetune command line, for command.txt."""
-    from highrank.train import CHECKPOINT_EVERY
-
+    """The options of a train / finetune command line, for command.txt (``--checkpoint-every
+    N`` is among the overrides, written as ``--train.checkpoint_every=N``)."""
     words = [f"--{text}" for text in args.overrides]
     if args.max_steps is not None:
         words += ["--max-steps", str(args.max_steps)]
-    if args.checkpoint_every != CHECKPOINT_EVERY:
-        words += ["--checkpoint-every", str(args.checkpoint_every)]
     return words
 
 
@@ -625,6 +627,30 @@ def _run_analyze(args: argparse.Namespace) -> int:
     return _guarded("analyze", lambda: run_analyze(args))
 
 
+def _compare_arguments(parser: argparse.ArgumentParser) -> None:
+    from highrank.analysis.commands import compare_arguments
+
+    compare_arguments(parser)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from highrank.analysis.commands import run_compare
+
+    return _guarded("compare", lambda: run_compare(args))
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    from highrank.analysis.commands import report_arguments
+
+    report_arguments(parser)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from highrank.analysis.commands import run_report
+
+    return _guarded("report", lambda: run_report(args))
+
+
 VERBS: list[Verb] = [
     Verb(
         "demo",
@@ -679,6 +705,18 @@ VERBS: list[Verb] = [
         "measure the bottleneck of trained runs: rank, KL, top-k, word similarity",
         _analyze_arguments,
         _run_analyze,
+    ),
+    Verb(
+        "compare",
+        "compare two groups of runs (seeds): t-test on perplexity, rank vs perplexity",
+        _compare_arguments,
+        _run_compare,
+    ),
+    Verb(
+        "report",
+        "one self-contained HTML page of what trained runs hold (tables and plots)",
+        _report_arguments,
+        _run_report,
     ),
 ]
 

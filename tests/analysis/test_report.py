@@ -1,0 +1,54 @@
+"""``highrank report``: one self-contained HTML page from what the run directories hold."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from highrank.analysis.rank_cli import analyze_run
+from highrank.analysis.report import collect_run, write_report
+from highrank.cli import main
+from highrank.runs import RunDirError
+
+
+@pytest.fixture
+def runs(tiny_run, tmp_path):
+    first = shutil.copytree(tiny_run, tmp_path / "first")
+    second = shutil.copytree(tiny_run, tmp_path / "second")
+    return first, second
+
+
+def test_a_bare_run_gets_hints_naming_the_commands(runs, tmp_path):
+    page = write_report([runs[0]], tmp_path / "out").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "highrank eval RUN_DIR --split test" in page
+    assert "highrank analyze rank RUN_DIR" in page
+    assert "data:image/png;base64," in page  # the training curve, embedded
+    assert (tmp_path / "out" / "training.png").is_file()
+    record = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert record["runs"][0]["head"] == "softmax" and record["runs"][0]["parameters"] > 0
+
+
+def test_recorded_analyses_appear_with_their_numbers(runs, tmp_path):
+    first, second = runs
+    assert main(["eval", str(first), "--split", "test", "--no-progress"]) == 0
+    rank = analyze_run(first, max_contexts=50)
+    analyze_run(second, max_contexts=40)
+    page = write_report([first, second], tmp_path / "out").read_text()
+    test_ppl = json.loads((first / "eval-test-best.json").read_text())["perplexity"]
+    assert f"{test_ppl:.4g}" in page
+    assert f"<td class='num'>{rank['press_rank']}</td>" in page
+    assert "50 x " in page and "40 x " in page
+    assert page.count("data:image/png;base64,") == 2  # training curves and spectrum
+    assert "highrank eval RUN_DIR --split test" in page  # second has no eval yet
+
+
+def test_report_verb_and_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
+    assert main(["report", str(runs[0]), "--out", str(tmp_path / "out")]) == 0
+    assert "report.html" in capsys.readouterr().out
+    with pytest.raises(RunDirError, match="not a run directory"):
+        collect_run(tmp_path)
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert "no config.toml" in capsys.readouterr().err
