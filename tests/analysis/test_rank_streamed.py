@@ -89,29 +89,44 @@ def test_tiny_noise_above_the_threshold_jumps_the_rank_to_full(tmp_path):
     assert ranks == {0.0: 5, 1e-7: 5, 1e-4: 100}
 
 
-def test_an_interrupted_run_resumes_from_its_checkpoint_with_the_same_values(tmp_path, monkeypatch):
+def _crash_after_saves(monkeypatch, saves: int) -> None:
+    """Make the ``saves``-th checkpoint save end the run as Ctrl-C would, after saving."""
+    calls = {"n": 0}
+    real_save = _GramCheckpoint.save
+
+    def save_then_crash(self, *args):
+        real_save(self, *args)
+        calls["n"] += 1
+        if calls["n"] == saves:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_GramCheckpoint, "save", save_then_crash)
+
+
+@pytest.mark.parametrize(
+    ("first", "then"), [("scipy", "scipy"), ("scipy", "torch"), ("torch", "scipy")]
+)
+def test_an_interrupted_run_resumes_from_its_checkpoint_with_the_same_values(
+    tmp_path, monkeypatch, first, then
+):
+    """Crash after the third checkpoint (300 rows), resume, possibly with the other backend
+    (scipy keeps only the upper triangle of G; torch mirrors it)."""
     matrix = np.random.default_rng(0).standard_normal((1000, 60)).astype(np.float32)
     path, state = _save(tmp_path, matrix), tmp_path / "state"
     expected = streamed_singular_values(path, block_rows=100)
 
-    calls = {"n": 0}
-    real_save = _GramCheckpoint.save
-
-    def save_then_crash(self, rows_done, gram):
-        real_save(self, rows_done, gram)
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(_GramCheckpoint, "save", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        streamed_singular_values(path, block_rows=100, state_dir=state, checkpoint_seconds=0)
+    with monkeypatch.context() as patch:
+        _crash_after_saves(patch, 3)
+        with pytest.raises(KeyboardInterrupt):
+            streamed_singular_values(
+                path, block_rows=100, state_dir=state, checkpoint_seconds=0, backend=first
+            )
     assert sorted(p.name for p in state.iterdir()) == ["gram-300.npy", "gram.json"]
-    monkeypatch.setattr(_GramCheckpoint, "save", real_save)
+    (state / ".gram-400.npy.tmp").write_bytes(b"half a save")  # as a crash mid-save leaves
 
-    rows_read = []
     import highrank.analysis.logprob_matrix as matrix_module
 
+    rows_read = []
     real_blocks = matrix_module.iter_row_blocks
 
     def counting(path, block_rows, start_row=0):
@@ -119,15 +134,23 @@ def test_an_interrupted_run_resumes_from_its_checkpoint_with_the_same_values(tmp
         yield from real_blocks(path, block_rows, start_row)
 
     monkeypatch.setattr(matrix_module, "iter_row_blocks", counting)
-    values = streamed_singular_values(path, block_rows=100, state_dir=state)
+    values = streamed_singular_values(path, block_rows=100, state_dir=state, backend=then)
     assert rows_read == [300]  # resumed, not restarted
-    np.testing.assert_allclose(values, expected, rtol=1e-10)
-    assert list(state.iterdir()) == []  # the checkpoint is removed when done
+    np.testing.assert_allclose(values, expected, rtol=1e-10, atol=1e-12 * expected[0])
+    assert not state.exists()  # checkpoint, stray temporary file and folder are removed
+
+
+def test_a_float64_matrix_is_refused_with_the_reason(tmp_path):
+    path = _save(tmp_path, np.ones((6, 3)), "f64.npy")
+    with pytest.raises(
+        ValueError, match="f64.npy holds float64 values; the streamed rank needs float32"
+    ):
+        rank_report_file(path)
 
 
 def test_a_checkpoint_of_another_matrix_is_refused(tmp_path):
     first = _save(tmp_path, np.ones((20, 4), np.float32), "first.npy")
-    _GramCheckpoint(tmp_path / "state", first).save(10, np.eye(4))
+    _GramCheckpoint(tmp_path / "state", first).save(10, np.eye(4), "full")
     second = _save(tmp_path, np.ones((20, 4), np.float32), "second.npy")
     with pytest.raises(ValueError, match="the matrix changed since; delete .*state"):
         streamed_singular_values(second, state_dir=tmp_path / "state")
@@ -141,7 +164,7 @@ def test_bad_inputs_are_named(tmp_path):
         streamed_singular_values(path, backend="scipy", device="cuda")
     bad = np.ones((5, 3), np.float32)
     bad[2, 1] = np.nan
-    with pytest.raises(ValueError, match="NaN or infinite"):
+    with pytest.raises(ValueError, match="bad.npy: row 2 holds NaN or infinite entries"):
         streamed_singular_values(_save(tmp_path, bad, "bad.npy"))
     with pytest.raises(ValueError, match="shape \\(5,\\); expected a non-empty matrix"):
         streamed_singular_values(_save(tmp_path, np.ones(5, np.float32), "flat.npy"))

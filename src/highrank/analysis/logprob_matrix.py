@@ -38,8 +38,9 @@ _HEADER_READERS = {
 }
 
 
+@torch.no_grad()
 def head_rows(head: OutputHead, hidden: torch.Tensor, kind: str = "log_prob") -> torch.Tensor:
-    """``(n, V)`` float32 rows of the matrix for head inputs ``hidden (n, d)``."""
+    """``(n, V)`` float32 rows of the matrix for head inputs ``hidden (n, d)`` (no autograd)."""
     check_kind(head, kind)
     if kind == "logits":
         return head.transformed_logits(hidden).float()

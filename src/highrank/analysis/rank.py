@@ -140,7 +140,7 @@ def streamed_singular_values(
     checkpoint_seconds: float = 600.0,
     progress: bool = False,
 ) -> np.ndarray:
-    """Singular values (descending, float64) of the 2-D float ``.npy`` matrix at ``path``,
+    """Singular values (descending, float64) of the 2-D float32 ``.npy`` matrix at ``path``,
     which is read in blocks of ``block_rows`` rows and never held whole when rows >= columns.
 
     Args:
@@ -150,16 +150,25 @@ def streamed_singular_values(
             torch elsewhere).
         state_dir: where the partial Gram matrix is saved every ``checkpoint_seconds``; a
             later call with the same ``state_dir`` and an unchanged matrix file resumes from
-            there. The checkpoint is removed once the singular values are computed.
+            there (with either backend). The folder is removed once the values are computed.
         progress: a tqdm bar over rows with a time estimate, and an estimate for the
             eigenvalue step.
+
+    Only float32 matrices: the Gram method resolves singular values down to about
+    1e-6 * s_max, enough for float32's Press threshold but not for float64's (~1e-14 *
+    s_max); use :func:`rank_report` on a float64 matrix in memory.
     """
     from highrank.analysis.logprob_matrix import npy_layout
 
-    shape, _, _ = npy_layout(path)
+    shape, dtype, _ = npy_layout(path)
     if len(shape) != 2 or min(shape) == 0:
         raise ValueError(f"{path} holds an array of shape {shape}; expected a non-empty matrix")
-    backend = _resolve_backend(backend, device)
+    if dtype != np.float32:
+        raise ValueError(
+            f"{path} holds {dtype} values; the streamed rank needs float32 (its precision is "
+            "not enough for a float64 Press threshold): use rank_report on the matrix in memory"
+        )
+    backend = resolve_backend(backend, device)
     if shape[0] >= shape[1]:
         gram = _accumulate_column_gram(
             path, shape, block_rows, backend, device, state_dir, checkpoint_seconds, progress
@@ -175,9 +184,9 @@ def streamed_singular_values(
 def rank_report_file(
     path: str | os.PathLike, epsilons: Iterable[float] = EFFECTIVE_RANK_EPSILONS, **options
 ) -> dict[str, object]:
-    """:func:`rank_report` of the ``.npy`` matrix at ``path``, computed by
-    :func:`streamed_singular_values` (``options`` go there); the Press threshold uses the
-    file's dtype, exactly as for the matrix in memory."""
+    """:func:`rank_report` of the float32 ``.npy`` matrix at ``path``, computed by
+    :func:`streamed_singular_values` (``options`` go there); the Press threshold uses
+    float32's eps, exactly as for the matrix in memory."""
     from highrank.analysis.logprob_matrix import npy_layout
 
     shape, dtype, _ = npy_layout(path)
@@ -192,7 +201,8 @@ def rank_report_file(
     }
 
 
-def _resolve_backend(backend: str, device: str | torch.device) -> str:
+def resolve_backend(backend: str, device: str | torch.device) -> str:
+    """The Gram backend to use: ``backend`` checked against ``device``, ``"auto"`` resolved."""
     if backend not in GRAM_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(GRAM_BACKENDS)}; got {backend!r}")
     on_cpu = torch.device(device).type == "cpu"
@@ -214,46 +224,64 @@ def _accumulate_column_gram(
     checkpoint = _GramCheckpoint(state_dir, path) if state_dir is not None else None
     start, saved = checkpoint.load() if checkpoint else (0, None)
     gram = _GramUpdate(cols, backend, device, saved)
+    del saved  # the update owns (a copy of) it now
     last_save = time.monotonic()
-    with tqdm(
+    bar = tqdm(
         total=rows,
         initial=start,
         desc="Gram matrix",
         unit="row",
-        disable=not progress,
         unit_scale=True,
-    ) as bar:
+        disable=not progress,
+    )
+    with bar:
         for first, block in iter_row_blocks(path, block_rows, start):
+            _check_finite_block(block, path, first)
             gram.add(block)
             bar.update(block.shape[0])
             done = first + block.shape[0]
             if checkpoint and done < rows and time.monotonic() - last_save > checkpoint_seconds:
-                checkpoint.save(done, gram.numpy())
+                checkpoint.save(done, gram.numpy(), gram.triangle)
                 last_save = time.monotonic()
     return gram.result()
+
+
+def _check_finite_block(block: np.ndarray, path, first_row: int) -> None:
+    if not np.isfinite(block).all():
+        row = first_row + int(np.argwhere(~np.isfinite(block))[0, 0])
+        raise ValueError(
+            f"{path}: row {row} holds NaN or infinite entries, so the rank is undefined; "
+            "fix the model or delete the matrix file so that it is written again"
+        )
 
 
 class _GramUpdate:
     """G += B^T B for float32 blocks B ``(b, n)``, accumulated in float64.
 
     scipy: ``dsyrk`` updates the upper triangle of a Fortran-ordered G in place (half the
-    flops of a matmul). torch: ``addmm_`` on ``device`` (the whole of G)."""
+    flops of a matmul). torch: ``addmm_`` on ``device`` (the whole of G). A saved G from
+    either backend can be continued by either (an upper-triangle G is mirrored for torch).
+    """
 
-    def __init__(self, n: int, backend: str, device, saved: np.ndarray | None) -> None:
+    def __init__(self, n: int, backend: str, device, saved: tuple | None) -> None:
         self.backend, self.device = backend, torch.device(device)
+        self.triangle = "upper" if backend == "scipy" else "full"
+        if saved is None:
+            if backend == "scipy":
+                self.gram = np.zeros((n, n), order="F")
+            else:
+                self.gram = torch.zeros(n, n, dtype=torch.float64, device=self.device)
+            return
+        matrix, triangle = saved
         if backend == "scipy":
-            self.gram = (
-                np.asfortranarray(saved) if saved is not None else np.zeros((n, n), order="F")
-            )
+            self.gram = np.asfortranarray(matrix)  # either triangle layout holds the upper one
         else:
-            start = (
-                torch.zeros(n, n, dtype=torch.float64) if saved is None else torch.from_numpy(saved)
-            )
-            self.gram = start.to(self.device)
+            self.gram = torch.from_numpy(matrix).to(self.device)
+            if triangle == "upper":  # mirror the upper triangle into the lower one
+                upper = torch.triu(self.gram)
+                self.gram = upper + torch.triu(upper, diagonal=1).T
 
     def add(self, block: np.ndarray) -> None:
-        if not np.isfinite(block).all():
-            raise ValueError("the matrix holds NaN or infinite entries; its rank is undefined")
         if self.backend == "scipy":
             from scipy.linalg.blas import dsyrk
 
@@ -275,10 +303,13 @@ def _row_gram(path, shape, backend, device):
     """G = A A^T (m x m) for a wide matrix (m < n), from A read whole in float32."""
     from highrank.analysis.logprob_matrix import iter_row_blocks
 
-    rows = shape[0]
-    matrix = np.concatenate([block.copy() for _, block in iter_row_blocks(path, rows)])
+    rows, cols = shape
+    matrix = np.empty((rows, cols), dtype=np.float32)
+    for first, block in iter_row_blocks(path, 4096):
+        _check_finite_block(block, path, first)
+        matrix[first : first + block.shape[0]] = block
     gram = _GramUpdate(rows, backend, device, None)
-    for start in range(0, shape[1], 4096):  # columns of A are rows of A^T
+    for start in range(0, cols, 4096):  # columns of A are rows of A^T
         gram.add(np.ascontiguousarray(matrix[:, start : start + 4096].T))
     return gram.result()
 
@@ -296,7 +327,12 @@ def _gram_eigenvalues(gram, backend: str, progress: bool) -> np.ndarray:
         from scipy.linalg import eigh
 
         return eigh(
-            gram, lower=False, eigvals_only=True, overwrite_a=True, check_finite=False, driver="evd"
+            gram,
+            lower=False,
+            eigvals_only=True,
+            overwrite_a=True,
+            check_finite=False,
+            driver="evd",
         )
     return torch.linalg.eigvalsh(gram).cpu().numpy()
 
@@ -313,18 +349,18 @@ def _eigen_estimate(n: int, backend: str) -> str:
         eigh(sample, eigvals_only=True, overwrite_a=True, driver="evd")
     else:
         torch.linalg.eigvalsh(torch.from_numpy(sample))
-    seconds = (time.perf_counter() - began) * (n / probe) ** 3
-    return (
-        f"about {seconds / 60:.1f} min on the CPU"
-        if backend == "scipy"
-        else (f"about {seconds / 60:.1f} min if it ran on the CPU (rough: scaled from n = {probe})")
-    )
+    minutes = (time.perf_counter() - began) * (n / probe) ** 3 / 60
+    where = "on the CPU" if backend == "scipy" else "if on the CPU"
+    return f"about {minutes:.1f} min {where} (rough: scaled from n = {probe})"
 
 
 class _GramCheckpoint:
-    """A partial Gram matrix on disk: ``gram-<rows done>.npy`` plus ``gram.json`` naming it
-    and fingerprinting the source matrix (path, size, modification time), each written
-    atomically, the JSON last, so a crash at any point leaves a consistent pair."""
+    """A partial Gram matrix on disk: ``gram-<rows done>.npy`` plus ``gram.json`` naming it,
+    saying which triangle it holds, and fingerprinting the source matrix (path, size,
+    modification time). Each file is written under a fixed temporary name, flushed and
+    renamed, the JSON last, and the folder synced before an older matrix is deleted: a crash
+    at any point leaves a consistent pair, and no stray temporary file survives the next save.
+    """
 
     def __init__(self, state_dir, source) -> None:
         self.directory = Path(state_dir)
@@ -339,36 +375,72 @@ class _GramCheckpoint:
     def record_path(self) -> Path:
         return self.directory / "gram.json"
 
-    def load(self) -> tuple[int, np.ndarray | None]:
+    def load(self) -> tuple[int, tuple[np.ndarray, str] | None]:
+        """``(rows done, (G, triangle))``, or ``(0, None)`` when there is no checkpoint."""
         if not self.record_path.is_file():
             return 0, None
-        record = json.loads(self.record_path.read_text(encoding="utf-8"))
+        try:
+            record = json.loads(self.record_path.read_text(encoding="utf-8"))
+            matrix = np.load(self.directory / record["file"])
+        except (OSError, ValueError, KeyError) as error:
+            raise ValueError(
+                f"the Gram checkpoint in {self.directory} cannot be read ({error}); delete the "
+                "folder to start over"
+            ) from None
         if record.get("fingerprint") != self.fingerprint:
             raise ValueError(
                 f"{self.record_path} is a checkpoint of {record.get('fingerprint')}, not of "
                 f"{self.fingerprint}: the matrix changed since; delete {self.directory} to "
                 "start over"
             )
-        return int(record["rows_done"]), np.load(self.directory / record["file"])
+        return int(record["rows_done"]), (matrix, record.get("triangle", "full"))
 
-    def save(self, rows_done: int, gram: np.ndarray) -> None:
+    def save(self, rows_done: int, gram: np.ndarray, triangle: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in self.directory.glob(".gram-*.npy.tmp"):  # left by a crash mid-save
+            stale.unlink()
         name = f"gram-{rows_done}.npy"
-        temporary = self.directory / f".{name}.tmp"
-        with open(temporary, "wb") as file:
-            np.save(file, gram)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.directory / name)
-        record = {"fingerprint": self.fingerprint, "rows_done": rows_done, "file": name}
-        temporary = self.directory / ".gram.json.tmp"
-        temporary.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(temporary, self.record_path)
+        _write_synced(self.directory / name, lambda file: np.save(file, gram))
+        record = {
+            "fingerprint": self.fingerprint,
+            "rows_done": rows_done,
+            "file": name,
+            "triangle": triangle,
+        }
+        text = json.dumps(record).encode("utf-8")
+        _write_synced(self.record_path, lambda file: file.write(text))
+        _fsync_directory(self.directory)
         for old in self.directory.glob("gram-*.npy"):
             if old.name != name:
                 old.unlink()
 
     def remove(self) -> None:
-        self.record_path.unlink(missing_ok=True)
-        for old in self.directory.glob("gram-*.npy"):
-            old.unlink()
+        """Delete the checkpoint and its folder (when nothing else is in it)."""
+        if not self.directory.is_dir():
+            return
+        for path in [
+            self.record_path,
+            *self.directory.glob("gram-*.npy"),
+            *self.directory.glob(".*.tmp"),
+        ]:
+            path.unlink(missing_ok=True)
+        if not any(self.directory.iterdir()):
+            self.directory.rmdir()
+
+
+def _write_synced(path: Path, write) -> None:
+    """``write(file)`` into ``.<name>.tmp`` beside ``path``, fsync, then rename onto ``path``."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def _fsync_directory(directory: Path) -> None:
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
