@@ -323,6 +323,14 @@ def _input_errors() -> tuple[type[Exception], ...]:
     return ConfigError, CorpusError, CheckpointError, RunDirError
 
 
+# What a user does after Ctrl-C, per verb.
+_AFTER_INTERRUPT = {
+    "train": "continue from the last checkpoint with `highrank train --resume RUN_DIR`",
+    "finetune": "continue from the last checkpoint with `highrank finetune RUN_DIR --resume`",
+    "analyze": "run the same command again: a kept matrix and the saved Gram matrix are reused",
+}
+
+
 def _guarded(verb: str, job: Callable[[], int]) -> int:
     """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130."""
     from highrank.checkpoint import NonFiniteCheckpointError
@@ -338,7 +346,7 @@ def _guarded(verb: str, job: Callable[[], int]) -> int:
         return 2
     except KeyboardInterrupt:
         print(
-            f"highrank {verb}: interrupted; continue from the last checkpoint with --resume",
+            f"highrank {verb}: interrupted; {_AFTER_INTERRUPT.get(verb, 'nothing was kept')}",
             file=sys.stderr,
         )
         return 130

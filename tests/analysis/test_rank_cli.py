@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
 import pytest
 
+from highrank.analysis.logprob_matrix import write_log_prob_matrix
+from highrank.analysis.output import record_tag
 from highrank.analysis.rank import rank_report
-from highrank.analysis.rank_cli import analyze_run, rank_tag
+from highrank.analysis.rank_cli import analyze_run
 from highrank.analysis.spectrum import cumulative_share
 from highrank.cli import main
 
@@ -33,7 +36,7 @@ def test_analyze_rank_writes_the_record_values_and_combined_outputs(run_copy, tm
     )
     assert status == 0
     printed = capsys.readouterr().out
-    assert "Press rank" in printed and "run (softmax)" in printed
+    assert "Press rank" in printed and "run (softmax, test-best)" in printed
     folder = run_copy / "analysis"
     record = json.loads((folder / "rank-test-best.json").read_text())
     matrix = np.load(folder / "logprob-test-best.npy")
@@ -45,14 +48,12 @@ def test_analyze_rank_writes_the_record_values_and_combined_outputs(run_copy, tm
     np.testing.assert_allclose(values, expected["singular_values"], rtol=1e-4, atol=1e-5)
     for name in ("rank.json", "rank.md", "spectrum.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
-    assert not (folder / "rank-test-best.state").exists() or not any(
-        (folder / "rank-test-best.state").iterdir()
-    )
+    assert not (folder / "rank-test-best.state").exists()
 
 
 def test_the_matrix_is_deleted_unless_kept_and_reused_when_it_matches(run_copy, monkeypatch):
     record = analyze_run(run_copy, split="valid", max_contexts=30)
-    tag = rank_tag("valid", "best", max_contexts=30)
+    tag = record_tag("valid", "best", max_contexts=30)
     assert tag == "valid-best-first30" and record["shape"][0] == 30
     assert not (run_copy / "analysis" / f"logprob-{tag}.npy").exists()
 
@@ -81,3 +82,43 @@ def test_cumulative_share_counts_values_strictly_below():
     np.testing.assert_allclose(share, [0, 0, 0.5, 0.75, 1.0])
     with pytest.raises(ValueError, match="positive singular value"):
         cumulative_share(np.zeros(3), np.array([1.0]))
+
+
+def test_a_matrix_from_other_settings_or_an_older_checkpoint_is_rewritten(run_copy, monkeypatch):
+    import highrank.analysis.rank_cli as rank_cli
+    from highrank.analysis.contexts import load_run_split
+
+    matrix = run_copy / "analysis" / "logprob-test-best-first30.npy"
+    loaded = load_run_split(run_copy, "test")
+    # written by the library with different reading options and no head name: rewritten
+    write_log_prob_matrix(
+        matrix,
+        loaded.model,
+        loaded.ids,
+        bptt=5,
+        max_contexts=30,
+        metadata={"split": "test", "which": "best"},
+    )
+    calls = []
+    real = rank_cli.load_run_split
+    monkeypatch.setattr(
+        rank_cli, "load_run_split", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    analyze_run(run_copy, max_contexts=30, keep_matrix=True)
+    analyze_run(run_copy, max_contexts=30, keep_matrix=True)  # reused: same settings
+    assert len(calls) == 1
+    best = run_copy / "checkpoints" / "best.pt"
+    best.touch()  # as if training had written a new best checkpoint
+    os.utime(best, ns=(best.stat().st_atime_ns, best.stat().st_mtime_ns + 10**9))
+    analyze_run(run_copy, max_contexts=30, keep_matrix=True)
+    assert len(calls) == 2
+
+
+def test_a_bad_backend_fails_before_the_matrix_is_written(run_copy):
+    with pytest.raises(ValueError, match="'scipy' runs on the CPU only"):
+        analyze_run(run_copy, backend="scipy", device="cuda")
+    assert (
+        not list((run_copy / "analysis").glob("logprob-*"))
+        if (run_copy / "analysis").exists()
+        else True
+    )

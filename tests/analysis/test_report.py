@@ -39,7 +39,8 @@ def test_recorded_analyses_appear_with_their_numbers(runs, tmp_path):
     page = write_report([first, second], tmp_path / "out").read_text()
     test_ppl = json.loads((first / "eval-test-best.json").read_text())["perplexity"]
     assert f"{test_ppl:.4g}" in page
-    assert f"<td class='num'>{rank['press_rank']}</td>" in page
+    row = f"<tr><td>first</td><td>test</td><td>50 x {rank['shape'][1]}</td>"
+    assert row + f"<td class='num'>{rank['press_rank']}</td>" in page
     assert "50 x " in page and "40 x " in page
     assert page.count("data:image/png;base64,") == 2  # training curves and spectrum
     assert "highrank eval RUN_DIR --split test" in page  # second has no eval yet
@@ -52,3 +53,14 @@ def test_report_verb_and_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
         collect_run(tmp_path)
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
     assert "no config.toml" in capsys.readouterr().err
+
+
+def test_two_rank_records_of_one_moved_run_give_two_curves(runs, tmp_path):
+    first, _ = runs
+    analyze_run(first, max_contexts=30)
+    analyze_run(first, split="valid", max_contexts=30)
+    moved = first.rename(tmp_path / "moved")  # the records still name the old folder
+    write_report([moved], tmp_path / "out")
+    record = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert len(record["runs"][0]["rank"]) == 2
+    assert {r["run_dir"] for r in record["runs"][0]["rank"].values()} == {str(moved)}

@@ -17,6 +17,7 @@ from highrank.analysis.significance import (
     compare_runs,
     pearson,
     read_perplexity,
+    read_press_rank,
     split_groups,
     welch_df,
 )
@@ -231,3 +232,16 @@ def test_cli_compare_input_errors_exit_2_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["compare", "--alpha", "2", *a, "--", *a])
     assert info.value.code == 2 and "--alpha" in capsys.readouterr().err
+
+
+def test_compare_finds_rank_records_by_the_tag_analyze_rank_gave_them(tiny_run, tmp_path):
+    from highrank.analysis.rank_cli import analyze_run
+
+    run = shutil.copytree(tiny_run, tmp_path / "r")
+    record = analyze_run(run, max_contexts=30)
+    assert read_press_rank(run, "test-best-first30") == record["press_rank"]
+    assert read_press_rank(run, "test-best") is None
+    (run / "eval-test-best.json").write_text(json.dumps({"perplexity": 40.0}))
+    others = [fake_run(tmp_path / f"o{i}", 41.0 + i, 7 + i) for i in range(3)]
+    skipped = compare_runs({"A": [run, others[0]], "B": others[1:]})["rank_vs_perplexity"]
+    assert "rank-test-best.json" in skipped["skipped"] and "--rank-tag" in skipped["skipped"]

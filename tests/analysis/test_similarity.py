@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -231,6 +232,7 @@ def tiny_benchmarks(folder):
 
 
 def test_cli_analyze_similarity_writes_records_and_prints_the_table(tiny_run, tmp_path, capsys):
+    tiny_run = shutil.copytree(tiny_run, tmp_path / "run")  # the shared run stays untouched
     data = tiny_benchmarks(tmp_path / "word-sim")
     out = tmp_path / "summary"
     assert (
@@ -250,7 +252,8 @@ def test_cli_analyze_similarity_writes_records_and_prints_the_table(tiny_run, tm
     assert "| EN-ONE |" in (out / "similarity.md").read_text()
 
 
-def test_cli_analyze_similarity_on_a_real_benchmark(tiny_run, word_sim_dir, capsys):
+def test_cli_analyze_similarity_on_a_real_benchmark(tiny_run, word_sim_dir, tmp_path, capsys):
+    tiny_run = shutil.copytree(tiny_run, tmp_path / "run")
     argv = ["analyze", "similarity", str(tiny_run), "--data-dir", str(word_sim_dir)]
     assert main([*argv, "--benchmarks", "EN-MC-30,EN-WS-353-ALL"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]

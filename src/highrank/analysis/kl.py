@@ -57,7 +57,13 @@ import torch
 
 from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
 from highrank.analysis.logprob_matrix import head_rows, matrix_record, npy_layout
-from highrank.analysis.output import run_record_path, text_table, write_json, write_text_atomic
+from highrank.analysis.output import (
+    record_tag,
+    run_record_path,
+    text_table,
+    write_json,
+    write_text_atomic,
+)
 from highrank.model import LanguageModel
 
 DEFAULT_PAIRS = 10_000
@@ -410,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
     except KLError as error:
         print(f"highrank analyze kl: error: {error}", file=sys.stderr)
         return 2
-    tag = f"{args.split}-{Path(args.which).stem}"
+    tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
     written = [write_json(run_record_path(r["run_dir"], "kl", tag), r) for r in records]
     print(text_table(HEADERS, table_rows(records)), end="")
     infinite = [r["run_dir"] for r in records if r["infinite_pairs"]]

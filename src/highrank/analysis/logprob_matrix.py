@@ -17,7 +17,6 @@ reader's resident memory stays at one block however large the file.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -68,8 +67,10 @@ class _NpyWriter:
     def __init__(self, path: Path, shape: tuple[int, int]) -> None:
         self.path, self.shape, self.rows_written = path, shape, 0
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, self.temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        self.file: BinaryIO = os.fdopen(handle, "wb")
+        # A fixed name: a write killed outright (SIGKILL, out of memory) leaves at most this
+        # one file, which the next write of the same matrix replaces.
+        self.temporary = path.with_name(f".{path.name}.partial")
+        self.file: BinaryIO = open(self.temporary, "wb")  # noqa: SIM115  closed in commit/abort
         header = {"descr": _DTYPE.str, "fortran_order": False, "shape": shape}
         np.lib.format.write_array_header_2_0(self.file, header)
 

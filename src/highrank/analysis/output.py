@@ -27,6 +27,20 @@ def run_record_path(run_dir: str | os.PathLike, kind: str, tag: str = "") -> Pat
     return Path(run_dir) / ANALYSIS_DIR / f"{name}.json"
 
 
+def record_tag(
+    split: str, which: str, *, kind: str = "log_prob", max_contexts: int | None = None
+) -> str:
+    """``test-best``, ``test-best-logits``, ``valid-last-first5000``, ...: the ``<tag>`` of a
+    record computed on ``split`` with checkpoint ``which`` (a ``.pt`` path gives its stem),
+    from a non-default matrix ``kind``, on the first ``max_contexts`` contexts only."""
+    tag = f"{split}-{Path(which).stem}"
+    if kind != "log_prob":
+        tag += f"-{kind}"
+    if max_contexts is not None:
+        tag += f"-first{max_contexts}"
+    return tag
+
+
 def write_json(path: str | os.PathLike, record: Mapping[str, Any]) -> Path:
     """Write ``record`` as indented JSON, atomically; NumPy scalars and arrays become plain
     numbers and lists, non-finite floats become null. Returns the path."""

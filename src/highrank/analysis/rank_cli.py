@@ -31,26 +31,20 @@ from highrank.analysis.logprob_matrix import (
 )
 from highrank.analysis.output import (
     ANALYSIS_DIR,
-    read_json,
+    record_tag,
     run_record_path,
     text_table,
     write_json,
 )
-from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS, GRAM_BACKENDS, rank_report_file
+from highrank.analysis.rank import (
+    EFFECTIVE_RANK_EPSILONS,
+    GRAM_BACKENDS,
+    rank_report_file,
+    resolve_backend,
+)
 from highrank.analysis.spectrum import plot_spectrum
+from highrank.checkpoint import checkpoint_path
 from highrank.cli import positive_int
-
-
-def rank_tag(
-    split: str, which: str, kind: str = "log_prob", max_contexts: int | None = None
-) -> str:
-    """``test-best``, ``test-best-logits``, ``valid-last-first5000``, ...: names a run's files."""
-    tag = f"{split}-{Path(which).stem}"
-    if kind != "log_prob":
-        tag += f"-{kind}"
-    if max_contexts is not None:
-        tag += f"-first{max_contexts}"
-    return tag
 
 
 def analyze_run(
@@ -72,7 +66,8 @@ def analyze_run(
 ) -> dict[str, Any]:
     """Write (or reuse) the run's matrix, compute its rank, save and return the record."""
     run_dir = Path(run_dir)
-    tag = rank_tag(split, which, kind, max_contexts)
+    resolve_backend(backend, device)  # a bad pair fails now, not after the matrix is written
+    tag = record_tag(split, which, kind=kind, max_contexts=max_contexts)
     folder = run_dir / ANALYSIS_DIR
     matrix_path = folder / f"logprob-{tag}.npy"
     settings = {
@@ -82,6 +77,8 @@ def analyze_run(
         "batch_size": batch_size,
         "bptt": bptt,
         "max_contexts": max_contexts,
+        "checkpoint": _file_fingerprint(checkpoint_path(run_dir, which)),
+        "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
     }
     began = time.perf_counter()
     head = _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress)
@@ -120,11 +117,11 @@ def analyze_run(
 
 
 def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -> str:
-    """Reuse ``matrix_path`` when it was written with ``settings``; write it otherwise.
-    Returns the head's name."""
+    """Reuse ``matrix_path`` when it was written by this function with ``settings`` (same
+    split, checkpoint file, reading options); write it otherwise. Returns the head's name."""
     if matrix_path.is_file() and matrix_path.with_suffix(".json").is_file():
         existing = matrix_record(matrix_path)
-        if all(existing.get(key) == value for key, value in settings.items()):
+        if "head_name" in existing and all(existing.get(k) == v for k, v in settings.items()):
             return existing["head_name"]
     loaded = load_run_split(
         run_dir, settings["split"], which=settings["which"], data_dir=data_dir, device=device
@@ -146,9 +143,22 @@ def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -
     return loaded.config.head.name
 
 
+def _file_fingerprint(path: Path) -> dict[str, Any]:
+    """Name, size and modification time: a rewritten checkpoint no longer matches."""
+    if not path.is_file():
+        from highrank.checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    stat = path.stat()
+    return {"file": path.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
 def run_label(record: dict[str, Any]) -> str:
-    """``<run folder> (<head>)``: how a run is named in tables and legends."""
-    return f"{Path(record['run_dir']).name} ({record['head']})"
+    """``<run folder> (<head>, <tag>)``: how a record is named in tables and legends."""
+    tag = record_tag(
+        record["split"], record["which"], kind=record["kind"], max_contexts=record["max_contexts"]
+    )
+    return f"{Path(record['run_dir']).name} ({record['head']}, {tag})"
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
@@ -177,11 +187,12 @@ def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> s
 
 
 def write_spectrum(records: list[dict[str, Any]], path: Path) -> Path:
-    """The spectrum plot of runs whose singular values were saved beside their records."""
+    """The spectrum plot of rank records, whose singular values were saved beside them in
+    ``<run_dir>/analysis/`` (``run_dir`` as the record says, or as the reader found it)."""
     curves, thresholds = {}, {}
     for record in records:
-        folder = Path(record["run_dir"]) / ANALYSIS_DIR
         label = run_label(record)
+        folder = Path(record["run_dir"]) / ANALYSIS_DIR
         curves[label] = np.load(folder / record["singular_values_file"])
         thresholds[label] = record["press_threshold"] / record["s_max"]
     return plot_spectrum(curves, path, press_thresholds=thresholds)
@@ -257,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
         records.append(record)
-        tag = rank_tag(args.split, args.which, args.kind, args.max_contexts)
+        tag = record_tag(args.split, args.which, kind=args.kind, max_contexts=args.max_contexts)
         print(f"wrote {run_record_path(run_dir, 'rank', tag)}")
     print(summary_table(records), end="")
     if args.out:
@@ -267,9 +278,3 @@ def run(args: argparse.Namespace) -> int:
         plot = write_spectrum(records, out / "spectrum.png")
         print(f"wrote {out / 'rank.json'}, {out / 'rank.md'}, {plot}")
     return 0
-
-
-def load_rank_records(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every rank record kept in a run's analysis folder (for reports)."""
-    folder = Path(run_dir) / ANALYSIS_DIR
-    return [read_json(path) for path in sorted(folder.glob("rank-*.json"))]

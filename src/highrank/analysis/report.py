@@ -73,10 +73,17 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
         "epochs": [(m.get("stage"), m.get("epoch"), m.get("val_ppl")) for m in epochs],
         "best_val_ppl": min((m["val_ppl"] for m in epochs if m.get("val_ppl")), default=None),
         "evals": {p.stem: read_json(p) for p in sorted(run_dir.glob("*eval-*.json"))},
-        "rank": {p.stem: read_json(p) for p in sorted(folder.glob("rank-*.json"))},
+        "rank": {
+            p.stem: _found_in(read_json(p), run_dir) for p in sorted(folder.glob("rank-*.json"))
+        },
         "kl": {p.stem: read_json(p) for p in sorted(folder.glob("kl-*.json"))},
         "similarity": {p.stem: read_json(p) for p in sorted(folder.glob("similarity-*.json"))},
     }
+
+
+def _found_in(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The record with ``run_dir`` where it was found (a run may have moved since)."""
+    return {**record, "run_dir": str(run_dir)}
 
 
 def _parameter_count(run_dir: Path, config) -> int | None:

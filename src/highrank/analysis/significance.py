@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from highrank.analysis.output import read_json, text_table, write_json, write_text_atomic
+from highrank.analysis.output import (
+    read_json,
+    record_tag,
+    run_record_path,
+    text_table,
+    write_json,
+    write_text_atomic,
+)
 
 SEPARATOR = "--"
 MIN_CORRELATION_POINTS = 3  # Pearson of two points is always +-1
@@ -136,9 +143,11 @@ def eval_path(run_dir: str | Path, split: str, which: str) -> Path:
     return Path(run_dir) / f"eval-{split}-{Path(which).stem}.json"
 
 
-def rank_path(run_dir: str | Path, split: str, which: str) -> Path:
-    """``RUN_DIR/analysis/rank-<split>-<which>.json``, the record of ``highrank analyze rank``."""
-    return Path(run_dir) / "analysis" / f"rank-{split}-{Path(which).stem}.json"
+def rank_path(run_dir: str | Path, tag: str) -> Path:
+    """``RUN_DIR/analysis/rank-<tag>.json``, the record of ``highrank analyze rank`` (tag:
+    :func:`highrank.analysis.output.record_tag`, e.g. ``test-best`` or
+    ``test-best-first33320``)."""
+    return run_record_path(run_dir, "rank", tag)
 
 
 def read_perplexity(run_dir: str | Path, split: str, which: str) -> float:
@@ -153,9 +162,9 @@ def read_perplexity(run_dir: str | Path, split: str, which: str) -> float:
     return _number(_read_record(path), "perplexity", path, float)
 
 
-def read_press_rank(run_dir: str | Path, split: str, which: str) -> int | None:
-    """The ``"press_rank"`` of a run's rank record, None when the run has none."""
-    path = rank_path(run_dir, split, which)
+def read_press_rank(run_dir: str | Path, tag: str) -> int | None:
+    """The ``"press_rank"`` of a run's rank record ``tag``, None when the run has none."""
+    path = rank_path(run_dir, tag)
     return _number(_read_record(path), "press_rank", path, int) if path.is_file() else None
 
 
@@ -188,9 +197,11 @@ def compare_runs(
     which: str = "best",
     welch: bool = False,
     alpha: float = 0.05,
+    rank_tag: str | None = None,
 ) -> dict[str, Any]:
     """The record of ``highrank compare``: each group's perplexities, the t-test and, when
-    every run has a rank record, the Pearson correlation of Press rank and perplexity."""
+    every run has a rank record (``rank-<rank_tag>.json``, default ``<split>-<which>``), the
+    Pearson correlation of Press rank and perplexity over all runs of both groups."""
     (name_a, runs_a), (name_b, runs_b) = groups.items()
     ppl = {name: [read_perplexity(r, split, which) for r in runs] for name, runs in groups.items()}
     test = compare_groups(ppl[name_a], ppl[name_b], welch=welch)
@@ -208,21 +219,23 @@ def compare_runs(
         "significant": test.p < alpha,
         "lower_perplexity": better,
         "rank_vs_perplexity": rank_correlation(
-            [*runs_a, *runs_b], [*ppl[name_a], *ppl[name_b]], split, which
+            [*runs_a, *runs_b], [*ppl[name_a], *ppl[name_b]], rank_tag or record_tag(split, which)
         ),
     }
 
 
 def rank_correlation(
-    runs: Sequence[str], perplexities: Sequence[float], split: str, which: str
+    runs: Sequence[str], perplexities: Sequence[float], tag: str
 ) -> dict[str, Any]:
-    """Pearson of press_rank vs perplexity over ``runs``, or ``{"skipped": why}``."""
-    ranks = [read_press_rank(run, split, which) for run in runs]
+    """Pearson of press_rank (records ``rank-<tag>.json``) vs perplexity over ``runs``,
+    pooled over both groups (each run is one point), or ``{"skipped": why}``."""
+    ranks = [read_press_rank(run, tag) for run in runs]
     missing = [str(run) for run, rank in zip(runs, ranks, strict=True) if rank is None]
     if missing:
         return {
             "skipped": f"{len(missing)} of {len(runs)} runs have no "
-            f"{rank_path('RUN_DIR', split, which)} (`highrank analyze rank`): " + ", ".join(missing)
+            f"{rank_path('RUN_DIR', tag)} (`highrank analyze rank`, or pass --rank-tag): "
+            + ", ".join(missing)
         }
     try:
         correlation = pearson(ranks, perplexities)
@@ -245,6 +258,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--welch", action="store_true", help="Welch's t-test (unequal variances)")
     parser.add_argument(
         "--alpha", type=_probability, default=0.05, help="significance level (0.05)"
+    )
+    parser.add_argument(
+        "--rank-tag",
+        help="rank records to correlate with perplexity: RUN_DIR/analysis/rank-TAG.json "
+        "(default SPLIT-WHICH, e.g. test-best; test-best-first33320 for --max-contexts 33320)",
     )
     parser.add_argument("--out", help="also write compare.json and compare.md here")
 
@@ -298,7 +316,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         runs_a, runs_b = split_groups(args.runs, args)
         name_a, name_b = args.names
-        knobs = {"split": args.split, "which": args.which, "welch": args.welch}
+        knobs = {
+            "split": args.split,
+            "which": args.which,
+            "welch": args.welch,
+            "rank_tag": args.rank_tag,
+        }
         record = compare_runs({name_a: runs_a, name_b: runs_b}, **knobs, alpha=args.alpha)
     except CompareError as error:
         print(f"highrank compare: error: {error}", file=sys.stderr)

@@ -34,7 +34,7 @@ import torch
 
 from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
 from highrank.analysis.logprob_matrix import head_rows
-from highrank.analysis.output import run_record_path, write_json, write_text_atomic
+from highrank.analysis.output import record_tag, run_record_path, write_json, write_text_atomic
 from highrank.data import Vocab
 from highrank.model import LanguageModel
 
@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     print(text, end="")
     written = []
     if len(args.run_dirs) == 1:
-        tag = f"{args.split}-{Path(args.which).stem}"
+        tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
         written.append(write_json(run_record_path(args.run_dirs[0], "topk", tag), record))
     if args.out:
         out = Path(args.out)
