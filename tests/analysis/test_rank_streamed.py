@@ -71,9 +71,12 @@ def test_components_near_the_threshold_are_counted_as_numpy_counts_them(tmp_path
     report = rank_report_file(_save(tmp_path, matrix), block_rows=512, backend=backend)
     expected = 10 if factor < 1 else 30
     assert report["press_rank"] == expected == rank_report(matrix)["press_rank"]
-    # and the planted small values themselves come back, to a few per cent
+    # and the planted small values themselves come back, to a few per cent: they lie above
+    # the resolution of the method, which lies well below the threshold
     recovered = report["singular_values"][10:30] / report["singular_values"][0]
     np.testing.assert_allclose(recovered, factor * tau, rtol=0.05)
+    assert report["resolution"] == pytest.approx(np.sqrt(n * np.finfo(np.float64).eps))
+    assert report["resolution"] < 0.5 * tau
 
 
 def test_tiny_noise_above_the_threshold_jumps_the_rank_to_full(tmp_path):

@@ -122,9 +122,10 @@ def _machine_epsilon(dtype: np.dtype | torch.dtype) -> float:
 # s = tau = 0.5 * sqrt(m + n + 1) * eps32 * s_max (PTB test: 1.8e-5 * s_max) that is a
 # relative error of c * n * eps64 / (2 * (tau / s_max)^2) ~ 2e-3 * c for n = 10,000: far
 # finer than the threshold resolves. (A float32 Gram matrix would err by sqrt(eps32) *
-# s_max = 3.5e-4 * s_max, twenty times the threshold: useless.) Singular values far below
-# the threshold (below ~sqrt(n * eps64) * s_max = 1e-6 * s_max) are not resolved, but they
-# count towards neither the Press rank nor, measurably, the epsilon-effective ranks.
+# s_max = 3.5e-4 * s_max, twenty times the threshold: useless.) Singular values below about
+# sqrt(n * eps64) * s_max (1e-6 * s_max for n = 10,000: :func:`gram_resolution`, kept in the
+# report as "resolution") are not resolved: the computed ones are rounding noise. They count
+# towards neither the Press rank nor, measurably, the epsilon-effective ranks.
 # tests/analysis/test_rank_streamed.py plants singular values at 1/2 and 2x the threshold.
 
 GRAM_BACKENDS = ("auto", "scipy", "torch")
@@ -196,9 +197,16 @@ def rank_report_file(
         "dtype": str(dtype),
         "press_rank": press_rank_from_singular_values(values, shape, dtype),
         "press_threshold": press_threshold(shape, float(values[0]), dtype),
+        "resolution": gram_resolution(min(shape), float(values[0])),
         "effective_rank": {str(eps): effective_rank(values, eps) for eps in epsilons},
         "singular_values": values,
     }
+
+
+def gram_resolution(n: int, s_max: float) -> float:
+    """``sqrt(n * eps64) * s_max``: singular values below this are not resolved by an n x n
+    float64 Gram matrix (see "Precision" above); they are rounding noise, not spectrum."""
+    return math.sqrt(n * np.finfo(np.float64).eps) * s_max
 
 
 def resolve_backend(backend: str, device: str | torch.device) -> str:

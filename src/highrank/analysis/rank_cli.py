@@ -189,13 +189,16 @@ def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> s
 def write_spectrum(records: list[dict[str, Any]], path: Path) -> Path:
     """The spectrum plot of rank records, whose singular values were saved beside them in
     ``<run_dir>/analysis/`` (``run_dir`` as the record says, or as the reader found it)."""
-    curves, thresholds = {}, {}
+    curves, thresholds, floors = {}, {}, []
     for record in records:
         label = run_label(record)
         folder = Path(record["run_dir"]) / ANALYSIS_DIR
         curves[label] = np.load(folder / record["singular_values_file"])
         thresholds[label] = record["press_threshold"] / record["s_max"]
-    return plot_spectrum(curves, path, press_thresholds=thresholds)
+        if "resolution" in record:
+            floors.append(record["resolution"] / record["s_max"])
+    floor = max(floors, default=None)
+    return plot_spectrum(curves, path, press_thresholds=thresholds, resolution=floor)
 
 
 # ---- command line (wired into `highrank analyze rank` by analysis/commands.py) ------------

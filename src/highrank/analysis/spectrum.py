@@ -29,10 +29,12 @@ def plot_spectrum(
     *,
     threshold_range: tuple[float, float] = DEFAULT_RANGE,
     press_thresholds: Mapping[str, float] | None = None,
+    resolution: float | None = None,
     title: str = "Normalised singular values of the log-probability matrix",
 ) -> Path:
     """Write a PNG with one curve per ``label: singular values``; ``press_thresholds``
-    (label: threshold / s_max) marks each model's Press threshold with a dotted line."""
+    (label: threshold / s_max) marks each model's Press threshold with a dotted line, and
+    ``resolution`` (a fraction of s_max) greys out the values the method cannot resolve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,6 +47,8 @@ def plot_spectrum(
         line = axes.plot(thresholds, cumulative_share(values, thresholds), label=label)[0]
         if press_thresholds and label in press_thresholds:
             axes.axvline(press_thresholds[label], color=line.get_color(), linestyle=":", lw=1)
+    if resolution is not None and resolution > low:
+        axes.axvspan(low, resolution, color="0.85", zorder=0, label="not resolved (noise)")
     axes.set_xscale("log")
     axes.set_xlabel("threshold on s / s_max")
     axes.set_ylabel("share of singular values below")
