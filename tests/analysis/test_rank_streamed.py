@@ -3,6 +3,8 @@ ranks, noise either side of the Press threshold, resuming, and the tiny-model th
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -227,3 +229,42 @@ def test_a_tiny_mos_model_exceeds_d_plus_2(tmp_path):
     model, ids = _trained_tiny_model("mos", "head.n_components=3", "head.latent_dropout=0")
     write_log_prob_matrix(tmp_path / "m.npy", model, ids, bptt=35)
     assert rank_report_file(tmp_path / "m.npy")["press_rank"] > 6 + 2
+
+
+def test_scipy_is_refused_above_its_limit_and_torch_takes_over(tmp_path, monkeypatch):
+    import highrank.analysis.rank as rank
+
+    monkeypatch.setattr(rank, "SCIPY_MAX_N", 50)
+    path = _save(tmp_path, np.random.default_rng(0).standard_normal((300, 60)).astype(np.float32))
+    with pytest.raises(ValueError, match="limited to n <= 50 .* use backend 'torch'"):
+        streamed_singular_values(path, backend="scipy")
+    assert streamed_singular_values(path).shape == (60,)  # auto: torch
+
+
+def test_a_crash_in_the_eigenvalue_step_resumes_without_reading_the_matrix(tmp_path, monkeypatch):
+    import highrank.analysis.logprob_matrix as matrix_module
+    import highrank.analysis.rank as rank
+
+    matrix = np.random.default_rng(1).standard_normal((500, 40)).astype(np.float32)
+    path, state = _save(tmp_path, matrix), tmp_path / "state"
+    expected = streamed_singular_values(path, block_rows=100)
+    real_eigen = rank._gram_eigenvalues
+
+    def crash(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rank, "_gram_eigenvalues", crash)
+    with pytest.raises(KeyboardInterrupt):
+        streamed_singular_values(path, block_rows=100, state_dir=state, checkpoint_seconds=0)
+    assert json.loads((state / "gram.json").read_text())["rows_done"] == 500
+    monkeypatch.setattr(rank, "_gram_eigenvalues", real_eigen)
+    starts = []
+    real_blocks = matrix_module.iter_row_blocks
+    monkeypatch.setattr(
+        matrix_module,
+        "iter_row_blocks",
+        lambda p, b, start_row=0: starts.append(start_row) or real_blocks(p, b, start_row),
+    )
+    values = streamed_singular_values(path, block_rows=100, state_dir=state)
+    assert starts == [500]  # nothing left to read
+    np.testing.assert_allclose(values, expected, rtol=1e-10, atol=1e-12 * expected[0])

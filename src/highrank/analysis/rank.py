@@ -114,7 +114,8 @@ def _machine_epsilon(dtype: np.dtype | torch.dtype) -> float:
 # For an m x n matrix A with m >= n, the singular values of A are the square roots of the
 # eigenvalues of the n x n Gram matrix G = A^T A = sum over row blocks B of B^T B. G is
 # accumulated in float64 from float32 row blocks read one at a time, so memory is n^2 doubles
-# plus a block, whatever m is (PTB test, n = 10,000: 0.8 GB; WikiText-2, n = 33,278: 8.9 GB).
+# plus a block, whatever m is (PTB test, n = 10,000: 0.8 GB; WikiText-2, n = 33,278: 8.9 GB),
+# and twice that while torch's eigenvalue solver works on its copy of G.
 #
 # Precision. Forming G squares the condition number, which is why it must be float64: a
 # float64 eigenvalue solver is accurate to about c * n * eps64 * s_max^2 in lambda, i.e. an
@@ -129,6 +130,7 @@ def _machine_epsilon(dtype: np.dtype | torch.dtype) -> float:
 # tests/analysis/test_rank_streamed.py plants singular values at 1/2 and 2x the threshold.
 
 GRAM_BACKENDS = ("auto", "scipy", "torch")
+SCIPY_MAX_N = 20_000
 
 
 def streamed_singular_values(
@@ -145,10 +147,10 @@ def streamed_singular_values(
     which is read in blocks of ``block_rows`` rows and never held whole when rows >= columns.
 
     Args:
-        backend: ``"scipy"`` (CPU: BLAS ``dsyrk`` updates half of G, LAPACK ``dsyevd``
-            overwrites it: peak memory ~ one G), ``"torch"`` (any ``device``, e.g. ``"cuda"``:
-            float64 matmul and ``torch.linalg.eigvalsh``) or ``"auto"`` (scipy on the CPU,
-            torch elsewhere).
+        backend: ``"torch"`` (any ``device``, e.g. ``"cuda"``: float64 matrix products
+            into the upper triangle of G, then ``torch.linalg.eigvalsh``, which copies G:
+            peak memory ~ two G), ``"scipy"`` (CPU, n <= :data:`SCIPY_MAX_N`: BLAS ``dsyrk``,
+            then LAPACK ``dsyevd`` overwriting G: peak ~ one G) or ``"auto"`` (torch).
         state_dir: where the partial Gram matrix is saved every ``checkpoint_seconds``; a
             later call with the same ``state_dir`` and an unchanged matrix file resumes from
             there (with either backend). The folder is removed once the values are computed.
@@ -213,12 +215,9 @@ def resolve_backend(backend: str, device: str | torch.device) -> str:
     """The Gram backend to use: ``backend`` checked against ``device``, ``"auto"`` resolved."""
     if backend not in GRAM_BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(GRAM_BACKENDS)}; got {backend!r}")
-    on_cpu = torch.device(device).type == "cpu"
-    if backend == "scipy" and not on_cpu:
+    if backend == "scipy" and torch.device(device).type != "cpu":
         raise ValueError(f"backend 'scipy' runs on the CPU only; got device {device!r}")
-    if backend == "auto":
-        return "scipy" if on_cpu else "torch"
-    return backend
+    return "torch" if backend == "auto" else backend
 
 
 def _accumulate_column_gram(
@@ -248,7 +247,8 @@ def _accumulate_column_gram(
             gram.add(block)
             bar.update(block.shape[0])
             done = first + block.shape[0]
-            if checkpoint and done < rows and time.monotonic() - last_save > checkpoint_seconds:
+            # Also after the last block: a crash in the eigenvalue step then resumes there.
+            if checkpoint and time.monotonic() - last_save > checkpoint_seconds:
                 checkpoint.save(done, gram.numpy(), gram.triangle)
                 last_save = time.monotonic()
     return gram.result()
@@ -264,30 +264,33 @@ def _check_finite_block(block: np.ndarray, path, first_row: int) -> None:
 
 
 class _GramUpdate:
-    """G += B^T B for float32 blocks B ``(b, n)``, accumulated in float64.
+    """G += B^T B for float32 blocks B ``(b, n)``, accumulated in float64; only the upper
+    triangle (``G[i, j]``, ``i <= j``) is formed, half the flops of a full product.
 
-    scipy: ``dsyrk`` updates the upper triangle of a Fortran-ordered G in place (half the
-    flops of a matmul). torch: ``addmm_`` on ``device`` (the whole of G). A saved G from
-    either backend can be continued by either (an upper-triangle G is mirrored for torch).
+    torch (the default, any device): column panels ``G[:e, s:e] += B[:, :e]^T B[:, s:e]``
+    with ``addmm_`` (MKL on the CPU, cuBLAS on a GPU). scipy: BLAS ``dsyrk`` on a
+    Fortran-ordered G in place; the multithreaded OpenBLAS that SciPy wheels ship crashes in
+    ``dsyrk`` from about n = 25,000 (measured: 24,000 ran, 30,000 segfaulted), so it is
+    refused above :data:`SCIPY_MAX_N`. A saved G from either backend continues in either.
     """
 
+    PANEL = 2048  # columns per panel of the torch update (1024-4096 measured alike)
+
     def __init__(self, n: int, backend: str, device, saved: tuple | None) -> None:
-        self.backend, self.device = backend, torch.device(device)
-        self.triangle = "upper" if backend == "scipy" else "full"
-        if saved is None:
-            if backend == "scipy":
-                self.gram = np.zeros((n, n), order="F")
-            else:
-                self.gram = torch.zeros(n, n, dtype=torch.float64, device=self.device)
-            return
-        matrix, triangle = saved
+        self.backend, self.device, self.n = backend, torch.device(device), n
+        self.triangle = "upper"
+        if backend == "scipy" and n > SCIPY_MAX_N:
+            raise ValueError(
+                f"backend 'scipy' is limited to n <= {SCIPY_MAX_N:,} (OpenBLAS's threaded dsyrk "
+                f"crashes at larger n); this Gram matrix has n = {n:,}: use backend 'torch'"
+            )
+        matrix = None if saved is None else saved[0]  # either triangle layout holds the upper
         if backend == "scipy":
-            self.gram = np.asfortranarray(matrix)  # either triangle layout holds the upper one
+            self.gram = np.zeros((n, n), order="F") if matrix is None else np.asfortranarray(matrix)
+        elif matrix is None:
+            self.gram = torch.zeros(n, n, dtype=torch.float64, device=self.device)
         else:
             self.gram = torch.from_numpy(matrix).to(self.device)
-            if triangle == "upper":  # mirror the upper triangle into the lower one
-                upper = torch.triu(self.gram)
-                self.gram = upper + torch.triu(upper, diagonal=1).T
 
     def add(self, block: np.ndarray) -> None:
         if self.backend == "scipy":
@@ -296,9 +299,11 @@ class _GramUpdate:
             # block.T is an (n, b) Fortran-ordered view: C := B^T B + C, upper triangle.
             wide = block.astype(np.float64).T
             self.gram = dsyrk(1.0, wide, beta=1.0, c=self.gram, trans=0, lower=0, overwrite_c=1)
-        else:
-            rows = torch.from_numpy(block).to(self.device, torch.float64)
-            self.gram.addmm_(rows.T, rows)
+            return
+        rows = torch.from_numpy(block).to(self.device, torch.float64)  # (b, n)
+        for start in range(0, self.n, self.PANEL):
+            end = min(start + self.PANEL, self.n)
+            self.gram[:end, start:end].addmm_(rows[:, :end].T, rows[:, start:end])
 
     def numpy(self) -> np.ndarray:
         return self.gram if self.backend == "scipy" else self.gram.cpu().numpy()
@@ -342,7 +347,7 @@ def _gram_eigenvalues(gram, backend: str, progress: bool) -> np.ndarray:
             check_finite=False,
             driver="evd",
         )
-    return torch.linalg.eigvalsh(gram).cpu().numpy()
+    return torch.linalg.eigvalsh(gram, UPLO="U").cpu().numpy()  # makes one copy of G
 
 
 def _eigen_estimate(n: int, backend: str) -> str:
