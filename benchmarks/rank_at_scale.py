@@ -13,7 +13,8 @@ alternate within each repeat. Both methods compute every singular value:
 * numpy: ``np.load`` (whole matrix in RAM) then ``np.linalg.svd(A, compute_uv=False)`` in
   float32, as ``numpy.linalg.matrix_rank`` does;
 * gram: :func:`highrank.analysis.rank.rank_report_file` (float64 Gram matrix from blocks of
-  rows, then its eigenvalues).
+  rows, then its eigenvalues) with the default backend; ``gram-torch`` and ``gram-scipy``
+  name the backend.
 
 The record holds each run's seconds and peak MiB, the Press and effective ranks of both, and
 the largest difference between their singular values relative to s_max.
@@ -45,7 +46,7 @@ from highrank.analysis.rank import (  # noqa: E402
 )
 from highrank.bench.heads import machine_info, proc_status_kib, reset_peak_rss  # noqa: E402
 
-METHODS = ("numpy", "gram")
+METHODS = ("numpy", "gram", "gram-torch", "gram-scipy")  # gram: the default backend
 
 
 def child(method: str, path: str, values_out: str) -> dict:
@@ -59,7 +60,8 @@ def child(method: str, path: str, values_out: str) -> dict:
         shape, dtype = matrix.shape, matrix.dtype
         del matrix
     else:
-        report = rank_report_file(path)
+        backend = method.removeprefix("gram").removeprefix("-") or "auto"
+        report = rank_report_file(path, backend=backend)
         values, shape, dtype = report["singular_values"], report["shape"], np.float32
     seconds = time.perf_counter() - began
     np.save(values_out, values)
@@ -105,15 +107,16 @@ def measure(path: Path, methods: list[str], repeats: int, scratch: Path) -> dict
             "press_rank": mine[0]["press_rank"],
             "effective_rank": mine[0]["effective_rank"],
         }
-    if len(values) == 2:
-        a, b = values["numpy"], values["gram"]
-        summary["max_relative_difference"] = float(np.max(np.abs(a - b)) / a[0])
-        summary["time_ratio_gram_to_numpy"] = (
-            summary["gram"]["median_seconds"] / summary["numpy"]["median_seconds"]
+    reference = methods[0]  # every other method is compared with the first one named
+    for method in methods[1:]:
+        a, b = values[reference], values[method]
+        summary[method][f"max_relative_difference_to_{reference}"] = float(
+            np.max(np.abs(a - b)) / a[0]
         )
-        summary["memory_ratio_gram_to_numpy"] = (
-            summary["gram"]["median_peak_mib"] / summary["numpy"]["median_peak_mib"]
-        )
+        for key, field in (("time", "median_seconds"), ("memory", "median_peak_mib")):
+            summary[method][f"{key}_ratio_to_{reference}"] = (
+                summary[method][field] / summary[reference][field]
+            )
     return {"runs": runs, "summary": summary}
 
 
