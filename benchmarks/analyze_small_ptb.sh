@@ -23,5 +23,8 @@ highrank analyze kl "$runs/ptb-small-softmax" "$runs/ptb-small-mos" --pairs 1000
   --matrix "$runs/ptb-small-softmax/analysis/logprob-test-best.npy" \
   --matrix "$runs/ptb-small-mos/analysis/logprob-test-best.npy" --out "$out" --no-progress
 # the side-by-side timing of the rank (numpy SVD in memory vs the streamed Gram matrix)
-python benchmarks/rank_at_scale.py "$runs/ptb-small-mos/analysis/logprob-test-best.npy" \
+matrix="$runs/ptb-small-mos/analysis/logprob-test-best.npy"
+python benchmarks/rank_at_scale.py "$matrix" --methods numpy,gram-scipy \
   --out benchmarks/results/rank-at-scale/ptb-test-small-mos.json
+python benchmarks/rank_at_scale.py "$matrix" --methods gram-torch,gram-scipy --repeats 2 \
+  --out benchmarks/results/rank-at-scale/ptb-test-small-mos-backends.json

@@ -55,7 +55,7 @@ def plot_spectrum(
     axes.set_ylim(0, 1.02)
     axes.set_title(title, fontsize=10)
     axes.grid(True, which="major", alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left")
+    axes.legend(fontsize=8, loc="best")
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
