@@ -22,6 +22,11 @@ highrank analyze rank "$runs/ptb-small-softmax" "$runs/ptb-small-mos" --keep-mat
 highrank analyze kl "$runs/ptb-small-softmax" "$runs/ptb-small-mos" --pairs 10000 \
   --matrix "$runs/ptb-small-softmax/analysis/logprob-test-best.npy" \
   --matrix "$runs/ptb-small-mos/analysis/logprob-test-best.npy" --out "$out" --no-progress
+highrank analyze topk "$runs/ptb-small-mos" "$runs/ptb-small-softmax" --margin 2 --count 2 \
+  --out "$out" --no-progress
+highrank analyze similarity "$runs/ptb-small-softmax" "$runs/ptb-small-mos" \
+  --data-dir ../shared/data/word-sim --out "$out"
+highrank report "$runs/ptb-small-softmax" "$runs/ptb-small-mos" --out "$out/report"
 # the side-by-side timing of the rank (numpy SVD in memory vs the streamed Gram matrix)
 matrix="$runs/ptb-small-mos/analysis/logprob-test-best.npy"
 python benchmarks/rank_at_scale.py "$matrix" --methods numpy,gram-scipy \

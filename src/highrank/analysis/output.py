@@ -66,6 +66,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(handle, 0o666 & ~_umask())  # mkstemp's 0600 would hide reports from others
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(text)
@@ -76,6 +77,12 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
         Path(temporary).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def text_table(
