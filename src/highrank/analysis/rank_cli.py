@@ -77,7 +77,7 @@ def analyze_run(
         "batch_size": batch_size,
         "bptt": bptt,
         "max_contexts": max_contexts,
-        "checkpoint": _file_fingerprint(checkpoint_path(run_dir, which)),
+        "checkpoint_file": _file_fingerprint(checkpoint_path(run_dir, which)),
         "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
     }
     began = time.perf_counter()
@@ -100,6 +100,7 @@ def analyze_run(
     record = {
         "run_dir": str(run_dir),
         "head": head,
+        "checkpoint": which,  # as the other analyses' records name it
         **settings,
         **report,
         "s_max": float(values[0]),
