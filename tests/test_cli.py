@@ -149,3 +149,21 @@ def test_bench_rejects_unknown_cases():
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "heads", "--cases", "softmax,moz"])
     assert exit_info.value.code == 2
+
+
+def test_an_unknown_config_key_is_named_with_the_closest_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "configs/ptb/small-softmax.toml", "--train.lrr=20"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'train.lrr'; did you mean train.lr" in err
+    assert err.splitlines()[0].startswith("usage: highrank train")
+
+
+def test_missing_run_dir_and_missing_best_checkpoint_say_what_to_do(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nowhere")]) == 2
+    assert f"run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "last.pt").write_bytes(b"")
+    assert main(["eval", str(tmp_path / "run")]) == 2
+    assert "stopped before one (e.g. --max-steps); use --which last" in capsys.readouterr().err

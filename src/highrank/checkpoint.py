@@ -385,7 +385,14 @@ def load_run(
     Returns the model in eval mode with the checkpoint's evaluation weights; building it does
     not disturb the global torch RNG.
     """
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
     path = checkpoint_path(run_dir, which)
+    if which == "best" and not path.is_file() and checkpoint_path(run_dir, "last").is_file():
+        raise CheckpointError(
+            f"checkpoint {path} does not exist: best.pt is written at the end of an epoch, and "
+            "this run stopped before one (e.g. --max-steps); use --which last"
+        )
     if which == "finetuned" and not path.is_file():
         raise CheckpointError(
             f"checkpoint {path} does not exist: run `highrank finetune {run_dir}` first, or "

@@ -750,5 +750,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``highrank`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _reject_unknown(parser, args, unknown)
     return args.run(args)
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown) -> None:
+    """argparse's error for unknown arguments, naming the closest config keys for a
+    ``--section.key`` that is not one (``--train.lrr=20``: did you mean train.lr?)."""
+    import difflib
+
+    verb_parser = getattr(args, "parser", parser)
+    for argument in unknown:
+        name = argument.removeprefix("--").split("=", 1)[0]
+        if argument.startswith("--") and "." in name:
+            close = difflib.get_close_matches(name, _config_keys(), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            verb_parser.error(
+                f"unknown config key {name!r}{hint} (`highrank config show` lists every key)"
+            )
+    verb_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
