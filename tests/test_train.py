@@ -487,3 +487,10 @@ def test_cli_eval_of_a_missing_run_is_a_clear_error(tmp_path, capsys):
 
     assert main(["eval", str(tmp_path / "nowhere"), "--no-progress"]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_metrics_file_exists_even_before_the_first_logged_line(corpus, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, "train.log_every=1000"), options=options(max_steps=1))
+    assert (out / "metrics.jsonl").is_file()
+    assert read_metrics(out / "metrics.jsonl", kind="step") == []

@@ -173,6 +173,7 @@ class MetricsLog:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.path.touch(exist_ok=True)  # present from the start, even before the first line
 
     def write(self, record: Mapping[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as handle:
