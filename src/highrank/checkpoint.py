@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from highrank.config import Config, config_from_dict
-from highrank.data import Vocab
+from highrank.data import Corpus, Vocab, load_corpus
 from highrank.model import LanguageModel, build_model
 
 FORMAT = "highrank-checkpoint"
@@ -412,6 +412,27 @@ def load_run(
     return model.to(device).eval(), config, vocab
 
 
+def load_run_corpus(
+    run_dir: str | os.PathLike,
+    which: str = "best",
+    *,
+    data_dir: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[LanguageModel, Config, Corpus]:
+    """:func:`load_run` and the run's corpus: its ``data.dir``, or ``data_dir`` when given,
+    which must give the vocabulary the run was trained with (a clear error says otherwise)."""
+    model, config, vocab = load_run(run_dir, which, device=device)
+    corpus = load_corpus(
+        data_dir or config.data.dir, mode=config.data.mode, cache_dir=config.data.cache_dir
+    )
+    if corpus.vocab.words != vocab.words:
+        raise CheckpointError(
+            f"the corpus at {corpus.directory} has a different vocabulary than run {run_dir} "
+            f"({len(corpus.vocab)} vs {len(vocab)} tokens); pass the run's corpus with --data-dir"
+        )
+    return model, config, corpus
+
+
 def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: Any) -> None:
     """``model.load_state_dict(state)``, a mismatch reported with the checkpoint's name."""
     try:
@@ -437,6 +458,7 @@ __all__ = [
     "load_checkpoint",
     "load_resumable",
     "load_run",
+    "load_run_corpus",
     "load_weights",
     "previous_path",
     "restore_rng",

@@ -504,20 +504,10 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_for_eval(args: argparse.Namespace):
-    """The run's model, config and the ids of ``args.split``, checked against its vocabulary."""
-    from highrank.checkpoint import CheckpointError, load_run
-    from highrank.data import load_corpus
+    """The run's model, config and corpus, checked against the run's vocabulary."""
+    from highrank.checkpoint import load_run_corpus
 
-    model, config, vocab = load_run(args.run_dir, args.which)
-    corpus = load_corpus(
-        args.data_dir or config.data.dir, mode=config.data.mode, cache_dir=config.data.cache_dir
-    )
-    if corpus.vocab.words != vocab.words:
-        raise CheckpointError(
-            f"the corpus at {corpus.directory} has a different vocabulary than run "
-            f"{args.run_dir} ({len(corpus.vocab)} vs {len(vocab)} tokens); pass --data-dir"
-        )
-    return model, config, corpus
+    return load_run_corpus(args.run_dir, args.which, data_dir=args.data_dir)
 
 
 def _report_eval(args: argparse.Namespace, kind: str, result, extra: dict) -> None:

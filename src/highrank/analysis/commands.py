@@ -21,6 +21,20 @@ ANALYSES: dict[str, tuple[str, str]] = {
 }
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, *, corpus: bool = True) -> None:
+    """The options every analysis of trained runs shares: ``RUN_DIR...`` and ``--which``;
+    with ``corpus`` also ``--split`` and ``--data-dir`` (the corpus the contexts come from)."""
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs of `highrank train`")
+    parser.add_argument(
+        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
+    )
+    if corpus:
+        parser.add_argument(
+            "--split", choices=("train", "valid", "test"), default="test", help="(test)"
+        )
+        parser.add_argument("--data-dir", help="corpus folder (default: each run's data.dir)")
+
+
 def _module(name: str):
     return importlib.import_module(f"highrank.analysis.{name}")
 

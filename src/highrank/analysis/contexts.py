@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from highrank.checkpoint import CheckpointError, load_run
+from highrank.checkpoint import load_run_corpus
 from highrank.config import Config
-from highrank.data import Vocab, batchify, iter_batches, load_corpus
+from highrank.data import Vocab, batchify, iter_batches
 from highrank.model import LanguageModel
 
 
@@ -73,17 +73,15 @@ def load_run_split(
     The corpus is the run's ``data.dir`` unless ``data_dir`` names another folder; it must
     give the same vocabulary the run was trained with (a clear error says otherwise).
     """
-    model, config, vocab = load_run(run_dir, which, device=device)
-    corpus = load_corpus(
-        data_dir or config.data.dir, mode=config.data.mode, cache_dir=config.data.cache_dir
-    )
-    if corpus.vocab.words != vocab.words:
-        raise CheckpointError(
-            f"the corpus at {corpus.directory} has a different vocabulary than run {run_dir} "
-            f"({len(corpus.vocab)} vs {len(vocab)} tokens); pass the run's corpus as data_dir"
-        )
+    model, config, corpus = load_run_corpus(run_dir, which, data_dir=data_dir, device=device)
     return RunSplit(
-        Path(run_dir), model, config, vocab, corpus.split(split), split, str(corpus.path(split))
+        Path(run_dir),
+        model,
+        config,
+        corpus.vocab,
+        corpus.split(split),
+        split,
+        str(corpus.path(split)),
     )
 
 

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from highrank.analysis.commands import add_run_arguments
 from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
 from highrank.analysis.logprob_matrix import head_rows, matrix_record, npy_layout
 from highrank.analysis.output import (
@@ -373,12 +374,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze kl``."""
     from highrank.cli import positive_int
 
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
-    parser.add_argument("--split", default="test", choices=("train", "valid", "test"))
-    parser.add_argument(
-        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
-    )
-    parser.add_argument("--data-dir", help="corpus folder (default: the run's data.dir)")
+    add_run_arguments(parser)
     parser.add_argument(
         "--pairs", type=positive_int, default=DEFAULT_PAIRS, help="context pairs (10000)"
     )

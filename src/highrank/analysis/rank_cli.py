@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from highrank.analysis.commands import add_run_arguments
 from highrank.analysis.contexts import load_run_split
 from highrank.analysis.logprob_matrix import (
     MATRIX_KINDS,
@@ -206,14 +207,7 @@ def write_spectrum(records: list[dict[str, Any]], path: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs of `highrank train`")
-    parser.add_argument(
-        "--split", choices=["train", "valid", "test"], default="test", help="(test)"
-    )
-    parser.add_argument(
-        "--which", default="best", help="checkpoint: best, last, finetuned, or a .pt path (best)"
-    )
-    parser.add_argument("--data-dir", help="corpus folder (default: the run's data.dir)")
+    add_run_arguments(parser)
     parser.add_argument(
         "--kind",
         choices=MATRIX_KINDS,

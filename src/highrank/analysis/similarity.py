@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from highrank.analysis.commands import add_run_arguments
 from highrank.analysis.output import run_record_path, text_table, write_json, write_text_atomic
 
 MIN_PAIRS = 3  # Spearman of fewer pairs is meaningless (two points always give +-1)
@@ -254,10 +255,7 @@ def similarity_record(model: torch.nn.Module, vocab, benchmarks: Sequence[Benchm
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze similarity``."""
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
-    parser.add_argument(
-        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
-    )
+    add_run_arguments(parser, corpus=False)
     parser.add_argument(
         "--data-dir",
         help=f"folder of the benchmark files (default {DEFAULT_DATA_DIR} if it exists)",

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from highrank.analysis.commands import add_run_arguments
 from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
 from highrank.analysis.logprob_matrix import head_rows
 from highrank.analysis.output import record_tag, run_record_path, write_json, write_text_atomic
@@ -264,12 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze topk``."""
     from highrank.cli import positive_int
 
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
-    parser.add_argument("--split", default="test", choices=("train", "valid", "test"))
-    parser.add_argument(
-        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
-    )
-    parser.add_argument("--data-dir", help="corpus folder of all runs (default: each run's own)")
+    add_run_arguments(parser)
     choose = parser.add_mutually_exclusive_group(required=True)
     choose.add_argument(
         "--positions", type=parse_positions, help="stream positions of the contexts, e.g. 10,200"
