@@ -351,20 +351,28 @@ def _gram_eigenvalues(gram, backend: str, progress: bool) -> np.ndarray:
 
 
 def _eigen_estimate(n: int, backend: str) -> str:
-    """A rough time for the eigenvalues of an n x n matrix: a small one timed, scaled by n^3."""
-    probe = min(n, 1000)
+    """A rough time for the eigenvalues of an n x n matrix: a smaller one timed (after a
+    warm-up call, whose library start-up would otherwise dominate) and scaled by n^3. On this
+    project's 2-core CPU it overestimates 2-3x (about 24 min predicted for n = 33,278, where
+    the eigenvalue step and the final checkpoint took 8.9 min)."""
+    probe = min(n, 3000)
     sample = np.random.default_rng(0).standard_normal((probe, probe))
     sample = sample + sample.T
+    _eigenvalues_of(sample[:64, :64].copy(), backend)  # warm-up
     began = time.perf_counter()
-    if backend == "scipy":
-        from scipy.linalg import eigh
-
-        eigh(sample, eigvals_only=True, overwrite_a=True, driver="evd")
-    else:
-        torch.linalg.eigvalsh(torch.from_numpy(sample))
+    _eigenvalues_of(sample, backend)
     minutes = (time.perf_counter() - began) * (n / probe) ** 3 / 60
     where = "on the CPU" if backend == "scipy" else "if on the CPU"
     return f"about {minutes:.1f} min {where} (rough: scaled from n = {probe})"
+
+
+def _eigenvalues_of(matrix: np.ndarray, backend: str) -> None:
+    if backend == "scipy":
+        from scipy.linalg import eigh
+
+        eigh(matrix, eigvals_only=True, overwrite_a=True, driver="evd")
+    else:
+        torch.linalg.eigvalsh(torch.from_numpy(matrix))
 
 
 class _GramCheckpoint:
