@@ -24,11 +24,10 @@ from highrank.backbones.regularizers import (
     LSTMState,
     WeightDrop,
     activation_regularization,
-    check_probability,
     embedding_dropout,
     temporal_activation_regularization,
 )
-from highrank.heads.base import check_positive_int
+from highrank.checks import check_positive_int, check_probability
 
 AWDLSTMState = list[LSTMState]  # one (h, c) per layer, each (1, B, H_layer)
 

@@ -18,14 +18,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from highrank.checks import check_probability
+
 LSTMState = tuple[torch.Tensor, torch.Tensor]  # (h, c), each (1, B, H)
-
-
-def check_probability(name: str, value: object) -> float:
-    """A dropout rate: a number in [0, 1). (1 would drop everything and divide by zero.)"""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1); got {value!r}")
-    return float(value)
 
 
 # ---- locked (variational) dropout, Sec. 4.2 ------------------------------------------------

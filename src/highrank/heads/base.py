@@ -23,12 +23,11 @@ chunked and unchunked losses see the same masks.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from highrank.checks import check_positive_int
 from highrank.heads.chunking import (
     checkpointed_nll,
     chunk_masks,
@@ -70,8 +69,8 @@ class OutputHead(nn.Module):
         tied_weight: nn.Parameter | None = None,
     ) -> None:
         super().__init__()
-        _check_positive_int("d_in", d_in)
-        _check_positive_int("vocab_size", vocab_size)
+        check_positive_int("d_in", d_in)
+        check_positive_int("vocab_size", vocab_size)
         self.d_in = d_in
         self.vocab_size = vocab_size
         self.d_embed = _resolve_embed_size(d_in, vocab_size, d_embed, tied_weight)
@@ -141,7 +140,7 @@ class OutputHead(nn.Module):
                 return None
             return self.auto_chunk_tokens()
         if chunk_size is not None:
-            _check_positive_int("chunk_size", chunk_size)
+            check_positive_int("chunk_size", chunk_size)
         return chunk_size
 
     def auto_chunk_tokens(self) -> int:
@@ -234,18 +233,13 @@ class OutputHead(nn.Module):
         return flat
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
-
-
 def _resolve_embed_size(
     d_in: int, vocab_size: int, d_embed: int | None, tied_weight: torch.Tensor | None
 ) -> int:
     if tied_weight is None:
         if d_embed is None:
             return d_in
-        _check_positive_int("d_embed", d_embed)
+        check_positive_int("d_embed", d_embed)
         return d_embed
     if not isinstance(tied_weight, nn.Parameter) or tied_weight.dim() != 2:
         raise TypeError("tied_weight must be a 2-D nn.Parameter of shape (vocab_size, d_embed)")
@@ -254,31 +248,3 @@ def _resolve_embed_size(
         expected = f"({vocab_size}, {d_embed if d_embed is not None else 'd_embed'})"
         raise ValueError(f"tied_weight has shape {tuple(tied_weight.shape)}; expected {expected}")
     return width
-
-
-def check_probability(name: str, value: float) -> float:
-    """Validate a dropout-like knob: a float in [0, 1)."""
-    if not is_number(value) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1); got {value!r}")
-    return float(value)
-
-
-def check_finite(name: str, value: float) -> float:
-    if not is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number; got {value!r}")
-    return float(value)
-
-
-def check_positive_int(name: str, value: object) -> int:
-    _check_positive_int(name, value)
-    return value
-
-
-def check_dropout_time_dim(value: object) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-        raise ValueError(f"dropout_time_dim must be an integer axis or None; got {value!r}")
-    return value
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

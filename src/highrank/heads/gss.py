@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.base import check_finite
+from highrank.checks import check_finite
 from highrank.heads.softmax import PointwiseSoftmax
 
 

@@ -23,13 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.base import (
-    OutputHead,
-    check_dropout_time_dim,
-    check_positive_int,
-    check_probability,
-    is_number,
-)
+from highrank.checks import check_dropout_time_dim, check_positive_int, check_probability, is_number
+from highrank.heads.base import OutputHead
 from highrank.heads.functional import apply_mask, sigmoid_tree_mix, widen
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components

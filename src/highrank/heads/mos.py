@@ -17,12 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.base import (
-    OutputHead,
-    check_dropout_time_dim,
-    check_positive_int,
-    check_probability,
-)
+from highrank.checks import check_dropout_time_dim, check_positive_int, check_probability
+from highrank.heads.base import OutputHead
 from highrank.heads.functional import apply_mask, log_mixture, mixture_nll, widen
 from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.base import check_finite, check_positive_int
+from highrank.checks import check_finite, check_positive_int
 from highrank.heads.softmax import PointwiseSoftmax
 
 _SOFTPLUS_INVERSE_OF_ONE = math.log(math.e - 1.0)
