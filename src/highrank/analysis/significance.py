@@ -3,9 +3,10 @@
 The recipe of the softmax-bottleneck literature (e.g. Kanai et al. 2018, Sigsoftmax; Ganea
 et al. 2019, "Breaking the Softmax Bottleneck via Learnable Monotonic Pointwise
 Non-linearities"; the rank study, Parthiban, Mao & Inkpen 2021, "On the Softmax Bottleneck of
-Recurrent Language Models", which runs it with 10 seeds per model): train each model with several seeds (10), compare their test perplexities
-with an unpaired two-sample t-test, two-sided, and call the difference significant at
-p < 0.05; relate log-probability rank and perplexity by Pearson's correlation across models.
+Recurrent Language Models"): train each model with several seeds (the rank study: 10), compare
+their test perplexities with an unpaired two-sample t-test, two-sided, and call the difference
+significant at p < 0.05; relate log-probability rank and perplexity by Pearson's correlation
+across models.
 
 :func:`compare_groups` is Student's t-test (pooled variance, df = n_a + n_b - 2) or, with
 ``welch=True``, Welch's (df by Welch-Satterthwaite), computed by SciPy's ``ttest_ind``;
