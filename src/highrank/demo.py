@@ -372,6 +372,9 @@ def plot_curves(results: dict, path: str | Path) -> None:
     for name, entry in results["heads"].items():
         ax.plot(entry["curve"]["step"], entry["curve"]["kl"], label=name)
     ax.set_yscale("log")
+    # Plain decimals (0.6, 1, 2) instead of 6 x 10^-1: the KLs span less than two decades.
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(_minor_tick_label))
     ax.set_xlabel("training step")
     ax.set_ylabel("mean KL(P* || P_theta), nats")
     ax.set_title(
@@ -385,6 +388,12 @@ def plot_curves(results: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _minor_tick_label(value: float, _position: int) -> str:
+    """Label the minor ticks 2, 3, 4, 6 and 8 of each decade plainly (0.6, 3, 40); others blank."""
+    mantissa = value / 10 ** math.floor(math.log10(value))
+    return f"{value:g}" if round(mantissa) in (2, 3, 4, 6, 8) else ""
 
 
 # ---- reporting -----------------------------------------------------------------------------
