@@ -141,6 +141,22 @@ def test_non_utf8_reports_file_byte_offset_and_line(tmp_path, cache):
     assert "test.txt" in message and "byte offset 7" in message and "line 2" in message
 
 
+def test_byte_order_mark_is_reported_not_swallowed_into_the_first_word(tmp_path, cache):
+    folder = write_corpus(tmp_path / "c", "a b\n")
+    (folder / "train.txt").write_bytes(b"\xef\xbb\xbfa b\n")
+    with pytest.raises(CorpusError, match=r"train\.txt starts with a UTF-8 byte-order mark"):
+        load(folder, cache)
+
+
+def test_nul_byte_is_reported_with_offset_and_line(tmp_path, cache):
+    folder = write_corpus(tmp_path / "c", "a b\n")
+    (folder / "valid.txt").write_bytes(b"a\nb\x00a\n")  # NUL at offset 3, line 2
+    with pytest.raises(CorpusError) as info:
+        load(folder, cache)
+    message = str(info.value)
+    assert "valid.txt holds a NUL byte at byte offset 3 (line 2)" in message
+
+
 def test_unknown_mode(tmp_path, cache):
     folder = write_corpus(tmp_path / "c", "a\n")
     with pytest.raises(CorpusError, match="expected one of word, char"):

@@ -28,6 +28,7 @@ targets one step ahead.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -314,7 +315,20 @@ def _read_split_bytes(directory: Path, split: str) -> bytes:
 
 
 def _decode_utf8(path: Path, data: bytes) -> str:
-    """UTF-8 text of ``data``; an invalid byte is reported with its offset and line."""
+    """UTF-8 text of ``data``; an invalid byte, a byte-order mark or a NUL byte is reported
+    with its offset and line (each would otherwise be swallowed into a word)."""
+    if data.startswith(codecs.BOM_UTF8):
+        raise CorpusError(
+            f"{path} starts with a UTF-8 byte-order mark (bytes ef bb bf), which would become "
+            f"part of its first word; remove it (e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' {path})"
+        )
+    nul = data.find(b"\0")
+    if nul >= 0:
+        line = data.count(b"\n", 0, nul) + 1
+        raise CorpusError(
+            f"{path} holds a NUL byte at byte offset {nul} (line {line}); a corpus is plain "
+            f"text: is this a binary or truncated file?"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
