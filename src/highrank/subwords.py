@@ -350,4 +350,3 @@ def load_or_learn_subwords(
     learned = learn_subwords(train_src, train_tgt, settings, src_lang=src_lang, tgt_lang=tgt_lang)
     learned.save(run_dir)
     return learned
-
