@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import highrank.train as train_module
+import highrank.train.awd_lstm as awd_recipe
+import highrank.train.runner as runner
 from highrank.checkpoint import load_checkpoint, load_run
 from highrank.config import load_config
 from highrank.runs import read_metrics
@@ -257,7 +258,7 @@ def test_nt_asgd_switches_on_the_crafted_validation_sequence_and_evaluates_the_a
         seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
         return next(crafted)
 
-    monkeypatch.setattr(train_module, "evaluate_loss", fake_evaluate)
+    monkeypatch.setattr(awd_recipe, "evaluate_loss", fake_evaluate)
     out = tmp_path / "run"
     config = tiny_config(corpus, out, "train.epochs=6", "train.nonmono=2")
     result = train(config, options=QUIET)
@@ -279,7 +280,7 @@ def test_nt_asgd_switches_on_the_crafted_validation_sequence_and_evaluates_the_a
 
 def poison(monkeypatch, steps: set[int], where: str = "loss"):
     """Make the training loss (or only its gradient) non-finite at the given 1-based steps."""
-    real = train_module.training_loss
+    real = awd_recipe.training_loss
     calls = {"n": 0}
 
     def poisoned(model, tokens, target, state, chunk_size):
@@ -292,7 +293,7 @@ def poison(monkeypatch, steps: set[int], where: str = "loss"):
                 loss = loss + torch.sqrt(0 * model.backbone.embedding.weight.sum())
         return loss, nll, new_state
 
-    monkeypatch.setattr(train_module, "training_loss", poisoned)
+    monkeypatch.setattr(awd_recipe, "training_loss", poisoned)
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
@@ -301,9 +302,9 @@ def test_a_non_finite_step_is_skipped_without_touching_the_weights(
 ):
     poison(monkeypatch, {3}, where)
     models = []
-    real_build = train_module.build_model
+    real_build = runner.build_model
     monkeypatch.setattr(
-        train_module, "build_model", lambda *args: models.append(real_build(*args)) or models[-1]
+        runner, "build_model", lambda *args: models.append(real_build(*args)) or models[-1]
     )
     seen = {}
 
@@ -360,7 +361,7 @@ def test_finetune_restarts_averaged_sgd_from_best_and_saves_improvements(
     best_loss = load_checkpoint(out / "checkpoints/best.pt")["training"]["progress"]
     # Finetune validation: better at epoch 1, then never better than min(history[:-1]).
     crafted = iter([best_loss["best_val_loss"] - 1.0, 100.0, 100.0, 100.0, 100.0])
-    monkeypatch.setattr(train_module, "evaluate_loss", lambda *a, **k: next(crafted))
+    monkeypatch.setattr(awd_recipe, "evaluate_loss", lambda *a, **k: next(crafted))
     result = finetune(out, overrides=["finetune.epochs=5", "train.nonmono=1"], options=QUIET)
     assert result.stage == "finetune" and result.stop_reason == "nonmono"
     assert result.epochs_completed == 3 and result.best_epoch == 1

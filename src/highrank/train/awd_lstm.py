@@ -1,0 +1,305 @@
+"""The AWD-LSTM recipe: SGD, then averaged SGD, on variable-length BPTT windows.
+
+Merity, Keskar & Socher, "Regularizing and Optimizing LSTM Language Models" (ICLR 2018), as
+the AWD-LSTM and MoS (Yang et al., ICLR 2018) code run it. One training step:
+
+    seq_len ~ variable BPTT (Sec. 4.1)                   highrank.backbones.variable_bptt_length
+    tokens, target = rows [i, i + L) of the (T, B) training batch, L = min(seq_len, rows left)
+    loss = head NLL (mean over L x B tokens; head loss chunked by train.chunk_size, "auto" when
+           unset) + AR + TAR (Sec. 4.6), hidden state carried in
+    backward; clip the gradient norm to train.clip
+    SGD step (weight decay train.weight_decay on every parameter) with every group's lr scaled
+    by L / bptt for this step (Sec. 4.1); the hidden state is detached for the next window
+
+The lr is scaled by the length actually used: the reference scales the shorter last window of
+an epoch by the drawn length instead. The hidden state restarts from zeros every epoch.
+
+After each epoch (the loop validates; :meth:`AWDLSTMRecipe.validate`): validation loss (batch
+train.eval_batch_size, segments of bptt, state carried, ``exp(total NLL / tokens)`` =
+perplexity) with the ASGD *averaged* weights once switched; then the switch policy
+(:mod:`highrank.optim`: NT-ASGD, ET-ASGD, or plain SGD) may switch to averaged SGD.
+Finetuning (stage ``"finetune"``) restarts averaged SGD from ``best.pt`` with finetune.lr and
+stops by the same non-monotone rule (MoS ``finetune.py``).
+
+The recipe's checkpoint state (``"training"``): ``optimizer`` (SGD, or ASGD with its averages
+``ax``), ``phase`` ("sgd" | "asgd"), ``trigger`` (NT-ASGD history / ET-ASGD epoch count),
+``hidden`` (``[[h, c], ...]``, each ``(1, B, H_layer)``) and the ``bptt`` generator under
+``rng``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from highrank.backbones import AWDLSTMState, variable_bptt_length
+from highrank.checkpoint import evaluation_state_dict
+from highrank.config import Config
+from highrank.data import Corpus, get_batch, iter_batches
+from highrank.model import LanguageModel
+from highrank.optim import (
+    NonMonotoneTrigger,
+    SwitchTrigger,
+    averaged_parameters,
+    build_trigger,
+    scaled_lr,
+    switch_to_asgd,
+)
+from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
+from highrank.train.state import Progress
+from highrank.train.steps import backward_or_skip, clip_or_skip
+
+# ---- one step, and validation -----------------------------------------------------------------
+
+
+def training_loss(
+    model: LanguageModel,
+    tokens: torch.Tensor,
+    target: torch.Tensor,
+    state: AWDLSTMState | None,
+    chunk_size: int | None | str,
+) -> tuple[torch.Tensor, torch.Tensor, AWDLSTMState]:
+    """``(loss to minimise, head NLL, new state)`` of one window ``(L, B)``: the mean NLL plus
+    AR/TAR (Merity et al., 2018, Sec. 4.6)."""
+    nll, state, extras = model(tokens, target, state, chunk_size=chunk_size)
+    return nll + model.backbone.regularization_loss(extras), nll, state
+
+
+class StepOutcome(NamedTuple):
+    """What :func:`optimization_step` did."""
+
+    nll: float | None  # mean head NLL of the window; None: the step was skipped
+    state: AWDLSTMState  # the new state, detached; the state passed in when skipped
+    skip_reason: str  # why it was skipped ("" when it was not)
+
+
+def optimization_step(
+    model: LanguageModel,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    tokens: torch.Tensor,
+    target: torch.Tensor,
+    state: AWDLSTMState,
+    *,
+    chunk_size: int | None | str,
+    clip: float,
+    lr_scale: float,
+) -> StepOutcome:
+    """One training step on a window ``(L, B)``: forward (:func:`training_loss`), backward,
+    clip the gradient norm of ``params`` to ``clip`` (0: no clipping), optimizer step with
+    every group's lr scaled by ``lr_scale``. A non-finite loss or gradient norm skips the step
+    (no update, gradients zeroed) and says why."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, nll, new_state = training_loss(model, tokens, target, state, chunk_size)
+    reason = backward_or_skip(loss, optimizer) or clip_or_skip(optimizer, params, clip)
+    if reason:
+        return StepOutcome(None, state, reason)
+    with scaled_lr(optimizer, lr_scale):
+        optimizer.step()
+    return StepOutcome(nll.detach().item(), model.backbone.detach_state(new_state), "")
+
+
+@torch.no_grad()
+def evaluate_loss(
+    model: LanguageModel,
+    source: torch.Tensor,
+    bptt: int,
+    *,
+    chunk_size: int | None | str = "auto",
+) -> float:
+    """Mean NLL per predicted token of ``source (T, B)`` (from :func:`highrank.data.batchify`),
+    read in segments of ``bptt`` with the hidden state carried (AWD-LSTM ``evaluate``).
+    Perplexity is ``exp`` of it. Leaves the model in eval mode."""
+    model.eval()
+    state = model.init_state(source.size(1))
+    total, count = 0.0, 0
+    for tokens, target in iter_batches(source, bptt):
+        hidden, state, _ = model.backbone(tokens, state)  # (L, B, d_last)
+        total += float(model.head.loss(hidden, target, reduction="sum", chunk_size=chunk_size))
+        count += target.numel()
+    return total / count
+
+
+def head_chunk_size(config: Config) -> int | str:
+    """``train.chunk_size``, or ``"auto"`` when unset: the heads' default, chunks of about
+    2**21 logits, which bounds memory and avoids allocating (N, K, V) tensors every step (on
+    2 CPU cores the small MoS recipe, K = 5, ran about 1,300 tokens/s unchunked at best and
+    2,600 with "auto"; the small softmax recipe 5,100 and 6,600)."""
+    return "auto" if config.train.chunk_size is None else config.train.chunk_size
+
+
+def build_optimizer(
+    model: LanguageModel, lr: float, weight_decay: float, phase: str = "sgd"
+) -> torch.optim.Optimizer:
+    """SGD over the model's parameter groups (PLIF's slopes keep their own lr), weight decay on
+    all of them; ``phase="asgd"``: the same groups under averaged SGD."""
+    optimizer = torch.optim.SGD(model.parameter_groups(lr), lr=lr, weight_decay=weight_decay)
+    return switch_to_asgd(optimizer) if phase == "asgd" else optimizer
+
+
+def bptt_generator(seed: int) -> torch.Generator:
+    """The generator of the variable BPTT lengths, its own stream (checkpointed separately)."""
+    return torch.Generator().manual_seed(seed + 1)
+
+
+class Splits(NamedTuple):
+    train: torch.Tensor  # (T, batch_size)
+    valid: torch.Tensor  # (T, eval_batch_size)
+
+
+def load_splits(config: Config, corpus: Corpus, device: torch.device) -> Splits:
+    """The corpus's train / validation batches (train.batch_size, train.eval_batch_size)."""
+    train = corpus.batchify("train", config.train.batch_size).to(device)
+    valid = corpus.batchify("valid", config.train.eval_batch_size).to(device)
+    return Splits(train, valid)
+
+
+# ---- the recipe -------------------------------------------------------------------------------
+
+
+class AWDLSTMRecipe:
+    """The AWD-LSTM schedule of one stage (see the module docstring), for the loop."""
+
+    eval_every = None  # validation at epoch ends only
+
+    def __init__(
+        self,
+        config: Config,
+        model: LanguageModel,
+        corpus: Corpus,
+        stage: Stage,
+        device: torch.device,
+    ) -> None:
+        self.config, self.model, self.stage = config, model, stage
+        self.finetuning = stage.name == "finetune"
+        self.splits = load_splits(config, corpus, device)
+        lr = config.finetune.lr if self.finetuning else config.train.lr
+        phase = "asgd" if self.finetuning else "sgd"  # finetuning restarts averaged SGD
+        self.optimizer = build_optimizer(model, lr, config.train.weight_decay, phase)
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.trigger = self._trigger()
+        self.bptt_rng = bptt_generator(config.train.seed)
+        self.hidden = model.init_state(self.splits.train.size(1))
+
+    def _trigger(self) -> SwitchTrigger:
+        t = self.config.train
+        if self.finetuning:  # the non-monotone rule stops finetuning instead of switching
+            return NonMonotoneTrigger(t.nonmono)
+        return build_trigger(t.optimizer, nonmono=t.nonmono, switch_epoch=t.switch_epoch)
+
+    @property
+    def phase(self) -> str:
+        return "asgd" if isinstance(self.optimizer, torch.optim.ASGD) else "sgd"
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def epoch_size(self) -> EpochSize:
+        rows, batch = self.splits.train.shape
+        return EpochSize(rows - 1, batch)  # the last row is only ever a target
+
+    def start_epoch(self, progress: Progress) -> None:
+        self.hidden = self.model.init_state(self.splits.train.size(1))  # as AWD-LSTM
+
+    def next_batch(self, progress: Progress) -> StepBatch:
+        """A window of variable length from the epoch's position."""
+        train = self.config.train
+        drawn = variable_bptt_length(train.bptt, self.bptt_rng, train.max_seq_len_delta).seq_len
+        tokens, target = get_batch(self.splits.train, progress.position, drawn)  # (L, B) each
+        return StepBatch((tokens, target), tokens.size(0), tokens.numel(), tokens.size(0))
+
+    def train_step(self, batch: StepBatch) -> StepResult:
+        """Forward, backward, clip, SGD step with the lr scaled by L / bptt."""
+        tokens, target = batch.data
+        train = self.config.train
+        outcome = optimization_step(
+            self.model,
+            self.optimizer,
+            self.params,
+            tokens,
+            target,
+            self.hidden,
+            chunk_size=head_chunk_size(self.config),
+            clip=train.clip,
+            lr_scale=tokens.size(0) / train.bptt,
+        )
+        if outcome.nll is not None:
+            self.hidden = outcome.state
+        return StepResult(outcome.nll, outcome.skip_reason)
+
+    def divergence_advice(self) -> str:
+        lr, clip = self.lr, self.config.train.clip
+        return (
+            f"Try a lower learning rate (now lr = {lr:g}, e.g. --train.lr={lr / 2:g}) or a "
+            f"tighter gradient clip (train.clip = {clip:g}, "
+            f"e.g. --train.clip={(clip or 1.0) / 2:g})"
+        )
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def validate(self) -> float:
+        """Validation loss of the weights to evaluate (the averages once on ASGD)."""
+        with averaged_parameters(self.optimizer):
+            return evaluate_loss(
+                self.model,
+                self.splits.valid,
+                self.config.train.bptt,
+                chunk_size=head_chunk_size(self.config),
+            )
+
+    def after_validation(self, val_loss: float, progress: Progress) -> Verdict:
+        """The switch policy: maybe switch to averaged SGD, or (finetuning) stop."""
+        fired = self.trigger.update(val_loss)
+        key = "stopped" if self.finetuning else "switched"
+        if not fired:
+            return Verdict({key: False})
+        if self.finetuning:
+            done = f"{self.stage.name}: validation stopped improving (non-monotone rule); done"
+            return Verdict({key: True}, "nonmono", done)
+        self.optimizer = switch_to_asgd(self.optimizer)
+        policy = self.config.train.optimizer
+        message = f"epoch {progress.epoch}: switching to averaged SGD ({policy})"
+        return Verdict({key: True}, message=message)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def evaluation_state_dict(self) -> dict[str, torch.Tensor]:
+        return evaluation_state_dict(self.model, self.optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "phase": self.phase,
+            "trigger": self.trigger.state_dict(),
+            "hidden": [[h, c] for h, c in self.hidden],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["phase"] == "asgd" and self.phase == "sgd":
+            self.optimizer = switch_to_asgd(self.optimizer)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.trigger.load_state_dict(state["trigger"])
+        device = self.splits.train.device
+        self.hidden = [(h.to(device), c.to(device)) for h, c in state["hidden"]]
+
+    def generators(self) -> dict[str, torch.Generator]:
+        return {"bptt": self.bptt_rng}
+
+
+__all__ = [
+    "AWDLSTMRecipe",
+    "Splits",
+    "StepOutcome",
+    "bptt_generator",
+    "build_optimizer",
+    "evaluate_loss",
+    "head_chunk_size",
+    "load_splits",
+    "optimization_step",
+    "training_loss",
+]

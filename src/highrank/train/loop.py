@@ -1,0 +1,246 @@
+"""The one training loop: steps, validation, checkpoints, the non-finite guard, exact resume.
+
+:class:`Trainer` runs one stage (training or finetuning) of a run with a recipe
+(:mod:`highrank.train.recipe` says what the recipe decides and in which order it is asked).
+What the loop guarantees whatever the recipe:
+
+* ``last.pt`` every ``train.checkpoint_every`` steps, at every epoch end and when
+  ``TrainOptions.max_steps`` stops the stage; resuming it continues bit-identically on the same
+  machine (the payload holds the model, the recipe's state, every RNG, the progress and the
+  metrics offset; :mod:`highrank.checkpoint` documents the layout);
+* the best checkpoint whenever validation improves on the best so far (after an epoch-end
+  validation it is written once the next epoch has begun, so it resumes cleanly there);
+* a step the recipe skipped as non-finite changes nothing; more than
+  ``train.max_nonfinite_skips`` in a row stop the run with a :class:`TrainingError`, as does a
+  non-finite validation loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+from highrank.checkpoint import FORMAT, VERSION, capture_rng, restore_rng, save_checkpoint
+from highrank.config import Config, config_to_dict
+from highrank.runs import MetricsLog, RunDir
+from highrank.train.recipe import Recipe, Stage, StepBatch
+from highrank.train.reporting import RunLog, finite_or_none, perplexity, say, validation_line
+from highrank.train.state import (
+    Meter,
+    Progress,
+    StepInfo,
+    TrainingError,
+    TrainOptions,
+    TrainResult,
+)
+
+
+class Trainer:
+    """One stage of a run with one recipe; :meth:`run` it."""
+
+    def __init__(
+        self,
+        config: Config,
+        run: RunDir,
+        stage: Stage,
+        recipe: Recipe,
+        progress: Progress,
+        options: TrainOptions,
+        vocab_size: int,
+    ) -> None:
+        self.config, self.run_dir, self.stage, self.recipe = config, run, stage, recipe
+        self.progress, self.options, self.vocab_size = progress, options, vocab_size
+        self.log = RunLog(run, stage.name, progress, options.progress)
+        self._last_saved: tuple[int, int, int] | None = None
+        self._skip_reason = ""
+
+    def run(self) -> TrainResult:
+        """Epochs until the stage ends or ``options.max_steps`` is reached."""
+        try:
+            while not self.progress.done:
+                if not self._run_epoch():
+                    break
+                self._end_epoch()
+        finally:
+            self.log.close()
+        p = self.progress
+        return TrainResult(
+            self.run_dir.path, self.stage.name, p.epoch - 1, p.step, p.best_val_loss,
+            p.best_epoch, self.recipe.phase, p.stop_reason,
+        )  # fmt: skip
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def _run_epoch(self) -> bool:
+        """Steps from the saved position to the end of the epoch; False if stopped early."""
+        self.recipe.model.train()
+        size = self.recipe.epoch_size()
+        with self.log.bar(size) as bar:
+            while self.progress.position < size.positions:
+                limit = self.options.max_steps
+                if limit is not None and self.progress.step >= limit:
+                    self.progress.stop_reason = "max_steps"
+                    self.save_last()
+                    return False
+                batch, loss = self._step()
+                self.log.show(bar, batch.tokens)
+                self._after_step(batch, loss, epoch_over=self.progress.position >= size.positions)
+        return True
+
+    def _step(self) -> tuple[StepBatch, float | None]:
+        p = self.progress
+        batch = self.recipe.next_batch(p)
+        start = time.perf_counter()
+        result = self.recipe.train_step(batch)
+        seconds = time.perf_counter() - start
+        p.position += batch.advance
+        p.step += 1
+        for meter in (p.epoch_meter, p.window_meter):
+            meter.add(result.nll, batch.tokens, seconds)
+        self._skip_reason = result.skip_reason
+        self._count_skip(result.nll is None)
+        return batch, result.nll
+
+    def _count_skip(self, skipped: bool) -> None:
+        p = self.progress
+        p.consecutive_skips = p.consecutive_skips + 1 if skipped else 0
+        allowed = self.config.train.max_nonfinite_skips
+        if p.consecutive_skips > allowed:
+            raise TrainingError(
+                f"{self.stage.name} step {p.step} (epoch {p.epoch}): the {self._skip_reason}; "
+                f"{p.consecutive_skips} consecutive steps were non-finite, more than "
+                f"train.max_nonfinite_skips = {allowed}. Those steps changed nothing and the "
+                f"last checkpoint ({self.run_dir.checkpoint(self.stage.last)}) holds finite "
+                f"weights. {self.recipe.divergence_advice()}"
+            )
+
+    def _after_step(self, batch: StepBatch, loss: float | None, epoch_over: bool) -> None:
+        p, every = self.progress, self.recipe.eval_every
+        if p.step % self.config.train.log_every == 0:
+            self.log.write(self._record("step", p.window_meter))
+            p.window_meter = Meter()
+        if every and p.step % every == 0 and not epoch_over:  # the epoch end validates anyway
+            if self._validate("eval"):
+                self._save(self.stage.best, keep_previous=False)
+            self.recipe.model.train()
+        if p.step % self.config.train.checkpoint_every == 0:
+            self.save_last()
+        if self.options.callback is not None:
+            lost = math.nan if loss is None else loss
+            info = StepInfo(self.stage.name, p.epoch, p.step, batch.seq_len, lost, loss is None)
+            self.options.callback(info)
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def _end_epoch(self) -> None:
+        """Validate (the recipe may switch or stop), move to the next epoch, save."""
+        improved = self._validate("epoch")
+        p = self.progress
+        p.epoch, p.position, p.epoch_meter = p.epoch + 1, 0, Meter()
+        self.recipe.start_epoch(p)
+        if p.epoch > self.stage.epochs and not p.done:
+            p.done, p.stop_reason = True, "epochs"
+        if improved:  # after the epoch advanced: the best checkpoint resumes at this boundary
+            self._save(self.stage.best, keep_previous=False)
+        self.save_last()
+
+    def _validate(self, kind: str) -> bool:
+        """Validate, log, ask the recipe; True when the loss is the best so far."""
+        p = self.progress
+        start = time.perf_counter()
+        val_loss = self.recipe.validate()
+        if not math.isfinite(val_loss):
+            raise TrainingError(
+                f"{self.stage.name} epoch {p.epoch}: the validation loss is {val_loss} although "
+                f"the weights are finite; try a lower learning rate (train.lr = "
+                f"{self.recipe.lr:g}) and restart from an earlier checkpoint"
+            )
+        seconds = time.perf_counter() - start
+        improved = val_loss < p.best_val_loss
+        if improved:
+            p.best_val_loss, p.best_epoch = val_loss, p.epoch
+        record = self._record(kind, p.epoch_meter)  # the phase before the recipe's verdict
+        verdict = self.recipe.after_validation(val_loss, p)
+        record.update(
+            val_loss=val_loss,
+            val_ppl=finite_or_none(perplexity(val_loss)),
+            best_val_loss=p.best_val_loss,
+            improved=improved,
+            eval_seconds=round(seconds, 3),
+            **verdict.fields,
+        )
+        self.log.write(record)
+        say(validation_line(record))
+        if verdict.message:
+            say(verdict.message)
+        if verdict.stop_reason:
+            p.done, p.stop_reason = True, verdict.stop_reason
+        return improved
+
+    def _record(self, kind: str, meter: Meter) -> dict[str, Any]:
+        return self.log.record(kind, meter, self.recipe.lr, self.recipe.phase)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_last(self) -> None:
+        """Save the resumable state as the stage's last checkpoint (keeping the previous
+        one), once per position."""
+        p = self.progress
+        key = (p.epoch, p.position, p.step)
+        if key != self._last_saved:
+            self._save(self.stage.last, keep_previous=True)
+            self._last_saved = key
+
+    def _save(self, name: str, *, keep_previous: bool) -> None:
+        path = self.run_dir.checkpoint(name)
+        save_checkpoint(self.payload(name), path, keep_previous=keep_previous)
+
+    def payload(self, kind: str) -> dict[str, Any]:
+        """The checkpoint contents (see :mod:`highrank.checkpoint`)."""
+        recipe = self.recipe
+        rng = capture_rng()
+        rng.update({name: g.get_state() for name, g in recipe.generators().items()})
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": kind,
+            "stage": self.stage.name,
+            "config": config_to_dict(self.config),
+            "vocab_size": self.vocab_size,
+            "model": recipe.evaluation_state_dict(),
+            "training": {
+                "model": recipe.model.state_dict(),
+                **recipe.state_dict(),
+                "rng": rng,
+                "progress": dataclasses.asdict(self.progress),
+                "metrics_offset": self.log.metrics.offset(),
+            },
+        }
+
+
+def restore(
+    config: Config,
+    run: RunDir,
+    stage: Stage,
+    recipe: Recipe,
+    training: dict[str, Any],
+    options: TrainOptions,
+    vocab_size: int,
+) -> Trainer:
+    """A trainer in exactly the state of a checkpoint's ``training`` dict; ``recipe`` is a
+    fresh one on the checkpoint's weights. The RNGs are restored last (building the model drew
+    from the global one) and metrics lines written after the checkpoint are dropped."""
+    recipe.load_state_dict(training)
+    progress = Progress.from_dict(training["progress"])
+    if progress.done and progress.stop_reason == "epochs" and progress.epoch <= stage.epochs:
+        progress.done, progress.stop_reason = False, ""  # the epoch limit was raised
+    restore_rng(training["rng"])
+    for name, generator in recipe.generators().items():
+        generator.set_state(training["rng"][name])
+    MetricsLog(run.metrics_file).truncate(training["metrics_offset"])
+    return Trainer(config, run, stage, recipe, progress, options, vocab_size)
+
+
+__all__ = ["Trainer", "restore"]

@@ -1,0 +1,260 @@
+"""Starting, resuming and finetuning runs: a run directory, a model, a recipe, the loop.
+
+The recipe is chosen by ``model.backbone`` in :data:`RECIPES`; each entry is a class built as
+``Recipe(config, model, corpus, stage, device)`` (:mod:`highrank.train.recipe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from highrank.checkpoint import (
+    CheckpointError,
+    config_of,
+    load_checkpoint,
+    load_resumable,
+    load_weights,
+)
+from highrank.config import Config, ConfigError, config_from_dict, parse_override
+from highrank.data import Corpus, load_corpus
+from highrank.model import build_model, count_parameters
+from highrank.runs import RunDir
+from highrank.train.awd_lstm import AWDLSTMRecipe
+from highrank.train.loop import Trainer, restore
+from highrank.train.recipe import Recipe, Stage
+from highrank.train.state import Progress, TrainOptions, TrainResult
+from highrank.train.steps import resolve_device, seed_everything
+
+# model.backbone -> the recipe class that trains it.
+RECIPES: dict[str, Callable[..., Recipe]] = {"awd-lstm": AWDLSTMRecipe}
+
+# Keys a resumed run may change: they do not alter the computation already done (data.dir
+# and data.cache_dir may point at a moved corpus: its vocabulary is checked against the run's).
+RESUME_OVERRIDES = (
+    "train.epochs",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.max_nonfinite_skips",
+    "run.device",
+    "data.dir",
+    "data.cache_dir",
+)
+FINETUNE_OVERRIDES = ("finetune.lr", "finetune.epochs", *RESUME_OVERRIDES[1:], "train.nonmono")
+FINETUNE_RESUME_OVERRIDES = ("finetune.epochs", *RESUME_OVERRIDES[1:])
+
+
+def train_stage(config: Config) -> Stage:
+    return Stage("train", config.train.epochs, "last", "best")
+
+
+def finetune_stage(config: Config) -> Stage:
+    return Stage("finetune", config.finetune.epochs, "finetune-last", "finetuned")
+
+
+def build_recipe(
+    config: Config, model: torch.nn.Module, corpus: Corpus, stage: Stage, device: torch.device
+) -> Recipe:
+    """The recipe of ``config.model.backbone`` for ``stage``, with a fresh optimizer."""
+    family = config.model.backbone
+    if family not in RECIPES:
+        raise ConfigError(
+            f"model.backbone = {family!r} has no training recipe; known: {', '.join(RECIPES)}"
+        )
+    return RECIPES[family](config, model, corpus, stage, device)
+
+
+# ---- the pieces -------------------------------------------------------------------------------
+
+
+def _absolute_paths(config: Config) -> Config:
+    """The config with data.dir (and data.cache_dir) absolute, so a run resumes from anywhere."""
+    data = config.data
+    cache = None if data.cache_dir is None else os.path.abspath(data.cache_dir)
+    data = dataclasses.replace(data, dir=os.path.abspath(data.dir), cache_dir=cache)
+    return dataclasses.replace(config, data=data)
+
+
+def _corpus(config: Config) -> Corpus:
+    data = config.data
+    return load_corpus(data.dir, mode=data.mode, cache_dir=data.cache_dir)
+
+
+def _check_same_vocab(run: RunDir, corpus: Corpus, path: Path) -> None:
+    if run.load_vocab() != corpus.vocab:
+        raise CheckpointError(
+            f"the corpus at {corpus.directory} has a different vocabulary from the run's "
+            f"{run.vocab_file} ({len(corpus.vocab)} vs {len(run.load_vocab())} tokens): "
+            f"checkpoint {path} cannot continue on it; point --data.dir at the run's corpus"
+        )
+
+
+def _apply_overrides(
+    payload: Mapping[str, Any], path: Path, overrides: Sequence[str], allowed: Sequence[str]
+) -> Config:
+    """The checkpoint's config with ``overrides``, each of which must be in ``allowed``."""
+    for text in overrides:
+        section, key, _ = parse_override(text)
+        if f"{section}.{key}" not in allowed:
+            raise ConfigError(
+                f"override {text!r}: {section}.{key} cannot change when continuing a run (it "
+                f"would change what was already computed); allowed here: {', '.join(allowed)}"
+            )
+    if not overrides:
+        return config_of(payload, path)
+    config = config_from_dict(payload["config"], overrides, source=f"{path} (stored config)")
+    return _absolute_paths(config)
+
+
+def _command(command: Sequence[str] | None, default: Sequence[str]) -> list[str]:
+    return list(command) if command is not None else list(default)
+
+
+def _continue(
+    run: RunDir, stage: Stage, payload: dict, path: Path, config: Config, options: TrainOptions
+) -> Trainer:
+    """A trainer in exactly the state of a checkpoint with training state."""
+    device = resolve_device(config.run.device)
+    corpus = _corpus(config)
+    _check_same_vocab(run, corpus, path)
+    training = payload["training"]
+    model = build_model(config, len(corpus.vocab)).to(device)
+    load_weights(model, training["model"], path)
+    recipe = build_recipe(config, model, corpus, stage, device)
+    return restore(config, run, stage, recipe, training, options, len(corpus.vocab))
+
+
+# ---- public entry points ----------------------------------------------------------------------
+
+
+def train(
+    config: Config, *, options: TrainOptions | None = None, command: Sequence[str] | None = None
+) -> TrainResult:
+    """Train the model ``config`` describes in a new run directory ``config.run.out_dir``.
+
+    ``command`` is written to command.txt (default: ``highrank train``).
+    """
+    options = options or TrainOptions()
+    config = _absolute_paths(config)
+    device = resolve_device(config.run.device)
+    corpus = _corpus(config)
+    seed_everything(config.train.seed)
+    model = build_model(config, len(corpus.vocab)).to(device)
+    stage = train_stage(config)
+    recipe = build_recipe(config, model, corpus, stage, device)
+    command = _command(command, ["highrank", "train"])
+    run = RunDir.create(config.run.out_dir, config, corpus.vocab, command)  # inputs all good
+    return Trainer(config, run, stage, recipe, Progress(), options, len(corpus.vocab)).run()
+
+
+def resume(
+    run_dir: str | os.PathLike,
+    *,
+    overrides: Sequence[str] = (),
+    options: TrainOptions | None = None,
+    command: Sequence[str] | None = None,
+) -> TrainResult:
+    """Continue the training of ``run_dir`` from ``last.pt`` exactly where it stopped.
+
+    An unreadable ``last.pt`` falls back to ``last.prev.pt``, then ``best.pt`` (with a
+    warning). ``overrides`` may only change :data:`RESUME_OVERRIDES` (e.g. raise
+    ``train.epochs``).
+    """
+    run = RunDir.open(run_dir)
+    payload, path = load_resumable(run.checkpoints)
+    if payload["stage"] != "train":
+        raise CheckpointError(f"{path} is a {payload['stage']} checkpoint, not a training one")
+    config = _apply_overrides(payload, path, overrides, RESUME_OVERRIDES)
+    run.append_command(_command(command, ["highrank", "train", "--resume", str(run_dir)]))
+    options = options or TrainOptions()
+    return _continue(run, train_stage(config), payload, path, config, options).run()
+
+
+def finetune(
+    run_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    overrides: Sequence[str] = (),
+    options: TrainOptions | None = None,
+    command: Sequence[str] | None = None,
+) -> TrainResult:
+    """Finetune a trained run (MoS ``finetune.py``): averaged SGD restarted from ``best.pt``
+    with ``finetune.lr``; ``finetuned.pt`` holds the averaged weights whenever validation
+    improves on the best so far; stops by the non-monotone rule (n = train.nonmono) or after
+    ``finetune.epochs``. ``resume=True`` continues an interrupted finetuning exactly.
+    """
+    run = RunDir.open(run_dir)
+    default = ["highrank", "finetune", str(run_dir), *(["--resume"] if resume else [])]
+    options = options or TrainOptions()
+    if resume:
+        names = ("finetune-last.pt", "finetune-last.prev.pt")
+        payload, path = load_resumable(run.checkpoints, names)
+        config = _apply_overrides(payload, path, overrides, FINETUNE_RESUME_OVERRIDES)
+        run.append_command(_command(command, default))
+        return _continue(run, finetune_stage(config), payload, path, config, options).run()
+    trainer = _start_finetune(run, overrides, options)
+    run.append_command(_command(command, default))
+    return trainer.run()
+
+
+def _start_finetune(run: RunDir, overrides: Sequence[str], options: TrainOptions) -> Trainer:
+    """A finetuning trainer on best.pt's evaluation weights with a fresh recipe."""
+    started = run.checkpoint("finetune-last")
+    if started.exists():
+        raise CheckpointError(
+            f"{run.path} was already finetuned ({started} exists); continue it with "
+            f"`highrank finetune {run.path} --resume`"
+        )
+    best = run.checkpoint("best")
+    payload = load_checkpoint(best)
+    config = _apply_overrides(payload, best, overrides, FINETUNE_OVERRIDES)
+    stage = finetune_stage(config)
+    if stage.epochs == 0:
+        raise ConfigError("finetune.epochs = 0: nothing to finetune; set --finetune.epochs=N")
+    device = resolve_device(config.run.device)
+    corpus = _corpus(config)
+    _check_same_vocab(run, corpus, best)
+    seed_everything(config.train.seed)
+    model = build_model(config, len(corpus.vocab)).to(device)
+    load_weights(model, payload["model"], best)
+    recipe = build_recipe(config, model, corpus, stage, device)
+    best_loss = payload["training"]["progress"]["best_val_loss"]
+    progress = Progress(stage="finetune", best_val_loss=best_loss, step=0)
+    return Trainer(config, run, stage, recipe, progress, options, len(corpus.vocab))
+
+
+# ---- facts about a config ---------------------------------------------------------------------
+
+
+def parameter_count(config: Config, vocab_size: int) -> int:
+    """Trainable parameters of the model ``config`` describes, built on the ``meta`` device
+    (nothing allocated)."""
+    with torch.device("meta"):
+        model = build_model(config, vocab_size)
+    return count_parameters(model)
+
+
+def corpus_vocab_size(config: Config) -> int:
+    """Vocabulary size of the corpus at ``config.data.dir`` (read once, then cached)."""
+    return len(_corpus(config).vocab)
+
+
+__all__ = [
+    "FINETUNE_OVERRIDES",
+    "FINETUNE_RESUME_OVERRIDES",
+    "RECIPES",
+    "RESUME_OVERRIDES",
+    "build_recipe",
+    "corpus_vocab_size",
+    "finetune",
+    "finetune_stage",
+    "parameter_count",
+    "resume",
+    "train",
+    "train_stage",
+]

@@ -1,0 +1,55 @@
+"""Pieces of a training step that every recipe shares: the non-finite guard and the setup.
+
+A step whose loss or gradient norm is NaN/inf changes nothing: no backward pass for a
+non-finite loss, gradients zeroed for a non-finite norm, no optimizer step. The recipe returns
+``StepResult(None, reason)`` and the loop counts the skip (:mod:`highrank.train.loop`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def backward_or_skip(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
+    """``loss.backward()`` when ``loss`` is finite and ``""``; otherwise the gradients are
+    zeroed and the reason is returned (``"loss was nan"``). With gradient accumulation, call it
+    once per micro-batch and stop at the first reason."""
+    if not bool(torch.isfinite(loss.detach())):
+        optimizer.zero_grad(set_to_none=True)
+        return f"loss was {loss.detach().item()}"
+    loss.backward()
+    return ""
+
+
+def clip_or_skip(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], clip: float
+) -> str:
+    """Clip the gradient norm of ``params`` to ``clip`` (0: no clipping, the norm is still
+    checked); ``""``, or the reason when the norm is not finite (then gradients are zeroed)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, clip or math.inf)
+    if not bool(torch.isfinite(norm)):
+        optimizer.zero_grad(set_to_none=True)
+        return f"gradient norm was {float(norm)}"
+    return ""
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def resolve_device(name: str) -> torch.device:
+    """``run.device``: ``"auto"`` is CUDA when available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+__all__ = ["backward_or_skip", "clip_or_skip", "resolve_device", "seed_everything"]
