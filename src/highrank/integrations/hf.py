@@ -1,0 +1,383 @@
+"""Any highrank head inside a Hugging Face ``transformers`` causal LM.
+
+One call turns a GPT-2, Llama, SmolLM2, ... into the same model with a Mixture of Softmaxes,
+Mixtape or any other head of ``highrank.heads.HEADS`` as its output layer, a model of its own
+class (``HighrankForCausalLM``, ``model_type = "highrank"``) that trains with ``Trainer``,
+saves with ``save_pretrained`` and reloads with plain ``AutoModelForCausalLM`` (safetensors,
+no ``trust_remote_code``) once this module has been imported::
+
+    import highrank.integrations.hf  # registers "highrank" with AutoConfig / AutoModelForCausalLM
+    from highrank.integrations.hf import attach_head
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    base = AutoModelForCausalLM.from_pretrained("path/to/gpt2-or-llama")
+    model = attach_head(base, "mixtape", gate_dim=64)      # decoder matrix taken from lm_head
+    Trainer(model, TrainingArguments("out", report_to="none"), train_dataset=data).train()
+    model.save_pretrained("mixtape-model")
+    model = AutoModelForCausalLM.from_pretrained("mixtape-model")   # a HighrankForCausalLM
+    tokens = model.generate(input_ids, max_new_tokens=20)           # greedy, sampling or beams
+
+What ``attach_head(model, name, **knobs)`` builds and initialises:
+
+* the **body** is the base model's ``base_model`` (e.g. ``LlamaModel``), reused as it is (not
+  copied: the original model shares it, so copy the model first if you need both);
+* the **head** is ``build_head(name, d_in=<lm_head input width>, vocab_size=<lm_head rows>,
+  **knobs)``. Its decoder matrix E (V x d) and bias b are taken from ``lm_head`` where the
+  shapes agree: when the base ties ``lm_head`` to the input embedding, E *is* that embedding
+  (one shared Parameter, kept shared through save and load); otherwise ``lm_head.weight`` is
+  copied into E (unless a ``d_embed`` knob changes its width: then E keeps the head's own
+  U(-0.1, 0.1) init); b is ``lm_head.bias`` or zeros. Everything else (MoS/MoC priors and
+  latents, Mixtape components and gates, a projection, PLIF slopes) keeps the head's own
+  initialisation from its paper. So ``attach_head(model, "softmax")`` computes exactly the
+  base model's distribution, and SigSoftmax/GSS start from its logits.
+* heads with internal dropout get ``dropout_time_dim=1``: hidden states are batch-first
+  ``(B, T, d)``, so their masks are locked over each sequence as in the MoS/AWD-LSTM papers.
+
+What ``forward`` returns (``CausalLMOutputWithPast``):
+
+* without ``labels``, ``logits`` are the head's **normalised log-probabilities** (float32) at
+  the positions ``logits_to_keep`` keeps (an int keeps the last ones, 0 all; a tensor picks
+  positions, as transformers does), so ``generate()`` (greedy, sampling, beam search) and any
+  code applying ``log_softmax`` to them see the head's true distribution;
+* with ``labels`` (or ``shift_labels``), ``loss`` is the mean NLL of the next tokens, shifted
+  exactly as transformers shifts them and with ``-100`` ignored (``num_items_in_batch``, which
+  ``Trainer`` passes under gradient accumulation, replaces the count of valid tokens), computed
+  by the head's chunked loss: **no (tokens x V) logits are built**, so ``logits`` is None
+  unless ``logits_to_keep`` asks for some positions (then their log-probabilities). Label
+  smoothing in ``Trainer`` needs logits and is therefore not supported.
+
+Limits: ``resize_token_embeddings`` is refused (resize the base model before attaching), and
+the base model's body must be the class ``AutoModel`` builds from its config (true of every
+causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    GenerationMixin,
+    PreTrainedModel,
+)
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_MAPPING
+from transformers.utils.generic import can_return_tuple
+
+from highrank.heads import HEADS, OutputHead, build_head, head_knobs
+from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
+
+# Knobs the model wires itself; a user value would contradict the base model or the layout.
+WIRED_KNOBS = ("tied_weight", "dropout_time_dim")
+# Keyword arguments of forward that belong to the loss, not to the body.
+LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+
+class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
+    """A transformers causal LM whose output layer is a highrank head (see the module guide).
+
+    ``self.model`` is the body (``AutoModel.from_config(config.base_config)``), ``self.head``
+    the head; build one with :func:`attach_head`, or reload one with ``from_pretrained``.
+    """
+
+    config_class = HighrankConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _skip_keys_device_placement = ["past_key_values"]
+    # Attention runs in the body, which checks its own support; the wrapper must not veto it.
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def __init__(
+        self,
+        config: HighrankConfig,
+        *,
+        body: PreTrainedModel | None = None,
+        head: OutputHead | None = None,
+    ) -> None:
+        super().__init__(config)
+        # attach_head hands in the base model's body and an initialised head; from_pretrained
+        # builds both from the config and then loads their weights.
+        self.model = body if body is not None else AutoModel.from_config(config.base_config)
+        self.head = head if head is not None else _build_head_for(config, self.model)
+        if config.tie_word_embeddings:
+            # transformers re-ties after loading (the checkpoint stores the tensor once).
+            self._tied_weights_keys = {"head.weight": _embedding_key(self)}
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Nothing to do: each head initialises itself in its constructor as its paper says,
+        and the body is initialised by its own class."""
+
+    # ---- embeddings ----------------------------------------------------------------------
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> None:
+        # The head is not an nn.Linear; transformers must not resize or re-tie it as one.
+        return None
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise NotImplementedError(
+            "HighrankForCausalLM cannot resize its vocabulary; resize the base model's token "
+            "embeddings before attach_head"
+        )
+
+    # ---- forward -------------------------------------------------------------------------
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Next-token log-probabilities (without labels) or the head's loss (with labels).
+
+        ``labels (B, T)``: position t is scored on ``labels[:, t + 1]``, ``-100`` ignored;
+        ``shift_labels (B, T)`` gives the already-shifted targets instead. ``logits_to_keep``:
+        an int keeps the last positions (0 keeps all; with labels, 0 returns no logits), a
+        tensor the positions it names. Other keyword arguments go to the body.
+        """
+        loss_kwargs = {key: kwargs.pop(key) for key in LOSS_KWARGS if key in kwargs}
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden = outputs.last_hidden_state  # (B, T, d)
+        loss, logits = None, None
+        if labels is not None or loss_kwargs.get("shift_labels") is not None:
+            loss = self._next_token_loss(hidden, labels, **loss_kwargs)
+        if loss is None or not _keeps_all(logits_to_keep):
+            logits = self.head.log_prob(_keep_positions(hidden, logits_to_keep))
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=getattr(outputs, "past_key_values", None),
+            hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+        )
+
+    def _next_token_loss(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None,
+        *,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
+        """Mean NLL over the valid next tokens, as transformers' ``ForCausalLMLoss``."""
+        if shift_labels is None:
+            # transformers pads labels with ignore_index and shifts them left: position t
+            # predicts labels[t + 1] and the last position predicts nothing, so drop it.
+            hidden, targets = hidden[:, :-1], labels[:, 1:]
+        else:
+            targets = shift_labels
+        if targets.shape != hidden.shape[:-1]:
+            raise ValueError(
+                f"labels give targets of shape {tuple(targets.shape)} for hidden states "
+                f"{tuple(hidden.shape[:-1])}; expected labels of shape (batch, sequence length)"
+            )
+        targets = targets.to(hidden.device)
+        valid = targets != ignore_index
+        total = self._nll_sum(hidden, targets, valid)
+        count = valid.sum() if num_items_in_batch is None else num_items_in_batch
+        if torch.is_tensor(count):
+            count = count.to(total.device)
+        return total / count
+
+    def _nll_sum(
+        self, hidden: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Summed NLL of the valid targets ``(B, T)``, by the head's chunked loss."""
+        if not bool(valid.any()):
+            return hidden.sum() * 0.0  # nothing to score; keeps the graph for backward
+        if bool(valid.all()):
+            # (B, T, d) as it is: locked dropout masks stay one per sequence.
+            return self.head.loss(hidden, targets, reduction="sum")
+        if self.head.training and self.head.dropout_time_dim is not None:
+            # Dropout locked over time needs each sequence's valid rows together: one call per
+            # sequence, each (1, n_b, d), keeps one mask per sequence.
+            return sum(
+                self.head.loss(hidden[b, keep][None], targets[b, keep][None], reduction="sum")
+                for b, keep in enumerate(valid)
+                if bool(keep.any())
+            )
+        return self.head.loss(hidden[valid], targets[valid], reduction="sum")  # (N_valid, d)
+
+
+# ---- building the head -------------------------------------------------------------------
+
+
+def _build_head_for(config: HighrankConfig, body: PreTrainedModel) -> OutputHead:
+    """The head ``config`` records, wired to ``body`` (tied embedding, batch-first layout)."""
+    wired: dict = {}
+    if config.tie_word_embeddings:
+        wired["tied_weight"] = body.get_input_embeddings().weight
+    if "dropout_time_dim" in inspect.signature(HEADS[config.head_name]).parameters:
+        wired["dropout_time_dim"] = 1  # hidden states are (B, T, d)
+    return build_head(
+        config.head_name,
+        d_in=config.head_d_in,
+        vocab_size=config.vocab_size,
+        **config.head_knobs,
+        **wired,
+    )
+
+
+def _embedding_key(model: HighrankForCausalLM) -> str:
+    """The state-dict name of the input embedding's weight (``model.embed_tokens.weight``,
+    ``model.wte.weight``, ...), found by identity since every architecture names it its way."""
+    embedding = model.get_input_embeddings().weight
+    for name, parameter in model.model.named_parameters():
+        if parameter is embedding:
+            return f"model.{name}"
+    raise ValueError("the body's input embedding weight is not one of its parameters")
+
+
+def _keeps_all(logits_to_keep: int | torch.Tensor) -> bool:
+    return isinstance(logits_to_keep, int) and logits_to_keep == 0
+
+
+def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The rows of ``hidden (B, T, d)`` that ``logits_to_keep`` names, as transformers'
+    causal LMs slice them: an int keeps the last ones (0 all), a 1-D tensor those positions
+    in every sequence, a 2-D integer tensor positions per sequence, a 2-D bool tensor a mask
+    (flattened to ``(kept, d)``)."""
+    if isinstance(logits_to_keep, int):
+        return hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:]
+    if logits_to_keep.ndim == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden[logits_to_keep]
+        return torch.take_along_dim(hidden, logits_to_keep[..., None], dim=1)
+    return hidden[:, logits_to_keep]
+
+
+# ---- attach_head -------------------------------------------------------------------------
+
+
+def attach_head(model: PreTrainedModel, name: str, **knobs) -> HighrankForCausalLM:
+    """``model`` (any transformers causal LM) with the highrank head ``name`` as its output layer.
+
+    ``knobs`` are the head's own (``highrank.heads.head_knobs(name)``), e.g. ``n_components``
+    for MoS or ``gate_dim`` for Mixtape; ``tied_weight`` and ``dropout_time_dim`` are wired
+    from the base model. The body is reused, not copied; the head's decoder matrix and bias
+    come from ``model``'s ``lm_head`` where the shapes agree (see the module docstring).
+    """
+    lm_head = _check_causal_lm(model)
+    _check_head_and_knobs(name, knobs)
+    body = model.base_model
+    embedding = model.get_input_embeddings()
+    tied = embedding is not None and lm_head.weight is embedding.weight
+    vocab_size, d_in = lm_head.weight.shape
+    config = HighrankConfig(
+        base_config=model.config,
+        head_name=name,
+        head_knobs=knobs,
+        head_d_in=d_in,
+        vocab_size=vocab_size,
+        tie_word_embeddings=tied,
+    )
+    head = _build_head_for(config, body)
+    _initialise_from_lm_head(head, lm_head, tied)
+    head.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+    highrank_model = HighrankForCausalLM(config, body=body, head=head)
+    highrank_model.generation_config = model.generation_config
+    highrank_model.train(model.training)
+    return highrank_model
+
+
+@torch.no_grad()
+def _initialise_from_lm_head(head: OutputHead, lm_head: nn.Module, tied: bool) -> None:
+    """E and b from ``lm_head`` where shapes agree (a tied E already is the embedding)."""
+    if not tied and head.weight.shape == lm_head.weight.shape:
+        head.weight.copy_(lm_head.weight)
+    bias = getattr(lm_head, "bias", None)
+    if bias is not None and head.bias.shape == bias.shape:
+        head.bias.copy_(bias)
+
+
+def _check_causal_lm(model: object) -> nn.Module:
+    """The model's ``lm_head``, or one clear error saying why ``model`` is not usable."""
+    if isinstance(model, HighrankForCausalLM):
+        raise TypeError(
+            f"the model already has a highrank head ({model.config.head_name!r}); attach a "
+            "head to the base model instead"
+        )
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"attach_head needs a transformers causal LM (a PreTrainedModel such as "
+            f"GPT2LMHeadModel or LlamaForCausalLM); got {type(model).__name__}"
+        )
+    kind = type(model).__name__
+    lm_head = model.get_output_embeddings()
+    if lm_head is None or not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
+        raise TypeError(
+            f"{kind} has no output embeddings (lm_head) to replace; attach_head needs a causal "
+            "LM such as GPT2LMHeadModel or LlamaForCausalLM, not a bare body like LlamaModel"
+        )
+    if getattr(model.config, "is_encoder_decoder", False) or not model.can_generate():
+        raise TypeError(f"{kind} is not a causal (decoder-only) language model")
+    body = model.base_model
+    expected = MODEL_MAPPING.get(type(model.config), None)
+    if body is model or expected is None or type(body) is not expected:
+        raise TypeError(
+            f"{kind}'s body ({type(body).__name__}) is not what AutoModel builds from its config "
+            f"({getattr(expected, '__name__', 'no class registered')}), so from_pretrained "
+            "could not rebuild it"
+        )
+    return lm_head
+
+
+def _check_head_and_knobs(name: str, knobs: dict) -> None:
+    if name not in HEADS:
+        raise ValueError(f"unknown head {name!r}; choose one of: {', '.join(HEADS)}")
+    valid = {k: v for k, v in head_knobs(name).items() if k not in WIRED_KNOBS}
+    wired = sorted(set(knobs) & set(WIRED_KNOBS))
+    if wired:
+        raise TypeError(
+            f"{', '.join(wired)} is set by attach_head (tying follows the base model; hidden "
+            f"states are batch-first); valid knobs of {name!r}: {', '.join(valid) or 'none'}"
+        )
+    unknown = sorted(set(knobs) - set(valid))
+    if unknown:
+        raise TypeError(
+            f"head {name!r} has no knob(s) {', '.join(unknown)}; valid knobs: "
+            + (", ".join(f"{k}={v!r}" for k, v in valid.items()) or "none")
+        )
+    try:
+        json.dumps(knobs)
+    except TypeError as error:
+        message = f"head knobs must be JSON values (they go to config.json): {error}"
+        raise TypeError(message) from None
+
+
+# Importing this module makes "highrank" a model type that the Auto classes know.
+AutoConfig.register(MODEL_TYPE, HighrankConfig, exist_ok=True)
+AutoModelForCausalLM.register(HighrankConfig, HighrankForCausalLM, exist_ok=True)
+
+__all__ = ["HighrankConfig", "HighrankForCausalLM", "attach_head"]

@@ -1,0 +1,63 @@
+"""``HighrankConfig``: the configuration of a transformers causal LM with a highrank head.
+
+It nests the base model's own configuration (``base_config``, serialised as a dict with its
+``model_type``, so ``AutoConfig`` rebuilds it) and records the head: its name in
+``highrank.heads.HEADS``, its knobs, and the shape it reads (``head_d_in``) and writes
+(``vocab_size``). Saved as ``config.json`` with ``model_type = "highrank"``; importing
+``highrank.integrations.hf`` registers it with ``AutoConfig``.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+MODEL_TYPE = "highrank"
+
+
+class HighrankConfig(PreTrainedConfig):
+    """Configuration of :class:`highrank.integrations.hf.HighrankForCausalLM`.
+
+    Args:
+        base_config: the base causal LM's configuration (a config object, or its ``to_dict()``
+            with ``model_type``); the body is ``AutoModel.from_config(base_config)``.
+        head_name: a name in ``highrank.heads.HEADS``.
+        head_knobs: the head's keyword knobs (JSON values); ``tied_weight`` and
+            ``dropout_time_dim`` are wired by the model, never stored.
+        head_d_in: width of the hidden states the head reads (the base ``lm_head``'s input).
+        vocab_size: V, the rows of the base ``lm_head`` (may exceed the tokenizer's size).
+        tie_word_embeddings: whether the head's decoder matrix is the input embedding
+            (``attach_head`` copies this from the base model's actual tying).
+    """
+
+    model_type = MODEL_TYPE
+    # "llama" is only the fallback type for a base_config dict without its own model_type.
+    sub_configs_defaults = {
+        "base_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")
+    }
+
+    base_config: dict | PreTrainedConfig | None = None
+    head_name: str = "softmax"
+    head_knobs: dict | None = None
+    head_d_in: int | None = None
+    vocab_size: int | None = None
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if isinstance(self.base_config, PreTrainedConfig):
+            # The base class sets these on every sub-config (to None unless given): keep the
+            # base model's, since attach_head shares its config object with its body.
+            for key in ("attn_implementation", "experts_implementation"):
+                kwargs.setdefault(key, getattr(self.base_config, f"_{key}", None))
+        super().__post_init__(**kwargs)
+        self.head_knobs = dict(self.head_knobs or {})
+        text = self.base_config.get_text_config(decoder=True)
+        if self.head_d_in is None:
+            self.head_d_in = text.hidden_size
+        if self.vocab_size is None:
+            self.vocab_size = text.vocab_size
+
+    def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
+        """The base model's text config: generation and caches read layers, heads and the
+        vocabulary size from it, as for any composite model."""
+        return self.base_config.get_text_config(decoder=decoder, encoder=encoder)
