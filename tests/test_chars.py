@@ -107,3 +107,17 @@ def test_bits_per_char_is_nats_over_ln2_per_symbol():
 def test_bits_per_char_rejects_bad_input(nll, n):
     with pytest.raises(ValueError, match="n_symbols|total_nll_nats"):
         bits_per_char(nll, n)
+
+
+@pytest.mark.skipif(not SHARED_PTB.is_dir(), reason=f"PTB not found at {SHARED_PTB}")
+def test_char_mode_on_real_ptb_valid_and_test_is_ptb_char(tmp_path):
+    """data.mode="char" streams of PTB valid/test == the ptb.char symbols (train is valid here
+    only to keep the test fast; every test character occurs in valid)."""
+    folder = tmp_path / "ptb"
+    texts = {s: (SHARED_PTB / f"{s}.txt").read_text(encoding="utf-8") for s in ("valid", "test")}
+    write_split_files(folder, {"train": texts["valid"], **texts})
+    corpus = load_corpus(folder, mode="char", use_cache=False)
+    for split, n_tokens in (("valid", 393_042), ("test", 442_423)):
+        stream = ["_" if t == " " else t for t in corpus.vocab.decode(corpus.split(split))]
+        expected = [s for line in texts[split].splitlines() for s in (*char_symbols(line), EOS)]
+        assert stream == expected and len(stream) == n_tokens

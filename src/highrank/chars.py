@@ -22,6 +22,9 @@ it when the data is present). Read with whitespace tokenisation and one ``<eos>`
 PTB characters are 5,017,482 / 393,042 / 442,423 symbols with 50 types (49 characters incl. ``_``
 plus ``<eos>``).
 
+Reading the published files themselves with ``data.mode = "word"`` gives the same stream plus
+one extra final ``<eos>``: the file's last ``" "`` reads as one more, blank, line.
+
 The trainer needs no converted files: ``data.mode = "char"`` (``highrank.data``) reads the
 word-level folder and yields the same symbol stream, with the literal space ``" "`` standing
 for ``_`` (:func:`char_symbols` and that mode agree token for token up to that renaming).
