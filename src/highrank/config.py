@@ -17,9 +17,9 @@ the MoS values of Yang et al. 2018 are in the docstrings):
 
 * ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: the user cache, ~/.cache/highrank) —
   :func:`highrank.data.load_corpus`.
-* ``[model]`` backbone (``awd-lstm``), d_embed, d_hidden, n_layers, d_last (unset: d_embed),
-  tie_weights, dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop,
-  ar_alpha, tar_beta.
+* ``[model]`` backbone (the model family: ``awd-lstm``), d_embed, tie_weights, and the keys of
+  the family: for ``awd-lstm`` d_hidden, n_layers, d_last (unset: d_embed), dropout_embedding,
+  dropout_input, dropout_hidden, dropout_output, weight_drop, ar_alpha, tar_beta.
 * ``[head]`` name (a key of :data:`highrank.heads.HEADS`) and, in the same table, that head's
   knobs (``n_components = 15``), checked against :func:`highrank.heads.head_knobs`. The knobs
   the model wires itself (:data:`MODEL_SET_KNOBS`) are not configurable here. A loaded config
@@ -34,6 +34,14 @@ the MoS values of Yang et al. 2018 are in the docstrings):
 * ``[run]`` out_dir, device.
 
 TOML has no null, so a key whose default is "unset" (None) is written by leaving it out.
+
+Model families: ``model.backbone`` picks the family (the backbone :func:`highrank.model.
+build_model` builds and the recipe :mod:`highrank.train` trains it with). Keys that only some
+families read are listed per family in :data:`FAMILY_KEYS`; every other key is read by all.
+Setting a key of another family is an error naming the key and its families, and a resolved
+config (:func:`config_to_dict`, :func:`dump_toml`, checkpoints) holds only the keys of its
+family, so it reads back. Growing a family: add its name to :data:`BACKBONES`, its keys to the
+section dataclasses (with defaults) and their names to ``FAMILY_KEYS[name]``.
 """
 
 from __future__ import annotations
@@ -53,7 +61,26 @@ from highrank.data import MODES
 from highrank.heads import HEADS, head_knobs
 from highrank.optim import SWITCH_POLICIES
 
-BACKBONES = ("awd-lstm",)
+BACKBONES = ("awd-lstm",)  # model.backbone: the model families
+# Family -> section -> the keys of that section only this family (and any other family listing
+# them too) reads; a key listed for no family is read by every family.
+FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
+    "awd-lstm": {
+        "model": (
+            "d_hidden",
+            "n_layers",
+            "d_last",
+            "dropout_embedding",
+            "dropout_input",
+            "dropout_hidden",
+            "dropout_output",
+            "weight_drop",
+            "ar_alpha",
+            "tar_beta",
+        ),
+        "train": ("max_seq_len_delta", "optimizer", "nonmono", "switch_epoch"),
+    },
+}
 # Head constructor arguments that the model sets from [model], not the user from [head].
 MODEL_SET_KNOBS = ("d_embed", "tied_weight", "dropout_time_dim")
 
@@ -86,7 +113,7 @@ class ModelConfig:
     dropout_hidden 0.2; MoS PTB: d_embed 280, d_hidden 960, d_last 620, dropout_hidden 0.225).
 
     Attributes:
-        backbone: ``"awd-lstm"``.
+        backbone: the model family, ``"awd-lstm"`` (see :data:`FAMILY_KEYS`).
         d_embed: embedding size (the tied decoder's size).
         d_hidden: hidden size of the inner LSTM layers.
         n_layers: number of stacked single-layer LSTMs.
@@ -286,6 +313,7 @@ def _resolve(
         _apply_override(values, origins, text)
     config = _build(values, origins)
     validate_config(config, origins)
+    _check_family_keys(config.model.backbone, origins)
     return config
 
 
@@ -632,19 +660,50 @@ def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
         )
 
 
+# ---- model families ---------------------------------------------------------------------------
+
+
+def key_families(dotted: str) -> tuple[str, ...]:
+    """The families that read ``section.key``; () when every family reads it."""
+    section, key = dotted.split(".", 1)
+    return tuple(f for f, keys in FAMILY_KEYS.items() if key in keys.get(section, ()))
+
+
+def applies_to(dotted: str, family: str) -> bool:
+    """Whether backbone ``family`` reads the key ``section.key``."""
+    families = key_families(dotted)
+    return not families or family in families
+
+
+def _check_family_keys(family: str, origins: Mapping[str, str]) -> None:
+    """A key given in the file or an override must be one the chosen family reads."""
+    for dotted, where in origins.items():
+        if "." in dotted and not applies_to(dotted, family):
+            owners = ", ".join(repr(f) for f in key_families(dotted))
+            raise ConfigError(
+                f"{where}: {dotted} is a key of model.backbone = {owners}, but "
+                f"model.backbone = {family!r}; remove it (or change model.backbone)"
+            )
+
+
 # ---- writing ----------------------------------------------------------------------------------
 
 
 def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
-    """The TOML-shaped dict of ``config``: one table per section, head knobs beside the name.
-    Unset keys (None) are kept; :func:`dump_toml` leaves them out."""
+    """The TOML-shaped dict of ``config``: one table per section, head knobs beside the name,
+    only the keys its model family reads. Unset keys (None) are kept; :func:`dump_toml` leaves
+    them out."""
     result: dict[str, dict[str, Any]] = {}
+    family = config.model.backbone
     for section in SECTIONS:
         value = getattr(config, section)
         if section == "head":
             result[section] = {"name": value.name, **value.knobs}
         else:
-            result[section] = dataclasses.asdict(value)
+            table = dataclasses.asdict(value)
+            result[section] = {
+                k: v for k, v in table.items() if applies_to(f"{section}.{k}", family)
+            }
     return result
 
 
@@ -724,6 +783,7 @@ _SHORT_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r
 
 __all__ = [
     "BACKBONES",
+    "FAMILY_KEYS",
     "MODEL_SET_KNOBS",
     "SECTIONS",
     "Config",
@@ -735,9 +795,11 @@ __all__ = [
     "ModelConfig",
     "RunConfig",
     "TrainConfig",
+    "applies_to",
     "config_from_dict",
     "config_to_dict",
     "dump_toml",
+    "key_families",
     "load_config",
     "parse_override",
     "save_config",

@@ -10,6 +10,7 @@ over time as in the AWD-LSTM and MoS code.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -71,10 +72,9 @@ class LanguageModel(nn.Module):
         return groups
 
 
-def build_model(config: Config, vocab_size: int) -> LanguageModel:
-    """The model a config describes, for a vocabulary of ``vocab_size`` tokens."""
+def _awd_lstm(config: Config, vocab_size: int) -> AWDLSTM:
     m = config.model
-    backbone = AWDLSTM(
+    return AWDLSTM(
         vocab_size,
         d_embed=m.d_embed,
         d_hidden=m.d_hidden,
@@ -88,6 +88,18 @@ def build_model(config: Config, vocab_size: int) -> LanguageModel:
         ar_alpha=m.ar_alpha,
         tar_beta=m.tar_beta,
     )
+
+
+# model.backbone (the model family) -> the function that builds its backbone. A backbone owns
+# the input embedding (``.embedding``, the tied weight) and outputs ``.d_last`` features.
+BACKBONES: dict[str, Callable[[Config, int], nn.Module]] = {"awd-lstm": _awd_lstm}
+
+
+def build_model(config: Config, vocab_size: int) -> LanguageModel:
+    """The model a config describes, for a vocabulary of ``vocab_size`` tokens: the backbone
+    of ``model.backbone`` (:data:`BACKBONES`) and the head of ``[head]``."""
+    m = config.model
+    backbone = BACKBONES[m.backbone](config, vocab_size)
     wired: dict = {"d_embed": m.d_embed}
     if m.tie_weights:
         wired["tied_weight"] = backbone.embedding.weight
