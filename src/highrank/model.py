@@ -92,14 +92,14 @@ def _awd_lstm(config: Config, vocab_size: int) -> AWDLSTM:
 
 # model.backbone (the model family) -> the function that builds its backbone. A backbone owns
 # the input embedding (``.embedding``, the tied weight) and outputs ``.d_last`` features.
-BACKBONES: dict[str, Callable[[Config, int], nn.Module]] = {"awd-lstm": _awd_lstm}
+BACKBONE_BUILDERS: dict[str, Callable[[Config, int], nn.Module]] = {"awd-lstm": _awd_lstm}
 
 
 def build_model(config: Config, vocab_size: int) -> LanguageModel:
     """The model a config describes, for a vocabulary of ``vocab_size`` tokens: the backbone
-    of ``model.backbone`` (:data:`BACKBONES`) and the head of ``[head]``."""
+    of ``model.backbone`` (:data:`BACKBONE_BUILDERS`) and the head of ``[head]``."""
     m = config.model
-    backbone = BACKBONES[m.backbone](config, vocab_size)
+    backbone = BACKBONE_BUILDERS[m.backbone](config, vocab_size)
     wired: dict = {"d_embed": m.d_embed}
     if m.tie_weights:
         wired["tied_weight"] = backbone.embedding.weight
