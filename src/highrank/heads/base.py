@@ -4,17 +4,20 @@ A head maps hidden states ``[..., d_in]`` to a *normalised* next-token distribut
 ``vocab_size`` tokens and owns its loss, so model and loss can never disagree:
 
 * ``log_prob(hidden) -> [..., V]``: float32 log-probabilities, normalised, computed in log space.
-* ``loss(hidden, target, *, reduction="mean", chunk_size="auto")``: negative log-likelihood
-  of ``target [...]``. With a ``chunk_size`` the flattened tokens are processed
-  ``chunk_size`` at a time (see ``highrank.heads.chunking``), so peak memory is about
-  ``chunk_size x K x V`` instead of ``N x K x V``; ``None`` processes them all at once, and
-  ``"auto"`` (the default) picks the head's ``auto_chunk_tokens()``.
+* ``loss(hidden, target, *, reduction="mean", chunk_size="auto", ignore_index=-100,
+  label_smoothing=0.0)``: the cross-entropy of ``target [...]``, with ``ignore_index`` and
+  ``label_smoothing`` as ``F.cross_entropy`` defines them. With a ``chunk_size`` the
+  flattened tokens are processed ``chunk_size`` at a time (see ``highrank.heads.chunking``),
+  so peak memory is about ``chunk_size x K x V`` instead of ``N x K x V``; ``None`` processes
+  them all at once, and ``"auto"`` (the default) picks the head's ``auto_chunk_tokens()``.
 * ``forward(hidden, target=None)``: ``loss`` with a target (mean), ``log_prob`` without.
 
 Subclasses implement two methods on flattened inputs, ``h: (N, d_in)``:
 
 * ``_log_prob_rows(h, *masks) -> (N, V)``
-* ``_nll_rows(h, target, *masks) -> (N,)`` (defaults to gathering from ``_log_prob_rows``)
+* ``_loss_rows(h, target, *masks, label_smoothing) -> (N,)``, the label-smoothed NLL of
+  every row (defaults to ``smoothed_nll`` of ``_log_prob_rows``); targets are valid ids here,
+  ``ignore_index`` is handled once, in this class.
 
 ``masks`` are per-row dropout masks drawn by ``_draw_masks`` *before* flattening, so that
 locked (variational) dropout can share one mask over the time axis of the input, and so that
@@ -23,18 +26,20 @@ chunked and unchunked losses see the same masks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.checks import check_positive_int
+from highrank.checks import check_positive_int, is_number
 from highrank.heads.chunking import (
     checkpointed_nll,
     chunk_masks,
     chunk_slices,
     gradient_in_forward_nll,
 )
-from highrank.heads.functional import locked_dropout_mask, widen
+from highrank.heads.functional import locked_dropout_mask, smoothed_nll, widen
 
 _REDUCTIONS = ("mean", "sum", "none")
 # "auto" chunk sizes, measured in benchmarks/results/heads-*: heads with a fused chunked loss
@@ -97,10 +102,18 @@ class OutputHead(nn.Module):
         *,
         reduction: str = "mean",
         chunk_size: int | None | str = "auto",
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
     ) -> torch.Tensor:
-        """Negative log-likelihood of ``target [...]`` given ``hidden [..., d_in]``.
+        """Cross-entropy of ``target [...]`` given ``hidden [..., d_in]``, as ``F.cross_entropy``.
 
-        ``reduction`` is "mean" (per token), "sum", or "none" (shape of ``target``).
+        Per token, ``(1 - eps) * -log p(target) + eps * mean_v -log p(v)`` with
+        ``eps = label_smoothing`` in [0, 1] (Szegedy et al. 2016; the plain NLL when 0).
+        Positions whose target equals ``ignore_index`` contribute nothing: 0 under
+        ``reduction="none"`` (shape of ``target``), left out of "sum", and "mean" averages
+        over the other tokens only. As in ``F.cross_entropy``, a "mean" over no tokens (an
+        empty batch, or every target ignored) is 0 / 0 = nan; "sum" gives 0.
+
         ``chunk_size`` bounds the tokens whose ``V``-sized intermediates live at once: an
         int, None (all at once) or "auto" (``auto_chunk_tokens()`` per chunk for scalar
         losses and for evaluation; per-token losses that need gradients are computed
@@ -108,31 +121,57 @@ class OutputHead(nn.Module):
         """
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}; expected one of {_REDUCTIONS}")
+        label_smoothing = check_label_smoothing(label_smoothing)
+        ignore_index = check_ignore_index(ignore_index)
         rows = self._flatten_hidden(hidden)
-        target_rows = self._flatten_target(hidden, target)
+        target_rows = self._flatten_target(hidden, target, ignore_index)
         masks = self._draw_masks(hidden)
         n = rows.shape[0]
         chunk_size = self._resolve_chunk_size(chunk_size, reduction)
+        token_losses = functools.partial(
+            self._token_losses, label_smoothing=label_smoothing, ignore_index=ignore_index
+        )
         if chunk_size is None or chunk_size >= n:
-            nll = self._nll_rows(rows, target_rows, *masks)
+            losses = token_losses(rows, target_rows, *masks)
         elif not torch.is_grad_enabled():
             # Nothing will call backward: a plain loop over chunks, no graph, no gradients.
-            nll = torch.cat(
+            losses = torch.cat(
                 [
-                    self._nll_rows(rows[part], target_rows[part], *chunk_masks(masks, part))
+                    token_losses(rows[part], target_rows[part], *chunk_masks(masks, part))
                     for part in chunk_slices(n, chunk_size)
                 ]
             )
         elif reduction == "none":
-            nll = checkpointed_nll(self._nll_rows, rows, target_rows, masks, chunk_size)
+            losses = checkpointed_nll(token_losses, rows, target_rows, masks, chunk_size)
         else:
-            total = self._chunked_nll_sum(rows, target_rows, masks, chunk_size)
-            return total / n if reduction == "mean" else total
+            total = self._chunked_loss_sum(
+                rows, target_rows, masks, chunk_size, label_smoothing, ignore_index
+            )
+            return total / _count_kept(target_rows, ignore_index) if reduction == "mean" else total
         if reduction == "mean":
-            return nll.mean()
+            return losses.sum() / _count_kept(target_rows, ignore_index)
         if reduction == "sum":
-            return nll.sum()
-        return nll.reshape(target.shape)
+            return losses.sum()
+        return losses.reshape(target.shape)
+
+    def _token_losses(
+        self,
+        h: torch.Tensor,
+        target: torch.Tensor,
+        *masks: torch.Tensor | None,
+        label_smoothing: float,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        """``(N,)`` label-smoothed NLL of each row, 0 where ``target == ignore_index``.
+
+        Ignored rows are computed with a stand-in target (id 0) and then zeroed, rather than
+        selected out, so that shapes stay static (no host synchronisation, no recompilation).
+        """
+        kept = target != ignore_index
+        losses = self._loss_rows(
+            h, torch.where(kept, target, 0), *masks, label_smoothing=label_smoothing
+        )
+        return torch.where(kept, losses, 0.0)
 
     def _resolve_chunk_size(self, chunk_size: int | None | str, reduction: str) -> int | None:
         if chunk_size == "auto":
@@ -172,20 +211,33 @@ class OutputHead(nn.Module):
     def _log_prob_rows(self, h: torch.Tensor, *masks: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def _nll_rows(
-        self, h: torch.Tensor, target: torch.Tensor, *masks: torch.Tensor | None
+    def _loss_rows(
+        self,
+        h: torch.Tensor,
+        target: torch.Tensor,
+        *masks: torch.Tensor | None,
+        label_smoothing: float,
     ) -> torch.Tensor:
-        log_p = self._log_prob_rows(h, *masks)
-        return -log_p.gather(1, target.unsqueeze(1)).squeeze(1)
+        """``(N,)`` label-smoothed NLL of the valid ids ``target (N,)``."""
+        return smoothed_nll(self._log_prob_rows(h, *masks), target, label_smoothing)
 
-    def _chunked_nll_sum(
-        self, rows: torch.Tensor, target: torch.Tensor, masks: tuple, chunk_size: int
+    def _chunked_loss_sum(
+        self,
+        rows: torch.Tensor,
+        target: torch.Tensor,
+        masks: tuple,
+        chunk_size: int,
+        label_smoothing: float,
+        ignore_index: int,
     ) -> torch.Tensor:
-        """Summed NLL, chunked, with gradients computed in the forward pass; heads with a
+        """Summed loss, chunked, with gradients computed in the forward pass; heads with a
         closed-form gradient (softmax, MoS, MoC) override it with a fused version (and
         ``auto_chunk_tokens`` with ``fused_auto_chunk_tokens``)."""
         params = [p for p in self.parameters() if p.requires_grad]
-        return gradient_in_forward_nll(self._nll_rows, rows, target, masks, params, chunk_size)
+        token_losses = functools.partial(
+            self._token_losses, label_smoothing=label_smoothing, ignore_index=ignore_index
+        )
+        return gradient_in_forward_nll(token_losses, rows, target, masks, params, chunk_size)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """Per-row dropout masks ``(N, width)`` (or None when off); none by default."""
@@ -216,7 +268,9 @@ class OutputHead(nn.Module):
             )
         return hidden.reshape(-1, self.d_in)
 
-    def _flatten_target(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _flatten_target(
+        self, hidden: torch.Tensor, target: torch.Tensor, ignore_index: int
+    ) -> torch.Tensor:
         if tuple(target.shape) != tuple(hidden.shape[:-1]):
             raise ValueError(
                 f"{type(self).__name__}: target has shape {tuple(target.shape)}; expected "
@@ -225,12 +279,32 @@ class OutputHead(nn.Module):
         if target.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"target must hold integer token ids; got dtype {target.dtype}")
         flat = target.reshape(-1).long()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.vocab_size):
+        bad = flat[((flat < 0) | (flat >= self.vocab_size)) & (flat != ignore_index)]
+        if bad.numel():
             raise ValueError(
-                f"target ids must lie in [0, {self.vocab_size}); "
-                f"got min {int(flat.min())}, max {int(flat.max())}"
+                f"target ids must lie in [0, {self.vocab_size}) or equal "
+                f"ignore_index={ignore_index}; got {bad[:5].tolist()}"
             )
         return flat
+
+
+def check_label_smoothing(value: object) -> float:
+    """``label_smoothing`` as ``F.cross_entropy`` accepts it: a number in [0, 1]."""
+    if not is_number(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1]; got {value!r}")
+    return float(value)
+
+
+def check_ignore_index(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"ignore_index must be an integer token id; got {value!r}")
+    return value
+
+
+def _count_kept(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Number of targets not ignored, as a tensor: the "mean" divides by it without reading it
+    on the host (0 gives 0 / 0 = nan, as ``F.cross_entropy``)."""
+    return (target != ignore_index).sum()
 
 
 def _resolve_embed_size(

@@ -50,6 +50,16 @@ def log_mixture(log_prior: torch.Tensor, component_log_probs: torch.Tensor) -> t
     return torch.logsumexp(log_prior.unsqueeze(-1) + component_log_probs, dim=1)
 
 
+def smoothed_nll(log_p: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """Label-smoothed NLL ``(N,)`` from normalised log-probabilities ``log_p (N, V)``:
+    ``(1 - eps) * -log p(target) + eps * mean_v -log p(v)``, as ``F.cross_entropy`` defines it
+    (the uniform distribution over V mixed into the one-hot target with weight eps)."""
+    nll = -log_p.gather(1, target.unsqueeze(1)).squeeze(1)
+    if label_smoothing == 0.0:
+        return nll
+    return (1.0 - label_smoothing) * nll - label_smoothing * log_p.mean(dim=1)
+
+
 def mixture_nll(
     log_prior: torch.Tensor, component_logits: torch.Tensor, target: torch.Tensor
 ) -> torch.Tensor:

@@ -124,9 +124,9 @@ class Mixtape(OutputHead):
     def _log_prob_rows(self, h, component_mask, gate_mask) -> torch.Tensor:
         return F.log_softmax(self._logits(h, component_mask, gate_mask), dim=-1)
 
-    def _nll_rows(self, h, target, component_mask, gate_mask) -> torch.Tensor:
+    def _loss_rows(self, h, target, component_mask, gate_mask, *, label_smoothing) -> torch.Tensor:
         logits = self._logits(h, component_mask, gate_mask)
-        return F.cross_entropy(logits, target, reduction="none")
+        return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
 
     def extra_repr(self) -> str:
         return (

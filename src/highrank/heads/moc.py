@@ -27,12 +27,26 @@ class MixtureOfContexts(ContextMixture):
     def _log_prob_rows(self, h: torch.Tensor, latent_mask: torch.Tensor | None) -> torch.Tensor:
         return F.log_softmax(self._decoder_logits(self.mixed_context(h, latent_mask)), dim=-1)
 
-    def _nll_rows(
-        self, h: torch.Tensor, target: torch.Tensor, latent_mask: torch.Tensor | None
+    def _loss_rows(
+        self,
+        h: torch.Tensor,
+        target: torch.Tensor,
+        latent_mask: torch.Tensor | None,
+        *,
+        label_smoothing: float,
     ) -> torch.Tensor:
         logits = self._decoder_logits(self.mixed_context(h, latent_mask))
-        return F.cross_entropy(logits, target, reduction="none")
+        return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
 
-    def _chunked_nll_sum(self, rows, target, masks, chunk_size):
+    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
         mixed = self.mixed_context(rows, *masks).unsqueeze(1)  # (N, 1, d_embed)
-        return mixture_cross_entropy_sum(mixed, None, self.weight, self.bias, target, chunk_size)
+        return mixture_cross_entropy_sum(
+            mixed,
+            None,
+            self.weight,
+            self.bias,
+            target,
+            chunk_size,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+        )

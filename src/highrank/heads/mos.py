@@ -19,7 +19,13 @@ from torch import nn
 
 from highrank.checks import check_dropout_time_dim, check_positive_int, check_probability
 from highrank.heads.base import OutputHead
-from highrank.heads.functional import apply_mask, log_mixture, mixture_nll, widen
+from highrank.heads.functional import (
+    apply_mask,
+    log_mixture,
+    mixture_nll,
+    smoothed_nll,
+    widen,
+)
 from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 
 
@@ -83,17 +89,31 @@ class MixtureOfSoftmaxes(ContextMixture):
         component_log_probs = F.log_softmax(self._decoder_logits(latents), dim=-1)  # (N, K, V)
         return log_mixture(log_prior, component_log_probs)
 
-    def _nll_rows(
-        self, h: torch.Tensor, target: torch.Tensor, latent_mask: torch.Tensor | None
+    def _loss_rows(
+        self,
+        h: torch.Tensor,
+        target: torch.Tensor,
+        latent_mask: torch.Tensor | None,
+        *,
+        label_smoothing: float,
     ) -> torch.Tensor:
+        if label_smoothing:  # the smoothing term needs every log p(v): the whole mixture
+            return smoothed_nll(self._log_prob_rows(h, latent_mask), target, label_smoothing)
         log_prior, latents = self._prior_and_latents(h, latent_mask)
         return mixture_nll(log_prior, self._decoder_logits(latents), target)
 
     def logits_per_token(self) -> int:
         return self.n_components * self.vocab_size
 
-    def _chunked_nll_sum(self, rows, target, masks, chunk_size):
+    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
         log_prior, latents = self._prior_and_latents(rows, *masks)
         return mixture_cross_entropy_sum(
-            latents, log_prior, self.weight, self.bias, target, chunk_size
+            latents,
+            log_prior,
+            self.weight,
+            self.bias,
+            target,
+            chunk_size,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
         )

@@ -49,9 +49,11 @@ class PointwiseSoftmax(OutputHead):
     def _log_prob_rows(self, h: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(self.transform(self._decoder_logits(self._project(h))), dim=-1)
 
-    def _nll_rows(self, h: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss_rows(
+        self, h: torch.Tensor, target: torch.Tensor, *, label_smoothing: float
+    ) -> torch.Tensor:
         logits = self.transform(self._decoder_logits(self._project(h)))
-        return F.cross_entropy(logits, target, reduction="none")
+        return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
 
 
 class Softmax(PointwiseSoftmax):
@@ -68,6 +70,15 @@ class Softmax(PointwiseSoftmax):
     def auto_chunk_tokens(self) -> int:
         return self.fused_auto_chunk_tokens()
 
-    def _chunked_nll_sum(self, rows, target, masks, chunk_size):
+    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
         latents = self._project(rows).unsqueeze(1)  # (N, 1, d_embed)
-        return mixture_cross_entropy_sum(latents, None, self.weight, self.bias, target, chunk_size)
+        return mixture_cross_entropy_sum(
+            latents,
+            None,
+            self.weight,
+            self.bias,
+            target,
+            chunk_size,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+        )
