@@ -168,9 +168,13 @@ def test_unshuffled_batches_are_sorted_and_greedy():
     src_len, tgt_len = pairs.src_lengths + 1, pairs.tgt_lengths + 1
     plan = plan_batches(src_len, tgt_len, 150, shuffle=False)
     order = np.concatenate(plan)
-    keys = list(zip(tgt_len[order], src_len[order], strict=True))
-    assert keys == sorted(keys)  # by target length, then source length
     longest = np.maximum(src_len, tgt_len)
+    keys = list(zip(longest[order], tgt_len[order], src_len[order], strict=True))
+    assert keys == sorted(keys)  # by the longer side, then target length, then source length
+    fairseq = np.concatenate(plan_batches(src_len, tgt_len, 150, shuffle=False, sort_key="target"))
+    assert list(zip(tgt_len[fairseq], src_len[fairseq], strict=True)) == sorted(
+        zip(tgt_len, src_len, strict=True)
+    )
     for batch, following in zip(plan, plan[1:], strict=False):
         grown = np.append(batch, following[0])  # the next pair would not have fitted
         assert len(grown) * longest[grown].max() > 150
