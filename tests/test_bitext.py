@@ -100,6 +100,15 @@ def test_empty_lines_are_an_error_or_skipped_as_pairs(tmp_path):
         read_bitext_split(tmp_path, "train", "en", "de", empty="drop")
 
 
+def test_a_split_without_pairs_is_an_error(tmp_path):
+    write_pair(tmp_path, "valid", "", "")
+    with pytest.raises(CorpusError, match=r"valid\.de hold no sentence pair \(0 lines"):
+        read_bitext_split(tmp_path, "valid", "en", "de")
+    write_pair(tmp_path, "test", "\n", "x\n")
+    with pytest.raises(CorpusError, match=r"\(1 lines, 1 skipped as empty\)"):
+        read_bitext_split(tmp_path, "test", "en", "de", empty="skip")
+
+
 @pytest.mark.parametrize(
     "src, tgt, match",
     [

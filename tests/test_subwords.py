@@ -70,6 +70,8 @@ def test_specials_come_first_in_fairseq_order(joint):
     assert (BOS_ID, PAD_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
     assert [vocab.piece(i) for i in range(4)] == ["<s>", "<pad>", "</s>", "<unk>"]
     assert (vocab.bos_id, vocab.pad_id, vocab.eos_id, vocab.unk_id) == (0, 1, 2, 3)
+    special = joint.special_ids()
+    assert (special.pad, special.bos, special.eos) == (PAD_ID, BOS_ID, EOS_ID)
 
 
 def test_joint_ids_follow_target_frequency_then_source_frequency(joint):

@@ -134,6 +134,11 @@ def read_bitext_split(
             skipped.append(number)
         else:
             raise _empty_line_error(src_path if not a else tgt_path, number)
+    if not kept:
+        raise CorpusError(
+            f"{src_path} and {tgt_path} hold no sentence pair ({len(src):,} lines, "
+            f"{len(skipped):,} skipped as empty); expected the {split} split, one sentence per line"
+        )
     return BitextSplit(
         split,
         src_path,

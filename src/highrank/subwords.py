@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from highrank.bitext import SpecialIds
 from highrank.data import _atomic_write_bytes
 
 MODEL_TYPES = ("bpe", "unigram")
@@ -218,6 +219,10 @@ class Subwords:
     settings: SubwordSettings
     src_lang: str
     tgt_lang: str
+
+    def special_ids(self) -> SpecialIds:
+        """The ``<pad>``, ``<bos>``, ``<eos>`` ids batches need (the same in both vocabularies)."""
+        return SpecialIds(pad=PAD_ID, bos=BOS_ID, eos=EOS_ID)
 
     def save(self, run_dir: str | os.PathLike) -> Path:
         """Write the model(s) and ``subwords.json`` under ``run_dir/subwords``; returns it."""
