@@ -87,6 +87,8 @@ def test_missing_file_names_the_expected_path(tmp_path):
         read_bitext_split(tmp_path, "train", "en", "de")
     with pytest.raises(CorpusError, match="does not exist or is not a directory"):
         load_bitext(tmp_path / "nowhere", "en", "de")
+    with pytest.raises(CorpusError, match="nowhere does not exist or is not a directory"):
+        read_bitext_split(tmp_path / "nowhere", "test", "en", "de")
 
 
 def test_empty_lines_are_an_error_or_skipped_as_pairs(tmp_path):

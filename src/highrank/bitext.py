@@ -104,11 +104,7 @@ def load_bitext(
 ) -> Bitext:
     """Read ``directory/<split>.<src_lang>`` and ``.<tgt_lang>`` for each of ``splits``."""
     directory = Path(directory).expanduser()
-    if not directory.is_dir():
-        raise CorpusError(
-            f"parallel corpus directory {directory} does not exist or is not a directory; "
-            f"expected a folder holding {{train,valid,test}}.{src_lang} and .{tgt_lang}"
-        )
+    _check_directory(directory, src_lang, tgt_lang)
     _check_languages(src_lang, tgt_lang)
     read = {s: read_bitext_split(directory, s, src_lang, tgt_lang, empty=empty) for s in splits}
     return Bitext(directory, src_lang, tgt_lang, read)
@@ -123,6 +119,7 @@ def read_bitext_split(
     if empty not in EMPTY_POLICIES:
         raise CorpusError(f"empty={empty!r} is not known; expected one of {EMPTY_POLICIES}")
     _check_languages(src_lang, tgt_lang)
+    _check_directory(directory, src_lang, tgt_lang)
     src_path, tgt_path = bitext_paths(directory, split, src_lang, tgt_lang)
     src, tgt = _read_lines(src_path, src_lang, tgt_lang), _read_lines(tgt_path, src_lang, tgt_lang)
     _check_same_length(src_path, src, tgt_path, tgt)
@@ -150,6 +147,14 @@ def read_bitext_split(
     )
 
 
+def _check_directory(directory: str | os.PathLike, src_lang: str, tgt_lang: str) -> None:
+    if not Path(directory).expanduser().is_dir():
+        raise CorpusError(
+            f"parallel corpus directory {directory} does not exist or is not a directory; "
+            f"expected a folder holding {{train,valid,test}}.{src_lang} and .{tgt_lang}"
+        )
+
+
 def _check_languages(src_lang: str, tgt_lang: str) -> None:
     for key, lang in (("data.src_lang", src_lang), ("data.tgt_lang", tgt_lang)):
         if not isinstance(lang, str) or not lang or any(c in lang for c in "/\\. \t\n"):
@@ -168,11 +173,11 @@ def _read_lines(path: Path, src_lang: str, tgt_lang: str) -> list[str]:
     if not path.is_file():
         folder = path.parent
         present = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+        holds = ", ".join(present) if present else "nothing"
         raise CorpusError(
             f"missing file {path}: a parallel corpus folder needs "
             f"{{train,valid,test}}.{src_lang} and {{train,valid,test}}.{tgt_lang} "
-            f"(data.src_lang, data.tgt_lang); {folder} holds: "
-            f"{', '.join(present) if present else 'nothing'}"
+            f"(data.src_lang, data.tgt_lang); {folder} holds: {holds}"
         )
     lines = _decode_utf8(path, path.read_bytes()).split("\n")
     if lines[-1] == "":
