@@ -145,6 +145,20 @@ def test_joint_save_load_and_tampering(tmp_path, joint):
         Subwords.load(tmp_path / "elsewhere")
 
 
+def test_a_foreign_sentencepiece_model_is_refused():
+    import io
+
+    import sentencepiece as spm
+
+    src, tgt = toy_pairs()
+    model = io.BytesIO()  # SentencePiece's defaults: unk 0, bos 1, eos 2, no pad
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(src + tgt), model_writer=model, vocab_size=40, minloglevel=2
+    )
+    with pytest.raises(SubwordError, match=r"bos/pad/eos/unk ids \(1, -1, 2, 0\)"):
+        subwords.SubwordVocab(model.getvalue(), np.arange(40), name="foreign")
+
+
 def test_load_or_learn_reuses_the_run_vocabulary(tmp_path, monkeypatch):
     src, tgt = toy_pairs()
     first = load_or_learn_subwords(tmp_path, src, tgt, SMALL, src_lang="en", tgt_lang="de")

@@ -110,6 +110,12 @@ class SubwordVocab:
         spm = _sentencepiece()
         self.name, self.model_proto = name, bytes(model_proto)
         self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        found = (self._sp.bos_id(), self._sp.pad_id(), self._sp.eos_id(), self._sp.unk_id())
+        if found != (BOS_ID, PAD_ID, EOS_ID, UNK_ID):
+            raise SubwordError(
+                f"{name}: the SentencePiece model has bos/pad/eos/unk ids {found}; expected "
+                f"{(BOS_ID, PAD_ID, EOS_ID, UNK_ID)} (a model learned by highrank.subwords)"
+            )
         self.order = np.asarray(order, dtype=np.int64)
         _check_order(self.order, self._sp.get_piece_size(), name)
         self._rank = np.empty_like(self.order)  # SentencePiece id -> our id
@@ -139,6 +145,7 @@ class SubwordVocab:
         return self.decode_lines([ids])[0]
 
     def decode_lines(self, rows: Iterable[Iterable[int]]) -> list[str]:
+        """:meth:`decode` of each row (lists, 1-D arrays or tensors, or a 2-D tensor's rows)."""
         out = []
         for row in rows:
             ids = np.asarray(
