@@ -18,13 +18,23 @@ ANALYSES: dict[str, tuple[str, str]] = {
     "similarity": ("similarity", "word similarity of the input and output embeddings (Spearman)"),
     "kl": ("kl", "expected pairwise KL divergence between next-token distributions"),
     "topk": ("topk", "top-k next tokens of several models side by side, with the reference"),
+    "hidden-size": ("hidden_size", "output layer's hidden size from the knee of the spectrum"),
 }
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, *, corpus: bool = True) -> None:
+def add_run_arguments(
+    parser: argparse.ArgumentParser, *, corpus: bool = True, hf: bool = False
+) -> None:
     """The options every analysis of trained runs shares: ``RUN_DIR...`` and ``--which``;
-    with ``corpus`` also ``--split`` and ``--data-dir`` (the corpus the contexts come from)."""
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs of `highrank train`")
+    with ``corpus`` also ``--split`` and ``--data-dir`` (the corpus the contexts come from);
+    with ``hf`` RUN_DIRs become optional and ``--hf MODEL --text FILE`` (Hugging Face causal
+    LMs, :mod:`highrank.analysis.hf_contexts`) can replace them."""
+    parser.add_argument(
+        "run_dirs",
+        nargs="*" if hf else "+",
+        metavar="RUN_DIR",
+        help="runs of `highrank train`" + (" (or --hf MODEL --text FILE)" if hf else ""),
+    )
     parser.add_argument(
         "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
     )
@@ -33,6 +43,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, corpus: bool = True) -
             "--split", choices=("train", "valid", "test"), default="test", help="(test)"
         )
         parser.add_argument("--data-dir", help="corpus folder (default: each run's data.dir)")
+    if hf:
+        from highrank.analysis.hf_contexts import add_hf_arguments
+
+        add_hf_arguments(parser)
 
 
 def _module(name: str):

@@ -40,6 +40,12 @@ about ``S / 2`` (PTB, ``S = 10,000``, ``V = 10,000``: ~200 MB of float32). A mat
 read through a memory map, only at the rows the pairs need, in the same order.
 
     highrank analyze kl runs/ptb-softmax runs/ptb-mos --split test --pairs 10000 --seed 0
+
+A Hugging Face causal LM is measured the same way on the contexts of a text
+(:mod:`highrank.analysis.hf_contexts`: windows of W tokens, row ``i`` the context ending at
+token ``i``), steps 2-4 unchanged (:func:`causal_lm_pairwise_kl`)::
+
+    highrank analyze kl --hf SmolLM2-135M-Instruct.Q4_1.gguf --text test.txt --out kl/
 """
 
 from __future__ import annotations
@@ -361,6 +367,37 @@ def run_pairwise_kl(
     }
 
 
+def causal_lm_pairwise_kl(
+    model: Any,
+    ids: torch.Tensor,
+    *,
+    window: int,
+    bos_token_id: int | None = None,
+    n_pairs: int = DEFAULT_PAIRS,
+    seed: int = 0,
+    max_contexts: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """:func:`expected_pairwise_kl` of a Hugging Face causal LM on the text ``ids``, read in
+    windows of ``window`` tokens (only the windows holding a sampled context are run)."""
+    from highrank.analysis.hf_contexts import count_text_contexts, iter_causal_lm_rows
+
+    n_contexts = _cap(count_text_contexts(ids.numel()), max_contexts)
+
+    def source(needed: np.ndarray) -> Iterator[RowBlock]:
+        for positions, _, rows in iter_causal_lm_rows(
+            model,
+            ids,
+            window=window,
+            bos_token_id=bos_token_id,
+            needed=needed,
+            progress=progress,
+        ):
+            yield positions.numpy(), rows.numpy()
+
+    return expected_pairwise_kl(source, n_contexts, n_pairs=n_pairs, seed=seed)
+
+
 def _cap(n: int, max_contexts: int | None) -> int:
     if max_contexts is not None and max_contexts < 1:
         raise KLError(f"max_contexts must be a positive int or None; got {max_contexts!r}")
@@ -374,7 +411,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze kl``."""
     from highrank.cli import positive_int
 
-    add_run_arguments(parser)
+    add_run_arguments(parser, hf=True)
     parser.add_argument(
         "--pairs", type=positive_int, default=DEFAULT_PAIRS, help="context pairs (10000)"
     )
@@ -390,7 +427,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the model; give one per RUN_DIR, in the same order",
     )
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu)")
-    parser.add_argument("--out", help="also write kl.json and kl.md here")
+    parser.add_argument("--out", help="also write kl.json and kl.md here (with --hf: every record)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -401,21 +438,28 @@ def table_rows(records: Sequence[dict[str, Any]]) -> list[list[Any]]:
     """One row per run, in :data:`HEADERS` order (non-finite numbers as ``-``)."""
     numbers = ("mean", "std", "stderr")
     return [
-        [r["head"], r["run_dir"], r["pairs"], *(_finite(r[k]) for k in numbers)] for r in records
+        [r["head"], r.get("run_dir") or r["model"], r["pairs"], *(_finite(r[k]) for k in numbers)]
+        for r in records
     ]
 
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze kl``: one record per run, a table, and a summary with ``--out``."""
+    from highrank.analysis.hf_contexts import HFInputError, hf_mode
+
     try:
-        records = _records(args)
-    except KLError as error:
+        hf = hf_mode(args)
+        records = _hf_records(args) if hf else _records(args)
+    except (KLError, HFInputError) as error:
         print(f"highrank analyze kl: error: {error}", file=sys.stderr)
         return 2
-    tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
-    written = [write_json(run_record_path(r["run_dir"], "kl", tag), r) for r in records]
+    if hf:
+        written = [write_json(Path(args.out) / f"kl-{r['tag']}.json", r) for r in records]
+    else:
+        tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
+        written = [write_json(run_record_path(r["run_dir"], "kl", tag), r) for r in records]
     print(text_table(HEADERS, table_rows(records)), end="")
-    infinite = [r["run_dir"] for r in records if r["infinite_pairs"]]
+    infinite = [r.get("run_dir") or r["model"] for r in records if r["infinite_pairs"]]
     if infinite:
         print(f"infinite divergences (a zero probability): {', '.join(infinite)}")
     if args.out:
@@ -442,6 +486,52 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             record = run_pairwise_kl(split, progress=not args.no_progress, **options)
         records.append({**record, "checkpoint": args.which})
+    return records
+
+
+def _hf_records(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One record per ``--hf`` model on ``--text``, each model loaded in turn."""
+    from highrank.analysis.hf_contexts import describe_contexts, hf_tag, load_text_contexts
+
+    if args.matrix:
+        raise KLError("--matrix reads rows of runs; with --hf the model itself is run")
+    records = []
+    for model_path in args.hf:
+        loaded = load_text_contexts(
+            model_path,
+            args.text,
+            window=args.window,
+            bos=args.bos,
+            device=args.device,
+            progress=not args.no_progress,
+        )
+        result = causal_lm_pairwise_kl(
+            loaded.model,
+            loaded.ids,
+            window=loaded.window,
+            bos_token_id=loaded.bos_token_id,
+            n_pairs=args.pairs,
+            seed=args.seed,
+            max_contexts=args.max_contexts,
+            progress=not args.no_progress,
+        )
+        contexts = describe_contexts(loaded.window, loaded.bos_token_id)
+        tag = hf_tag(
+            model_path, args.text, window=args.window, bos=args.bos, max_contexts=args.max_contexts
+        )
+        records.append(
+            {
+                "tag": tag,
+                **loaded.record(args.max_contexts),
+                "source": str(args.text),
+                "split": Path(args.text).name,  # what the summary's note names
+                "rows_from": "model",
+                **result,
+                "protocol": {**PROTOCOL, "contexts": f"the first n rows of {contexts}"},
+                "numpy": np.__version__,
+            }
+        )
+        del loaded  # one model in memory at a time
     return records
 
 
@@ -498,7 +588,7 @@ def _write_summary(out: Path, records: list[dict[str, Any]]) -> list[Path]:
     )
     table = text_table(HEADERS, table_rows(records), markdown=True)
     return [
-        write_json(out / "kl.json", {"protocol": PROTOCOL, "runs": records}),
+        write_json(out / "kl.json", {"protocol": first["protocol"], "runs": records}),
         write_text_atomic(out / "kl.md", title + table + note),
     ]
 

@@ -17,6 +17,7 @@ reader's resident memory stays at one block however large the file.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -97,6 +98,27 @@ class _NpyWriter:
         Path(self.temporary).unlink(missing_ok=True)
 
 
+class DiskSpaceError(ValueError):
+    """A matrix would not fit in the free space of the disk it is to be written to."""
+
+
+def check_disk_space(path: str | os.PathLike, shape: tuple[int, int]) -> int:
+    """The bytes of a float32 matrix of ``shape``; :class:`DiskSpaceError` (one line) when
+    they exceed the free space where ``path`` is to be written."""
+    needed = 4 * int(shape[0]) * int(shape[1])
+    folder = Path(path).parent
+    while not folder.exists():  # the nearest existing folder is on the same disk
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if needed > free:
+        raise DiskSpaceError(
+            f"the {shape[0]:,} x {shape[1]:,} float32 matrix needs {needed / 1e9:.2f} GB in "
+            f"{Path(path).parent}, which has {free / 1e9:.2f} GB free; use --max-contexts or "
+            "another --out"
+        )
+    return needed
+
+
 def write_matrix(
     path: str | os.PathLike, blocks: Iterable[np.ndarray | torch.Tensor], shape: tuple[int, int]
 ) -> Path:
@@ -157,16 +179,12 @@ def write_log_prob_matrix(
     ``max_contexts`` keeps the first contexts only (a prefix of the stream when
     ``batch_size`` is 1). ``metadata`` (e.g. the run directory and split) goes into the record.
     """
-    path = Path(path)
-    if path.suffix != ".npy":
-        raise ValueError(f"the matrix is written as .npy; got {path}")
     check_kind(model.head, kind)
     rows = count_contexts(ids.numel(), batch_size)
     if max_contexts is not None:
         rows = min(rows, max_contexts)
-    positions, targets = [], []
 
-    def blocks() -> Iterator[torch.Tensor]:
+    def blocks() -> Iterator[ContextRows]:
         for block in iter_contexts(
             model,
             ids,
@@ -176,26 +194,57 @@ def write_log_prob_matrix(
             progress=progress,
             name=source,
         ):
-            positions.append(block.positions)
-            targets.append(block.targets)
-            yield head_rows(model.head, block.hidden, kind)
+            yield block.positions, block.targets, head_rows(model.head, block.hidden, kind)
 
-    write_matrix(path, blocks(), (rows, model.head.vocab_size))
-    np.savez(
-        contexts_path(path),
-        positions=torch.cat(positions).numpy(),
-        targets=torch.cat(targets).numpy(),
-    )
     record = {
         **(metadata or {}),
-        "matrix": path.name,
         "kind": kind,
-        "shape": [rows, model.head.vocab_size],
-        "dtype": "float32",
         "head": type(model.head).__name__,
         "batch_size": batch_size,
         "bptt": bptt,
         "source": source,
+    }
+    return write_context_matrix(path, blocks(), (rows, model.head.vocab_size), record)
+
+
+# (positions (b,), targets (b,), rows (b, V)) of b contexts: the stream position of each
+# context's last token, the token that followed it, and the matrix rows.
+ContextRows = tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]
+
+
+def write_context_matrix(
+    path: str | os.PathLike,
+    blocks: Iterable[ContextRows],
+    shape: tuple[int, int],
+    record: dict[str, Any],
+) -> dict[str, Any]:
+    """Stream ``blocks`` of context rows into the float32 ``.npy`` at ``path`` (``shape``
+    rows in all), then write ``NAME.contexts.npz`` (positions and targets of every row) and
+    the ``NAME.json`` record: ``record`` plus the file's name, shape and dtype. Any source
+    of contexts (a run's model, a Hugging Face causal LM) writes its matrix through here."""
+    path = Path(path)
+    if path.suffix != ".npy":
+        raise ValueError(f"the matrix is written as .npy; got {path}")
+    positions, targets = [], []
+
+    def rows() -> Iterator[np.ndarray | torch.Tensor]:
+        for block_positions, block_targets, block_rows in blocks:
+            positions.append(np.asarray(block_positions, dtype=np.int64))
+            targets.append(np.asarray(block_targets, dtype=np.int64))
+            yield block_rows
+
+    write_matrix(path, rows(), shape)
+    empty = np.empty(0, dtype=np.int64)
+    np.savez(
+        contexts_path(path),
+        positions=np.concatenate(positions) if positions else empty,
+        targets=np.concatenate(targets) if targets else empty,
+    )
+    record = {
+        **record,
+        "matrix": path.name,
+        "shape": [int(shape[0]), int(shape[1])],
+        "dtype": "float32",
     }
     write_json(path.with_suffix(".json"), record)
     return record

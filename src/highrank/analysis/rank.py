@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,14 @@ def _machine_epsilon(dtype: np.dtype | torch.dtype) -> float:
 # plus a block, whatever m is (PTB test, n = 10,000: 0.8 GB; WikiText-2, n = 33,278: 8.9 GB),
 # and twice that while torch's eigenvalue solver works on its copy of G.
 #
+# A wide matrix (m < n: fewer contexts than words, e.g. 8,192 contexts of a model with a
+# 49,152-token vocabulary) has the same nonzero singular values as A^T, so G is taken on the
+# smaller side instead: G = A A^T (m x m), G[I, J] = A_I A_J^T over pairs of row blocks
+# (:func:`_accumulate_row_gram`). The Press threshold uses m + n + 1 and s_max, so it does
+# not depend on the side. Before anything is accumulated, :func:`plan_gram` states the memory
+# the chosen side and backend need and refuses, in one line, what would not fit in the
+# machine's available memory (49,152^2 doubles alone are 19 GB).
+#
 # Precision. Forming G squares the condition number, which is why it must be float64: a
 # float64 eigenvalue solver is accurate to about c * n * eps64 * s_max^2 in lambda, i.e. an
 # error of about c * n * eps64 * s_max^2 / (2 s) in a singular value s. At the Press threshold
@@ -131,6 +140,7 @@ def _machine_epsilon(dtype: np.dtype | torch.dtype) -> float:
 
 GRAM_BACKENDS = ("auto", "scipy", "torch")
 SCIPY_MAX_N = 20_000
+MEMORY_HEADROOM = 0.9  # a plan must fit in this share of the available memory
 
 
 def streamed_singular_values(
@@ -142,20 +152,26 @@ def streamed_singular_values(
     state_dir: str | os.PathLike | None = None,
     checkpoint_seconds: float = 600.0,
     progress: bool = False,
+    timings: dict[str, float] | None = None,
 ) -> np.ndarray:
     """Singular values (descending, float64) of the 2-D float32 ``.npy`` matrix at ``path``,
-    which is read in blocks of ``block_rows`` rows and never held whole when rows >= columns.
+    which is read in blocks of ``block_rows`` rows and never held whole: ``min(m, n)`` values,
+    from G = A^T A when rows >= columns, else from G = A A^T (see :func:`plan_gram`).
 
     Args:
         backend: ``"torch"`` (any ``device``, e.g. ``"cuda"``: float64 matrix products
             into the upper triangle of G, then ``torch.linalg.eigvalsh``, which copies G:
-            peak memory ~ two G), ``"scipy"`` (CPU, n <= :data:`SCIPY_MAX_N`: BLAS ``dsyrk``,
-            then LAPACK ``dsyevd`` overwriting G: peak ~ one G) or ``"auto"`` (torch).
+            peak memory ~ two G), ``"scipy"`` (CPU: BLAS ``dsyrk`` (n <= :data:`SCIPY_MAX_N`)
+            or ``dgemm``, then LAPACK ``dsyevd`` overwriting G: peak ~ one G) or ``"auto"``
+            (torch, or scipy when only scipy's plan fits in memory).
         state_dir: where the partial Gram matrix is saved every ``checkpoint_seconds``; a
             later call with the same ``state_dir`` and an unchanged matrix file resumes from
             there (with either backend). The folder is removed once the values are computed.
-        progress: a tqdm bar over rows with a time estimate, and an estimate for the
-            eigenvalue step.
+        progress: the memory plan, a tqdm bar with a time estimate, and an estimate for the
+            eigenvalue step (on stderr).
+        timings: if given, receives ``gram_seconds`` and ``eigen_seconds``.
+
+    Raises :class:`GramMemoryError` before any work when the plan does not fit in memory.
 
     Only float32 matrices: the Gram method resolves singular values down to about
     1e-6 * s_max, enough for float32's Press threshold but not for float64's (~1e-14 *
@@ -171,16 +187,22 @@ def streamed_singular_values(
             f"{path} holds {dtype} values; the streamed rank needs float32 (its precision is "
             "not enough for a float64 Press threshold): use rank_report on the matrix in memory"
         )
-    backend = resolve_backend(backend, device)
-    if shape[0] >= shape[1]:
-        gram = _accumulate_column_gram(
-            path, shape, block_rows, backend, device, state_dir, checkpoint_seconds, progress
-        )
-    else:  # wide: G = A A^T (m x m), A held in memory (m < n, so at most n^2 floats)
-        gram = _row_gram(path, shape, backend, device)
-    values = _gram_eigenvalues(gram, backend, progress)
+    plan = plan_gram(shape, block_rows=block_rows, backend=backend, device=device)
+    if progress:
+        print(plan.describe(), file=sys.stderr, flush=True)
+    plan.check()
+    accumulate = _accumulate_column_gram if plan.side == "columns" else _accumulate_row_gram
+    began = time.perf_counter()
+    gram = accumulate(
+        path, shape, block_rows, plan.backend, device, state_dir, checkpoint_seconds, progress
+    )
+    middle = time.perf_counter()
+    values = _gram_eigenvalues(gram, plan.backend, progress)
+    if timings is not None:
+        timings["gram_seconds"] = middle - began
+        timings["eigen_seconds"] = time.perf_counter() - middle
     if state_dir is not None:
-        _GramCheckpoint(state_dir, path).remove()
+        _GramCheckpoint(state_dir, path, plan.side).remove()
     return np.sqrt(np.clip(values, 0.0, None))[::-1].copy()
 
 
@@ -189,11 +211,13 @@ def rank_report_file(
 ) -> dict[str, object]:
     """:func:`rank_report` of the float32 ``.npy`` matrix at ``path``, computed by
     :func:`streamed_singular_values` (``options`` go there); the Press threshold uses
-    float32's eps, exactly as for the matrix in memory."""
+    float32's eps, exactly as for the matrix in memory. Adds the Gram ``side`` and the
+    seconds of its two steps."""
     from highrank.analysis.logprob_matrix import npy_layout
 
     shape, dtype, _ = npy_layout(path)
-    values = streamed_singular_values(path, **options)
+    timings: dict[str, float] = {}
+    values = streamed_singular_values(path, timings=timings, **options)
     return {
         "shape": list(shape),
         "dtype": str(dtype),
@@ -201,8 +225,138 @@ def rank_report_file(
         "press_threshold": press_threshold(shape, float(values[0]), dtype),
         "resolution": gram_resolution(min(shape), float(values[0])),
         "effective_rank": {str(eps): effective_rank(values, eps) for eps in epsilons},
+        "gram_side": gram_side(shape),
+        **{key: round(value, 2) for key, value in timings.items()},
         "singular_values": values,
     }
+
+
+# ---- the memory plan -------------------------------------------------------------------------
+
+
+class GramMemoryError(ValueError):
+    """The Gram matrix of a matrix on disk would not fit in the available memory."""
+
+
+def gram_side(shape: tuple[int, int]) -> str:
+    """``"columns"`` (G = A^T A, n x n) when rows >= columns, else ``"rows"`` (G = A A^T)."""
+    return "columns" if shape[0] >= shape[1] else "rows"
+
+
+@dataclass(frozen=True)
+class GramPlan:
+    """The memory the streamed rank of an ``m x n`` float32 matrix needs: G (k x k float64,
+    k = min(m, n)), plus the row blocks and their float64 copies while G is accumulated, or
+    plus torch's copy of G while the eigenvalues are computed (scipy overwrites G)."""
+
+    shape: tuple[int, int]
+    backend: str  # "torch" or "scipy"
+    device: str
+    gram_bytes: int
+    work_bytes: int  # blocks and temporaries while G is accumulated
+    eigen_bytes: int  # extra memory of the eigenvalue step
+    available_bytes: int | None  # MemAvailable (free GPU memory on CUDA); None: unknown
+
+    @property
+    def side(self) -> str:
+        return gram_side(self.shape)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.gram_bytes + max(self.work_bytes, self.eigen_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.available_bytes is None or self.peak_bytes <= (
+            MEMORY_HEADROOM * self.available_bytes
+        )
+
+    def describe(self) -> str:
+        """One line: the Gram matrix, the peak memory and what the machine has."""
+        k = min(self.shape)
+        product = "A^T A" if self.side == "columns" else "A A^T"
+        where = "free on the GPU" if torch.device(self.device).type == "cuda" else "MemAvailable"
+        have = "unknown" if self.available_bytes is None else _gb(self.available_bytes)
+        return (
+            f"rank of a {self.shape[0]:,} x {self.shape[1]:,} matrix: Gram matrix {product}, "
+            f"{k:,} x {k:,} float64 = {_gb(self.gram_bytes)}; peak about "
+            f"{_gb(self.peak_bytes)} with the {self.backend} backend ({where}: {have})"
+        )
+
+    def check(self) -> None:
+        """Raise :class:`GramMemoryError` (one line) when the plan does not fit."""
+        if self.fits:
+            return
+        raise GramMemoryError(
+            f"{self.describe()}: it does not fit in {MEMORY_HEADROOM:.0%} of the available "
+            f"memory; use fewer contexts (--max-contexts, which also takes the Gram matrix on "
+            "the contexts' side below the vocabulary size) or a machine with more memory"
+        )
+
+
+def plan_gram(
+    shape: tuple[int, int],
+    *,
+    block_rows: int = 2048,
+    backend: str = "auto",
+    device: str | torch.device = "cpu",
+    available_bytes: int | None = -1,
+) -> GramPlan:
+    """The :class:`GramPlan` of the streamed rank of a float32 matrix of ``shape``.
+
+    ``backend="auto"`` is torch unless only scipy's plan (no copy of G) fits, on the CPU.
+    ``available_bytes`` defaults to :func:`available_memory_bytes` of ``device``.
+    """
+    backend = resolve_backend(backend, device)
+    if available_bytes == -1:
+        available_bytes = available_memory_bytes(device)
+    m, n = int(shape[0]), int(shape[1])
+
+    def plan(name: str) -> GramPlan:
+        return GramPlan(
+            (m, n), name, str(device), *_gram_bytes(m, n, block_rows, name), available_bytes
+        )
+
+    chosen = plan("torch" if backend == "auto" else backend)
+    if backend == "auto" and not chosen.fits and torch.device(device).type == "cpu":
+        scipy_plan = plan("scipy")
+        scipy_possible = scipy_plan.side == "rows" or n <= SCIPY_MAX_N
+        if scipy_possible and scipy_plan.fits:
+            return scipy_plan
+    return chosen
+
+
+def _gram_bytes(m: int, n: int, block_rows: int, backend: str) -> tuple[int, int, int]:
+    """``(G, accumulation work, eigenvalue step)`` bytes; see :class:`GramPlan`."""
+    k = min(m, n)
+    gram = 8 * k * k
+    if m >= n:  # a float32 block read, its float64 copy
+        work = 12 * min(block_rows, m) * n
+    else:  # the panel and a block (float32), their float64 column chunks, the product
+        rows = min(block_rows, m)
+        chunk = min(_RowGramUpdate.COLUMNS, n)
+        work = 8 * rows * n + 16 * rows * chunk + 8 * rows * rows
+    return gram, work, gram if backend == "torch" else 0
+
+
+def available_memory_bytes(device: str | torch.device = "cpu") -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (free GPU memory for a CUDA ``device``), in
+    bytes; ``None`` where it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _gb(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
 
 
 def gram_resolution(n: int, s_max: float) -> float:
@@ -228,7 +382,7 @@ def _accumulate_column_gram(
     from highrank.analysis.logprob_matrix import iter_row_blocks
 
     rows, cols = shape
-    checkpoint = _GramCheckpoint(state_dir, path) if state_dir is not None else None
+    checkpoint = _GramCheckpoint(state_dir, path, "columns") if state_dir is not None else None
     start, saved = checkpoint.load() if checkpoint else (0, None)
     gram = _GramUpdate(cols, backend, device, saved)
     del saved  # the update owns (a copy of) it now
@@ -284,13 +438,7 @@ class _GramUpdate:
                 f"backend 'scipy' is limited to n <= {SCIPY_MAX_N:,} (OpenBLAS's threaded dsyrk "
                 f"crashes at larger n); this Gram matrix has n = {n:,}: use backend 'torch'"
             )
-        matrix = None if saved is None else saved[0]  # either triangle layout holds the upper
-        if backend == "scipy":
-            self.gram = np.zeros((n, n), order="F") if matrix is None else np.asfortranarray(matrix)
-        elif matrix is None:
-            self.gram = torch.zeros(n, n, dtype=torch.float64, device=self.device)
-        else:
-            self.gram = torch.from_numpy(matrix).to(self.device)
+        self.gram = _new_gram(n, backend, self.device, saved)
 
     def add(self, block: np.ndarray) -> None:
         if self.backend == "scipy":
@@ -312,19 +460,94 @@ class _GramUpdate:
         return self.gram
 
 
-def _row_gram(path, shape, backend, device):
-    """G = A A^T (m x m) for a wide matrix (m < n), from A read whole in float32."""
+def _new_gram(n: int, backend: str, device: torch.device, saved: tuple | None):
+    """A zero n x n float64 G (Fortran-ordered NumPy for scipy, a tensor on ``device`` for
+    torch), or the saved one of a checkpoint (either triangle layout holds the upper)."""
+    matrix = None if saved is None else saved[0]
+    if backend == "scipy":
+        return np.zeros((n, n), order="F") if matrix is None else np.asfortranarray(matrix)
+    if matrix is None:
+        return torch.zeros(n, n, dtype=torch.float64, device=device)
+    return torch.from_numpy(matrix).to(device)
+
+
+def _accumulate_row_gram(
+    path, shape, block_rows, backend, device, state_dir, checkpoint_seconds, progress
+):
+    """G = A A^T (m x m, float64) of a wide A (m < n), never holding more of A than a panel
+    and a block of ``block_rows`` rows: for each panel I, G[I, J] = A_I A_J^T for I itself
+    and every block J after it (the upper triangle), so panel I reads the m - start(I) rows
+    from it on. The checkpoint (rows of G done) is taken at panel ends only, so the rows of
+    G after it are still zero and a resumed run recomputes them whole."""
     from highrank.analysis.logprob_matrix import iter_row_blocks
 
-    rows, cols = shape
-    matrix = np.empty((rows, cols), dtype=np.float32)
-    for first, block in iter_row_blocks(path, 4096):
-        _check_finite_block(block, path, first)
-        matrix[first : first + block.shape[0]] = block
-    gram = _GramUpdate(rows, backend, device, None)
-    for start in range(0, cols, 4096):  # columns of A are rows of A^T
-        gram.add(np.ascontiguousarray(matrix[:, start : start + 4096].T))
+    rows = shape[0]
+    checkpoint = _GramCheckpoint(state_dir, path, "rows") if state_dir is not None else None
+    start, saved = checkpoint.load() if checkpoint else (0, None)
+    gram = _RowGramUpdate(rows, backend, device, saved)
+    del saved  # the update owns (a copy of) it now
+    last_save = time.monotonic()
+    work = sum(rows - first for first in range(start, rows, block_rows))  # rows paired
+    bar = tqdm(total=work, desc="Gram matrix A A^T", unit="row", disable=not progress)
+    with bar:
+        for first, panel in iter_row_blocks(path, block_rows, start):
+            _check_finite_block(panel, path, first)
+            gram.start_panel(first, panel)
+            gram.add(first, panel)  # the diagonal block
+            done = first + panel.shape[0]
+            for other, block in iter_row_blocks(path, block_rows, done):
+                _check_finite_block(block, path, other)
+                gram.add(other, block)
+                bar.update(block.shape[0])
+            bar.update(panel.shape[0])
+            # Also after the last panel: a crash in the eigenvalue step then resumes there.
+            if checkpoint and time.monotonic() - last_save > checkpoint_seconds:
+                checkpoint.save(done, gram.numpy(), "upper")
+                last_save = time.monotonic()
     return gram.result()
+
+
+class _RowGramUpdate:
+    """The blocks ``G[I, J] = A_I A_J^T`` (float64) of a panel ``A_I (p, n)`` and a block
+    ``A_J (b, n)`` of float32 rows, over :attr:`COLUMNS` columns at a time so that the
+    float64 copies stay small. torch: ``addmm_`` into G (MKL on the CPU, cuBLAS on a GPU);
+    scipy: NumPy's float64 ``@`` (BLAS ``dgemm``) into a Fortran-ordered G, which LAPACK's
+    eigenvalue solver then overwrites. Either continues a checkpoint of the other."""
+
+    COLUMNS = 4096
+
+    def __init__(self, m: int, backend: str, device, saved: tuple | None) -> None:
+        self.backend, self.device = backend, torch.device(device)
+        self.triangle = "upper"
+        self.gram = _new_gram(m, backend, self.device, saved)
+        self.first, self.panel = 0, None
+
+    def start_panel(self, first: int, panel: np.ndarray) -> None:
+        self.first = first
+        self.panel = panel if self.backend == "scipy" else torch.from_numpy(panel).to(self.device)
+
+    def add(self, first: int, block: np.ndarray) -> None:
+        p, b, n = self.panel.shape[0], block.shape[0], block.shape[1]
+        rows, cols = slice(self.first, self.first + p), slice(first, first + b)
+        if self.backend == "scipy":
+            product = np.zeros((p, b))
+            for s in range(0, n, self.COLUMNS):
+                left = self.panel[:, s : s + self.COLUMNS].astype(np.float64)  # (p, c)
+                right = block[:, s : s + self.COLUMNS].astype(np.float64)  # (b, c)
+                product += left @ right.T
+            self.gram[rows, cols] = product
+            return
+        target = self.gram[rows, cols].zero_()  # a view of G
+        right_all = torch.from_numpy(block).to(self.device)
+        for s in range(0, n, self.COLUMNS):
+            left = self.panel[:, s : s + self.COLUMNS].double()  # (p, c)
+            target.addmm_(left, right_all[:, s : s + self.COLUMNS].double().T)
+
+    def numpy(self) -> np.ndarray:
+        return self.gram if self.backend == "scipy" else self.gram.cpu().numpy()
+
+    def result(self):
+        return self.gram
 
 
 def _gram_eigenvalues(gram, backend: str, progress: bool) -> np.ndarray:
@@ -377,14 +600,15 @@ def _eigenvalues_of(matrix: np.ndarray, backend: str) -> None:
 
 class _GramCheckpoint:
     """A partial Gram matrix on disk: ``gram-<rows done>.npy`` plus ``gram.json`` naming it,
-    saying which triangle it holds, and fingerprinting the source matrix (path, size,
-    modification time). Each file is written under a fixed temporary name, flushed and
+    saying which triangle and side (``columns``: A^T A after that many rows of A; ``rows``:
+    A A^T with that many rows of G complete) it holds, and fingerprinting the source matrix
+    (path, size, modification time). Each file is written under a fixed temporary name, flushed and
     renamed, the JSON last, and the folder synced before an older matrix is deleted: a crash
     at any point leaves a consistent pair, and no stray temporary file survives the next save.
     """
 
-    def __init__(self, state_dir, source) -> None:
-        self.directory = Path(state_dir)
+    def __init__(self, state_dir, source, side: str = "columns") -> None:
+        self.directory, self.side = Path(state_dir), side
         stat = Path(source).stat()
         self.fingerprint = {
             "source": str(Path(source).resolve()),
@@ -414,6 +638,12 @@ class _GramCheckpoint:
                 f"{self.fingerprint}: the matrix changed since; delete {self.directory} to "
                 "start over"
             )
+        if record.get("side", "columns") != self.side:  # older checkpoints: A^T A only
+            raise ValueError(
+                f"{self.record_path} holds a Gram matrix of the {record.get('side')} side, but "
+                f"this matrix's Gram matrix is taken on the {self.side} side; delete "
+                f"{self.directory} to start over"
+            )
         return int(record["rows_done"]), (matrix, record.get("triangle", "full"))
 
     def save(self, rows_done: int, gram: np.ndarray, triangle: str) -> None:
@@ -427,6 +657,7 @@ class _GramCheckpoint:
             "rows_done": rows_done,
             "file": name,
             "triangle": triangle,
+            "side": self.side,
         }
         text = json.dumps(record).encode("utf-8")
         _write_synced(self.record_path, lambda file: file.write(text))

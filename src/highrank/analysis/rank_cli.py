@@ -11,21 +11,43 @@ Per run, in ``RUN_DIR/analysis/`` (``TAG`` = split and checkpoint, e.g. ``test-b
 
 An interrupted run resumes: the matrix is only deleted after success and is reused when its
 record matches, and the Gram matrix is checkpointed in ``rank-TAG.state/``.
+
+``highrank analyze rank --hf MODEL --text FILE --out DIR`` does the same for a Hugging Face
+causal LM (a model folder or a ``.gguf`` file), its contexts read from the text in windows as
+:mod:`highrank.analysis.hf_contexts` says; the same files, with ``TAG`` =
+``<model>-<text stem>[-w<W>][-bos][-first<N>]``, go to ``DIR``. Before the forward passes it
+states the memory the Gram matrix will need (on the smaller side: ``A A^T`` when there are
+fewer contexts than words) and refuses, in one line, what would not fit.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from highrank.analysis.commands import add_run_arguments
 from highrank.analysis.contexts import load_run_split
+from highrank.analysis.hf_contexts import (
+    HFInputError,
+    count_text_contexts,
+    hf_mode,
+    hf_tag,
+    load_text_contexts,
+    model_source,
+    path_fingerprint,
+    vocab_width,
+    write_hf_logprob_matrix,
+)
 from highrank.analysis.logprob_matrix import (
     MATRIX_KINDS,
+    DiskSpaceError,
+    check_disk_space,
     contexts_path,
     matrix_record,
     write_log_prob_matrix,
@@ -40,6 +62,8 @@ from highrank.analysis.output import (
 from highrank.analysis.rank import (
     EFFECTIVE_RANK_EPSILONS,
     GRAM_BACKENDS,
+    GramMemoryError,
+    plan_gram,
     rank_report_file,
     resolve_backend,
 )
@@ -84,6 +108,44 @@ def analyze_run(
     began = time.perf_counter()
     head = _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress)
     matrix_seconds = time.perf_counter() - began
+    record = {
+        "run_dir": str(run_dir),
+        "head": head,
+        "checkpoint": which,  # as the other analyses' records name it
+        **settings,
+        "matrix_seconds": round(matrix_seconds, 2),
+    }
+    options = {"backend": backend, "device": device, "block_rows": block_rows}
+    return _rank_of_matrix(
+        matrix_path,
+        folder,
+        tag,
+        record,
+        run_record_path(run_dir, "rank", tag),
+        keep_matrix=keep_matrix,
+        checkpoint_seconds=checkpoint_seconds,
+        progress=progress,
+        **options,
+    )
+
+
+def _rank_of_matrix(
+    matrix_path: Path,
+    folder: Path,
+    tag: str,
+    record: dict[str, Any],
+    record_path: Path,
+    *,
+    keep_matrix: bool,
+    backend: str,
+    device: str,
+    block_rows: int,
+    checkpoint_seconds: float,
+    progress: bool,
+) -> dict[str, Any]:
+    """The rank report of the matrix at ``matrix_path``, added to ``record`` and saved to
+    ``record_path``, the singular values beside it in ``folder``; the Gram matrix is
+    checkpointed in ``folder/rank-TAG.state``. The matrix is deleted unless kept."""
     began = time.perf_counter()
     report = rank_report_file(
         matrix_path,
@@ -99,22 +161,127 @@ def analyze_run(
     values_path = folder / f"rank-{tag}.singular_values.npy"
     np.save(values_path, values)
     record = {
-        "run_dir": str(run_dir),
-        "head": head,
-        "checkpoint": which,  # as the other analyses' records name it
-        **settings,
+        **record,
         **report,
         "s_max": float(values[0]),
         "singular_values_file": values_path.name,
-        "matrix_seconds": round(matrix_seconds, 2),
         "rank_seconds": round(rank_seconds, 2),
         "backend": backend,
         "device": device,
     }
-    write_json(run_record_path(run_dir, "rank", tag), record)
+    write_json(record_path, record)
     if not keep_matrix:
         for path in (matrix_path, matrix_path.with_suffix(".json"), contexts_path(matrix_path)):
             path.unlink(missing_ok=True)
+    return record
+
+
+def analyze_hf(
+    model_path: str | Path,
+    text_path: str | Path,
+    out: str | Path,
+    *,
+    window: int | None = None,
+    bos: bool = False,
+    max_contexts: int | None = None,
+    batch_windows: int | None = None,
+    keep_matrix: bool = False,
+    backend: str = "auto",
+    device: str = "cpu",
+    block_rows: int = 2048,
+    checkpoint_seconds: float = 600.0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """:func:`analyze_run` for a Hugging Face causal LM (a model folder or a ``.gguf`` file)
+    on a text, read as :mod:`highrank.analysis.hf_contexts` says; everything goes to
+    ``out``: ``rank-TAG.json``, ``rank-TAG.singular_values.npy``, the matrix while it is
+    needed (``logprob-TAG.npy``, reused when its settings match) and ``rank-TAG.state/``.
+    The memory of the Gram matrix is stated and checked before the forward passes."""
+    out = Path(out)
+    resolve_backend(backend, device)  # a bad pair fails now, not after the matrix is written
+    tag = hf_tag(model_path, text_path, window=window, bos=bos, max_contexts=max_contexts)
+    matrix_path = out / f"logprob-{tag}.npy"
+    model_source(model_path)  # a bad path fails before anything else
+    if not Path(text_path).is_file():
+        raise HFInputError(f"text file {text_path} does not exist")
+    settings = {
+        "model_fingerprint": path_fingerprint(model_path),
+        "text_fingerprint": path_fingerprint(text_path),
+        "window_asked": window,
+        "bos": bos,
+        "max_contexts": max_contexts,
+    }
+    options = {"backend": backend, "device": device, "block_rows": block_rows}
+    began = time.perf_counter()
+    record = _ensure_hf_matrix(
+        model_path, text_path, matrix_path, settings, batch_windows, progress, options
+    )
+    record = {
+        "tag": tag,
+        "out_dir": str(out),
+        **{key: value for key, value in record.items() if key not in _MATRIX_ONLY},
+        "matrix_seconds": round(time.perf_counter() - began, 2),
+    }
+    return _rank_of_matrix(
+        matrix_path,
+        out,
+        tag,
+        record,
+        out / f"rank-{tag}.json",
+        keep_matrix=keep_matrix,
+        checkpoint_seconds=checkpoint_seconds,
+        progress=progress,
+        **options,
+    )
+
+
+# Keys of a matrix's side record that describe the file, not the analysis.
+_MATRIX_ONLY = ("matrix", "shape", "dtype", "kind", "hf_settings")
+
+
+def _ensure_hf_matrix(
+    model_path, text_path, matrix_path, settings, batch_windows, progress, options
+):
+    """The side record of the matrix at ``matrix_path``: reused when it was written with
+    ``settings`` (same model and text files, reading options), written otherwise."""
+    if matrix_path.is_file() and matrix_path.with_suffix(".json").is_file():
+        existing = matrix_record(matrix_path)
+        if existing.get("hf_settings") == settings:
+            return existing
+    began = time.perf_counter()
+    loaded = load_text_contexts(
+        model_path,
+        text_path,
+        window=settings["window_asked"],
+        bos=settings["bos"],
+        device=options["device"],
+        progress=progress,
+    )
+    load_seconds = time.perf_counter() - began
+    rows = count_text_contexts(loaded.ids.numel(), settings["max_contexts"])
+    width = vocab_width(loaded.model) or len(loaded.tokenizer)
+    plan = plan_gram((rows, width), **options)
+    check_disk_space(matrix_path, (rows, width))
+    if progress:
+        print(f"{loaded.name}: {loaded.ids.numel():,} tokens of {text_path}; {plan.describe()}")
+    plan.check()  # before the forward passes, not after them
+    record = write_hf_logprob_matrix(
+        loaded.model,
+        loaded.ids,
+        matrix_path,
+        window=loaded.window,
+        bos_token_id=loaded.bos_token_id,
+        max_contexts=settings["max_contexts"],
+        batch_windows=batch_windows,
+        progress=progress,
+        source=str(text_path),
+        metadata={
+            **loaded.record(settings["max_contexts"]),
+            "hf_settings": settings,
+            "load_seconds": round(load_seconds, 2),
+            "threads": torch.get_num_threads(),
+        },
+    )
     return record
 
 
@@ -156,7 +323,13 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 
 def run_label(record: dict[str, Any]) -> str:
-    """``<run folder> (<head>, <tag>)``: how a record is named in tables and legends."""
+    """``<run folder> (<head>, <tag>)``: how a record is named in tables and legends;
+    ``<model> (<text file>, <contexts> contexts, window <W>)`` for a Hugging Face model."""
+    if "model" in record:
+        return (
+            f"{record['model_name']} ({Path(record['text']).name}, "
+            f"{record['shape'][0]:,} contexts, window {record['window']})"
+        )
     tag = record_tag(
         record["split"], record["which"], kind=record["kind"], max_contexts=record["max_contexts"]
     )
@@ -194,7 +367,7 @@ def write_spectrum(records: list[dict[str, Any]], path: Path) -> Path:
     curves, thresholds, floors = {}, {}, []
     for record in records:
         label = run_label(record)
-        folder = Path(record["run_dir"]) / ANALYSIS_DIR
+        folder = Path(record.get("out_dir") or Path(record["run_dir"]) / ANALYSIS_DIR)
         curves[label] = np.load(folder / record["singular_values_file"])
         thresholds[label] = record["press_threshold"] / record["s_max"]
         if "resolution" in record:
@@ -207,7 +380,7 @@ def write_spectrum(records: list[dict[str, Any]], path: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_run_arguments(parser)
+    add_run_arguments(parser, hf=True)
     parser.add_argument(
         "--kind",
         choices=MATRIX_KINDS,
@@ -217,7 +390,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-contexts",
         type=positive_int,
-        help="only the first N contexts (default: the whole split)",
+        help="only the first N contexts (default: the whole split or text)",
     )
     parser.add_argument(
         "--batch-size",
@@ -229,7 +402,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-matrix",
         action="store_true",
-        help="keep the matrix .npy in RUN_DIR/analysis (default: delete it)",
+        help="keep the matrix .npy in RUN_DIR/analysis or --out (default: delete it)",
     )
     parser.add_argument("--backend", choices=GRAM_BACKENDS, default="auto", help="(auto)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
@@ -242,12 +415,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="minutes between Gram-matrix checkpoints (10)",
     )
-    parser.add_argument("--out", help="also write rank.json, rank.md and spectrum.png here")
+    parser.add_argument(
+        "--out",
+        help="also write rank.json, rank.md and spectrum.png here (with --hf: every record)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
-    records = []
+    try:
+        records, written = _hf_records(args) if hf_mode(args) else _run_records(args)
+    except (HFInputError, GramMemoryError, DiskSpaceError) as error:
+        print(f"highrank analyze rank: error: {error}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    print(summary_table(records), end="")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "rank.json", {"runs": records})
+        (out / "rank.md").write_text(summary_table(records, markdown=True), encoding="utf-8")
+        plot = write_spectrum(records, out / "spectrum.png")
+        print(f"wrote {out / 'rank.json'}, {out / 'rank.md'}, {plot}")
+    return 0
+
+
+def _run_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Path]]:
+    records, written = [], []
     for run_dir in args.run_dirs:
         record = analyze_run(
             run_dir,
@@ -267,12 +461,30 @@ def run(args: argparse.Namespace) -> int:
         )
         records.append(record)
         tag = record_tag(args.split, args.which, kind=args.kind, max_contexts=args.max_contexts)
-        print(f"wrote {run_record_path(run_dir, 'rank', tag)}")
-    print(summary_table(records), end="")
-    if args.out:
-        out = Path(args.out)
-        write_json(out / "rank.json", {"runs": records})
-        (out / "rank.md").write_text(summary_table(records, markdown=True), encoding="utf-8")
-        plot = write_spectrum(records, out / "spectrum.png")
-        print(f"wrote {out / 'rank.json'}, {out / 'rank.md'}, {plot}")
-    return 0
+        written.append(run_record_path(run_dir, "rank", tag))
+    return records, written
+
+
+def _hf_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Path]]:
+    if args.kind != "log_prob":
+        raise HFInputError("--kind logits needs a highrank head; --hf models give log_prob")
+    records, written = [], []
+    for model_path in args.hf:
+        record = analyze_hf(
+            model_path,
+            args.text,
+            args.out,
+            window=args.window,
+            bos=args.bos,
+            max_contexts=args.max_contexts,
+            batch_windows=args.batch_windows,
+            keep_matrix=args.keep_matrix,
+            backend=args.backend,
+            device=args.device,
+            block_rows=args.block_rows,
+            checkpoint_seconds=args.checkpoint_minutes * 60,
+            progress=not args.no_progress,
+        )
+        records.append(record)
+        written.append(Path(args.out) / f"rank-{record['tag']}.json")
+    return records, written

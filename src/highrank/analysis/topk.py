@@ -19,6 +19,12 @@ Only the chosen rows of the ``(n, V)`` log-prob matrix are ever kept: each model
 are streamed once and the head runs on the chosen contexts only.
 
     highrank analyze topk runs/ptb-mos runs/ptb-softmax --margin 2 --count 10
+
+Hugging Face causal LMs (``--hf MODEL``, repeated to compare; one tokenizer) are read on a
+text as :mod:`highrank.analysis.hf_contexts` says: position ``i`` is the context ending at
+token ``i`` of its window, tokens are shown as the ``repr`` of their decoded text::
+
+    highrank analyze topk --hf model-a/ --hf model-b/ --text test.txt --random 5 --out topk/
 """
 
 from __future__ import annotations
@@ -180,11 +186,32 @@ def topk_records(
 ) -> list[dict[str, Any]]:
     """One plain record per position: the context's last words, the reference token, and
     each model's top ``k`` (models share ``vocab``; ``names`` label them)."""
-    names = list(names) if names is not None else [f"model {i + 1}" for i in range(len(models))]
-    if not 1 <= k <= len(vocab):
-        raise TopKError(f"--k {k}: expected 1 .. {len(vocab)} (the vocabulary size)")
+    check_k(k, len(vocab))
     positions = check_positions(positions, count_contexts(ids.numel()))
     rows = [rows_at(m, ids, positions, bptt=bptt, progress=progress) for m in models]
+    names = list(names) if names is not None else [f"model {i + 1}" for i in range(len(models))]
+    return context_records(
+        rows, ids, vocab, positions, names=names, k=k, context_words=context_words
+    )
+
+
+def check_k(k: int, vocab_size: int) -> None:
+    if not 1 <= k <= vocab_size:
+        raise TopKError(f"--k {k}: expected 1 .. {vocab_size} (the vocabulary size)")
+
+
+def context_records(
+    rows: Sequence[torch.Tensor],
+    ids: torch.Tensor,
+    vocab: Vocab,
+    positions: Sequence[int],
+    *,
+    names: Sequence[str],
+    k: int = 5,
+    context_words: int = 8,
+) -> list[dict[str, Any]]:
+    """The records of :func:`topk_records` from each model's log-prob ``rows``
+    ``(len(positions), V)`` at ``positions`` (any source of rows: a run, a causal LM)."""
     records = []
     for index, position in enumerate(positions):
         target = int(ids[position + 1])
@@ -265,7 +292,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze topk``."""
     from highrank.cli import positive_int
 
-    add_run_arguments(parser)
+    add_run_arguments(parser, hf=True)
     choose = parser.add_mutually_exclusive_group(required=True)
     choose.add_argument(
         "--positions", type=parse_positions, help="stream positions of the contexts, e.g. 10,200"
@@ -287,15 +314,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-contexts", type=positive_int, help="choose among the first N only")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random (0)")
     parser.add_argument("--device", default="cpu", help="where the models run (cpu)")
-    parser.add_argument("--out", help="also write topk.json and topk.txt here")
+    parser.add_argument(
+        "--out", help="also write topk.json and topk.txt here (with --hf: the records)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze topk``: print the side-by-side blocks; write JSON and text."""
+    from highrank.analysis.hf_contexts import HFInputError, hf_mode
+
     try:
-        record = _record(args)
-    except TopKError as error:
+        record = _hf_record(args) if hf_mode(args) else _record(args)
+    except (TopKError, HFInputError) as error:
         print(f"highrank analyze topk: error: {error}", file=sys.stderr)
         return 2
     text = format_report(record["contexts"], _title(record))
@@ -359,27 +390,110 @@ def _record(args: argparse.Namespace) -> dict[str, Any]:
 
 def _select(args: argparse.Namespace, splits: list[RunSplit], n_contexts: int):
     """``(positions, selection record, margins or None)`` for the chosen mode."""
+
+    def targets(split: RunSplit) -> np.ndarray:
+        return target_log_probs(
+            split.model, split.ids, max_contexts=n_contexts, progress=not args.no_progress
+        )
+
+    names = [str(split.run_dir) for split in splits[:2]]
+    return _choose(args, n_contexts, lambda: [targets(s) for s in splits[:2]], names)
+
+
+def _choose(args: argparse.Namespace, n_contexts: int, margins_of, names: Sequence[str]):
+    """The selection of ``args`` among ``n_contexts`` contexts; ``margins_of()`` gives the
+    target log-probs of models A and B (named ``names``) when ``--margin`` asks for them."""
     if args.positions is not None:
         positions = check_positions(args.positions, n_contexts)
         return positions, {"mode": "positions", "positions": positions}, None
     if args.random is not None:
         positions = random_positions(n_contexts, args.random, args.seed)
         return positions, {"mode": "random", "count": args.random, "seed": args.seed}, None
-    a, b = (
-        target_log_probs(s.model, s.ids, max_contexts=n_contexts, progress=not args.no_progress)
-        for s in splits[:2]
-    )
+    a, b = margins_of()
     positions, margins = margin_positions(a, b, args.margin, args.count)
     selection = {
         "mode": "margin",
         "margin": args.margin,
         "count": args.count,
-        "a": str(splits[0].run_dir),
-        "b": str(splits[1].run_dir),
+        "a": names[0],
+        "b": names[1],
         "qualifying": int(np.count_nonzero(a - b >= args.margin)),
         "largest_difference": float(np.max(a - b)),
     }
     return positions.tolist(), selection, margins.tolist()
+
+
+def _hf_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The top-k record of the ``--hf`` models on ``--text`` (all loaded at once: a
+    context's rows of every model are needed together)."""
+    from highrank.analysis.hf_contexts import (
+        TokenizerVocab,
+        causal_lm_rows_at,
+        causal_lm_target_log_probs,
+        count_text_contexts,
+        load_text_contexts,
+        vocab_width,
+    )
+
+    if args.margin is not None and len(args.hf) < 2:
+        raise TopKError("--margin compares two models (A = first --hf, B = second); got one")
+    loaded = [
+        load_text_contexts(
+            path,
+            args.text,
+            window=args.window,
+            bos=args.bos,
+            device=args.device,
+            progress=not args.no_progress,
+        )
+        for path in args.hf
+    ]
+    names = run_names([str(path) for path in args.hf])
+    _check_same_tokens(names, loaded)
+    ids, width = loaded[0].ids, vocab_width(loaded[0].model) or len(loaded[0].tokenizer)
+    vocab = TokenizerVocab(loaded[0].tokenizer, width)
+    check_k(args.k, width)
+    n_contexts = count_text_contexts(ids.numel(), args.max_contexts)
+    progress = not args.no_progress
+
+    def reading(model):
+        return {"window": model.window, "bos_token_id": model.bos_token_id, "progress": progress}
+
+    def margins_of():
+        return [
+            causal_lm_target_log_probs(m.model, ids, max_contexts=n_contexts, **reading(m))
+            for m in loaded[:2]
+        ]
+
+    positions, selection, margins = _choose(args, n_contexts, margins_of, names[:2])
+    rows = [causal_lm_rows_at(m.model, ids, positions, **reading(m)) for m in loaded]
+    records = context_records(
+        rows, ids, vocab, positions, names=names, k=args.k, context_words=args.context_words
+    )
+    for record, margin in zip(records, margins or [], strict=False):
+        record["margin"] = margin
+    return {
+        "split": Path(args.text).name,
+        "source": str(args.text),
+        "runs": [
+            {"name": name, **m.record(args.max_contexts)}
+            for name, m in zip(names, loaded, strict=True)
+        ],
+        "n_contexts": n_contexts,
+        "selection": selection,
+        "k": args.k,
+        "contexts": records,
+    }
+
+
+def _check_same_tokens(names: Sequence[str], loaded: Sequence[Any]) -> None:
+    """Every model's tokenizer read the text into the same ids (one vocabulary)."""
+    for name, other in zip(names[1:], loaded[1:], strict=True):
+        if not torch.equal(other.ids, loaded[0].ids):
+            raise TopKError(
+                f"models {names[0]} and {name} tokenise {loaded[0].text} differently; top-k "
+                "comparison needs models that share one tokenizer"
+            )
 
 
 def run_names(run_dirs: Sequence[str]) -> list[str]:

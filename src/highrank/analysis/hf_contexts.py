@@ -1,0 +1,630 @@
+"""Contexts of a text as a Hugging Face causal language model sees them, for the analyses.
+
+The instruments of :mod:`highrank.analysis` (rank, pairwise KL, top-k) read the log-prob rows
+``log P(. | context)`` of highrank's own runs through :mod:`~highrank.analysis.contexts`; this
+module gives them the same rows from any ``transformers`` causal LM (``AutoModelForCausalLM``):
+a local model folder (``save_pretrained`` output) or a ``.gguf`` file, loaded offline.
+
+**How contexts are read.** The text file is tokenised whole by the model's tokenizer, without
+special tokens: ids ``x_0 .. x_{N-1}``. The stream is cut into non-overlapping windows of ``W``
+tokens, ``x_{kW} .. x_{kW+W-1}``, each run through the model as a sequence of its own (positions
+restart at 0, no state carried from the window before). Row ``i`` is the distribution the model
+gives after token ``i``, from the tokens of its window up to ``i``::
+
+    row i = log_softmax(logits at x_i), context x_{kW} .. x_i  (k = i // W),  target x_{i+1}
+
+so contexts hold 1 .. W tokens (``i mod W + 1``), every token but the first is predicted once,
+and row ``i`` is context ``i`` exactly as for a run read with ``batch_size=1`` (the stream
+position of the context's last token): the analyses need no other indexing. There are
+``N - 1`` rows, the first ``max_contexts`` of them when that is given. ``W`` defaults to
+``min(the model's maximum positions, 1024)``; a text shorter than one window is refused.
+With ``bos_token_id`` that token is put before every window (the model then sees ``W + 1``
+positions) and its own output is dropped: rows and their numbering do not change. By default
+no token is added: the rows are the model's view of the text alone.
+
+Log-probabilities are ``log_softmax(logits.float())`` in float32, so a model whose ``logits``
+are already normalised log-probabilities (highrank's heads attached by
+``highrank.integrations.hf``) gives the same rows (log_softmax of log-probs is the identity).
+
+Windows of equal length are batched (``batch_windows``, by default as many as keep the
+``(B, W, V)`` logits under :data:`BATCH_ELEMENTS` entries) and run without autograd.
+
+    model, tokenizer = load_causal_lm("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ids = text_token_ids(tokenizer, "wikitext-2/test.txt")
+    write_hf_logprob_matrix(model, ids, "smol.npy", max_contexts=8192)
+
+``transformers`` (the ``hf`` extra) is imported by the functions that need it, never when this
+module is imported, so ``highrank --help`` works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from highrank.analysis.logprob_matrix import ContextRows, write_context_matrix
+
+DEFAULT_MAX_WINDOW = 1024
+BATCH_ELEMENTS = 2**26  # logits entries of one batch of windows (256 MB of float32)
+INSTALL_HINT = "pip install 'highrank[hf]'"
+
+
+class HFInputError(ValueError):
+    """A model path, text file or reading option the Hugging Face contexts cannot use."""
+
+
+# ---- loading a model and a text -------------------------------------------------------------
+
+
+def model_source(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """``(folder, gguf file name or None)`` of a model path: a folder holding ``config.json``
+    (``save_pretrained`` output) or a ``.gguf`` file; anything else is refused, naming it."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise HFInputError(
+            f"model {path} does not exist; expected a model folder (save_pretrained output, "
+            "with config.json) or a .gguf file"
+        )
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise HFInputError(
+                f"model folder {path} has no config.json; expected the output of "
+                "save_pretrained (config.json and the weights) or a .gguf file"
+            )
+        return path, None
+    if path.suffix.lower() != ".gguf":
+        raise HFInputError(
+            f"model {path} is a file but not a .gguf file; expected a model folder "
+            "(save_pretrained output) or a .gguf file"
+        )
+    return path.parent, path.name
+
+
+def require_hf(gguf: bool = False) -> None:
+    """Raise :class:`HFInputError` naming the missing package when the ``hf`` extra (and,
+    for a ``.gguf`` file, the ``gguf`` package) is not installed."""
+    needed = ["transformers", *(["gguf"] if gguf else [])]
+    for name in needed:
+        try:
+            __import__(name)
+        except ImportError:
+            what = "reading a .gguf file" if name == "gguf" else "Hugging Face models"
+            raise HFInputError(
+                f"{what} needs the '{name}' package, which is not installed: {INSTALL_HINT}"
+            ) from None
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    dtype=torch.float32,
+    progress: bool = True,
+) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a local causal LM: ``AutoModelForCausalLM`` and
+    ``AutoTokenizer`` from a model folder, or from a ``.gguf`` file (``gguf_file=``,
+    dequantised to ``dtype``). Only local files are read (``local_files_only``), whatever
+    ``HF_HUB_OFFLINE`` says. The model is in eval mode on ``device``. ``progress=False``
+    hides transformers' loading bars."""
+    folder, gguf_file = model_source(path)
+    require_hf(gguf=gguf_file is not None)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        return _load(path, folder, gguf_file, device, dtype)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _load(path, folder: Path, gguf_file: str | None, device, dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        options["gguf_file"] = gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **options)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise HFInputError(
+            f"no tokenizer could be loaded from {path} ({_first_line(error)}); save one beside "
+            "the model with tokenizer.save_pretrained(folder)"
+        ) from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **options)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise HFInputError(
+            f"{path} could not be loaded as a causal LM: {_first_line(error)}"
+        ) from None
+    return model.to(device).eval(), tokenizer
+
+
+def text_token_ids(tokenizer: Any, path: str | os.PathLike) -> torch.Tensor:
+    """``(N,)`` int64 ids of the whole UTF-8 text file at ``path``, tokenised at once by
+    ``tokenizer`` without special tokens (no BOS/EOS added)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HFInputError(f"text file {path} does not exist") from None
+    except IsADirectoryError:
+        raise HFInputError(f"text file {path} is a folder; expected a text file") from None
+    except UnicodeDecodeError as error:
+        raise HFInputError(
+            f"text file {path} is not UTF-8 (byte {error.start}: {error.reason})"
+        ) from None
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+# ---- windows -------------------------------------------------------------------------------
+
+
+def max_positions(model: Any) -> int | None:
+    """The model's maximum sequence length from its config, or ``None`` when it says none."""
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def default_window(model: Any) -> int:
+    """``min(the model's maximum positions, 1024)`` (1024 when the config gives none)."""
+    limit = max_positions(model)
+    return DEFAULT_MAX_WINDOW if limit is None else min(limit, DEFAULT_MAX_WINDOW)
+
+
+def check_window(
+    model: Any,
+    n_tokens: int,
+    window: int | None = None,
+    *,
+    bos_token_id: int | None = None,
+    source: str = "the text",
+) -> int:
+    """The window length to read ``n_tokens`` tokens with: ``window``, or the default one;
+    refused when the model cannot take it or the text is shorter than one window."""
+    if window is None:
+        window = default_window(model)
+        if bos_token_id is not None and window == max_positions(model):
+            window -= 1  # room for the BOS token
+    if not isinstance(window, int) or window < 1:
+        raise HFInputError(f"window must be a positive number of tokens; got {window!r}")
+    limit = max_positions(model)
+    needed = window + (bos_token_id is not None)
+    if limit is not None and needed > limit:
+        raise HFInputError(
+            f"a window of {window} tokens{' plus BOS' if bos_token_id is not None else ''} "
+            f"exceeds the model's {limit} positions; use --window {limit - (needed - window)}"
+        )
+    if n_tokens < window:
+        raise HFInputError(
+            f"{source} has {n_tokens} tokens, fewer than one window of {window}; give a "
+            "longer text or a smaller --window"
+        )
+    return window
+
+
+def count_text_contexts(n_tokens: int, max_contexts: int | None = None) -> int:
+    """Rows of a text of ``n_tokens`` tokens: ``N - 1`` (the last token predicts nothing),
+    at most ``max_contexts``."""
+    if max_contexts is not None and max_contexts < 1:
+        raise HFInputError(f"max_contexts must be a positive int or None; got {max_contexts!r}")
+    rows = max(n_tokens - 1, 0)
+    return rows if max_contexts is None else min(rows, max_contexts)
+
+
+def describe_contexts(window: int, bos_token_id: int | None = None) -> str:
+    """The reading protocol in one sentence, for records."""
+    bos = (
+        f"BOS token {bos_token_id} before every window"
+        if bos_token_id is not None
+        else ("no BOS token added")
+    )
+    return (
+        f"the text's tokens (no special tokens) in non-overlapping windows of {window} tokens, "
+        f"each run as its own sequence ({bos}); row i is the model's log_softmax after token "
+        f"i, its context the tokens of its window up to i (1 .. {window} tokens), target "
+        "token i + 1"
+    )
+
+
+def _windows(n_rows: int, window: int, needed: np.ndarray | None) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` token ranges to run: rows ``start .. end - 1`` of each window that
+    holds a needed row, cut after its last needed row (the model is causal)."""
+    for start in range(0, n_rows, window):
+        end = min(start + window, n_rows)
+        if needed is not None:
+            inside = needed[(needed >= start) & (needed < end)]
+            if len(inside) == 0:
+                continue
+            end = int(inside[-1]) + 1
+        yield start, end
+
+
+def _batches(
+    windows: Iterator[tuple[int, int]], batch_windows: int
+) -> Iterator[list[tuple[int, int]]]:
+    """Consecutive windows of equal length, at most ``batch_windows`` at a time (no padding)."""
+    batch: list[tuple[int, int]] = []
+    for span in windows:
+        length = span[1] - span[0]
+        if batch and (len(batch) == batch_windows or batch[0][1] - batch[0][0] != length):
+            yield batch
+            batch = []
+        batch.append(span)
+    if batch:
+        yield batch
+
+
+def auto_batch_windows(window: int, vocab_size: int) -> int:
+    """Windows per batch keeping the ``(B, W, V)`` logits under :data:`BATCH_ELEMENTS`."""
+    return max(1, BATCH_ELEMENTS // max(1, window * vocab_size))
+
+
+def vocab_width(model: Any) -> int | None:
+    """The width of the model's output (its config's ``vocab_size``), or ``None``."""
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    value = getattr(config, "vocab_size", None)
+    return value if isinstance(value, int) else None
+
+
+# ---- the rows ------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def iter_causal_lm_rows(
+    model: Any,
+    ids: torch.Tensor,
+    *,
+    window: int,
+    bos_token_id: int | None = None,
+    max_contexts: int | None = None,
+    needed: Sequence[int] | np.ndarray | None = None,
+    batch_windows: int | None = None,
+    progress: bool = False,
+) -> Iterator[ContextRows]:
+    """``(positions (b,), targets (b,), rows (b, V))`` blocks of the text ``ids`` read in
+    windows as the module says: float32 log-probs on the CPU, in ascending position.
+
+    ``needed`` (sorted row indices) runs only the windows that hold one and yields only
+    those rows. The model is in eval mode for the duration (its flag is restored after).
+    """
+    ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+    n_rows = count_text_contexts(ids.numel(), max_contexts)
+    if needed is not None:
+        needed = np.asarray(needed, dtype=np.int64)
+        needed = needed[needed < n_rows]
+    if batch_windows is None:
+        batch_windows = auto_batch_windows(window, vocab_width(model) or 1)
+    spans = list(_windows(n_rows, window, needed))
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        total = sum(end - start for start, end in spans)
+        with tqdm(total=total, desc="contexts", unit="ctx", disable=not progress) as bar:
+            for batch in _batches(iter(spans), batch_windows):
+                rows = _window_log_probs(model, ids, batch, bos_token_id, device)  # (B, L, V)
+                for (start, end), window_rows in zip(batch, rows, strict=True):
+                    positions = torch.arange(start, end)
+                    if needed is None:
+                        yield positions, ids[start + 1 : end + 1], window_rows
+                    else:
+                        keep = torch.from_numpy(np.isin(positions.numpy(), needed))
+                        yield positions[keep], ids[positions[keep] + 1], window_rows[keep]
+                    bar.update(end - start)
+    finally:
+        model.train(was_training)
+
+
+def _window_log_probs(
+    model: Any, ids: torch.Tensor, batch: list[tuple[int, int]], bos_token_id, device
+) -> torch.Tensor:
+    """``(B, L, V)`` float32 CPU log-probs of the windows ``batch`` (all of length L)."""
+    inputs = torch.stack([ids[start:end] for start, end in batch])  # (B, L)
+    if bos_token_id is not None:
+        bos = torch.full((inputs.shape[0], 1), int(bos_token_id), dtype=torch.int64)
+        inputs = torch.cat([bos, inputs], dim=1)  # (B, 1 + L)
+    output = model(input_ids=inputs.to(device), use_cache=False)
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    if bos_token_id is not None:
+        logits = logits[:, 1:]  # the BOS position's prediction is not a row
+    # float() before the normalisation: half-precision logits are normalised in float32
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def causal_lm_rows_at(
+    model: Any,
+    ids: torch.Tensor,
+    positions: Sequence[int],
+    *,
+    window: int,
+    bos_token_id: int | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """``(len(positions), V)`` float32 log-prob rows of the contexts at ``positions`` (any
+    order, repeats allowed); only the windows holding them are run."""
+    wanted = np.unique(np.asarray(positions, dtype=np.int64))
+    found: dict[int, torch.Tensor] = {}
+    for block_positions, _, rows in iter_causal_lm_rows(
+        model, ids, window=window, bos_token_id=bos_token_id, needed=wanted, progress=progress
+    ):
+        found.update(zip(block_positions.tolist(), rows, strict=True))
+    missing = [int(p) for p in wanted if int(p) not in found]
+    if missing:
+        raise HFInputError(f"positions {missing[:5]} are beyond the text's last context")
+    return torch.stack([found[int(p)] for p in positions])
+
+
+def causal_lm_target_log_probs(
+    model: Any,
+    ids: torch.Tensor,
+    *,
+    window: int,
+    bos_token_id: int | None = None,
+    max_contexts: int | None = None,
+    progress: bool = False,
+) -> np.ndarray:
+    """``(n,)`` float64 ``log P(x_{i+1} | context i)`` of the first ``n`` rows."""
+    values = [
+        rows.gather(1, targets[:, None])[:, 0].double()
+        for _, targets, rows in iter_causal_lm_rows(
+            model,
+            ids,
+            window=window,
+            bos_token_id=bos_token_id,
+            max_contexts=max_contexts,
+            progress=progress,
+        )
+    ]
+    return torch.cat(values).numpy()
+
+
+def write_hf_logprob_matrix(
+    model: Any,
+    ids: torch.Tensor,
+    path: str | os.PathLike,
+    *,
+    window: int | None = None,
+    bos_token_id: int | None = None,
+    max_contexts: int | None = None,
+    batch_windows: int | None = None,
+    progress: bool = False,
+    source: str = "token stream",
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the ``(n, V)`` log-prob matrix of ``model`` on the text ``ids`` to ``path`` (a
+    ``.npy``), with the ``.contexts.npz`` and ``.json`` side files of
+    :func:`~highrank.analysis.logprob_matrix.write_context_matrix`; returns the record.
+
+    ``window`` defaults to :func:`default_window`; ``max_contexts`` keeps the first rows.
+    """
+    ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+    window = check_window(model, ids.numel(), window, bos_token_id=bos_token_id, source=source)
+    n_rows = count_text_contexts(ids.numel(), max_contexts)
+    blocks = iter_causal_lm_rows(
+        model,
+        ids,
+        window=window,
+        bos_token_id=bos_token_id,
+        max_contexts=max_contexts,
+        batch_windows=batch_windows,
+        progress=progress,
+    )
+    first = next(blocks)  # its width is the matrix's: the model's real output size
+    record = {
+        **(metadata or {}),
+        "kind": "log_prob",
+        "model_class": type(model).__name__,
+        "source": source,
+        "n_tokens": ids.numel(),
+        "window": window,
+        "bos_token_id": bos_token_id,
+        "contexts": describe_contexts(window, bos_token_id),
+    }
+    shape = (n_rows, first[2].shape[1])
+    return write_context_matrix(path, itertools.chain([first], blocks), shape, record)
+
+
+# ---- a model with a text, for the command line ----------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class TextContexts:
+    """A loaded causal LM with the token ids of a text and how they are read."""
+
+    model_path: Path
+    model: Any
+    tokenizer: Any
+    text: Path
+    ids: torch.Tensor  # (N,)
+    window: int
+    bos_token_id: int | None
+
+    @property
+    def name(self) -> str:
+        return model_name(self.model_path)
+
+    def record(self, max_contexts: int | None) -> dict[str, Any]:
+        """What every record of an analysis of this model on this text says about them."""
+        return {
+            "model": str(self.model_path),
+            "model_name": self.name,
+            "model_class": type(self.model).__name__,
+            "model_type": getattr(self.model.config, "model_type", None),
+            "head": type(self.model).__name__,
+            "text": str(self.text),
+            "n_tokens": self.ids.numel(),
+            "window": self.window,
+            "bos_token_id": self.bos_token_id,
+            "contexts": describe_contexts(self.window, self.bos_token_id),
+            "max_contexts": max_contexts,
+            "n_contexts": count_text_contexts(self.ids.numel(), max_contexts),
+        }
+
+
+def load_text_contexts(
+    model_path: str | os.PathLike,
+    text_path: str | os.PathLike,
+    *,
+    window: int | None = None,
+    bos: bool = False,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> TextContexts:
+    """Check both paths, then load the model and tokenise the text (the slow part last)."""
+    model_source(model_path)
+    text_path = Path(text_path)
+    if not text_path.is_file():
+        raise HFInputError(f"text file {text_path} does not exist")
+    model, tokenizer = load_causal_lm(model_path, device=device, progress=progress)
+    bos_token_id = None
+    if bos:
+        bos_token_id = tokenizer.bos_token_id
+        if bos_token_id is None:
+            raise HFInputError(f"--bos: the tokenizer of {model_path} has no BOS token")
+    ids = text_token_ids(tokenizer, text_path)
+    window = check_window(
+        model, ids.numel(), window, bos_token_id=bos_token_id, source=str(text_path)
+    )
+    return TextContexts(Path(model_path), model, tokenizer, text_path, ids, window, bos_token_id)
+
+
+def model_name(path: str | os.PathLike) -> str:
+    """A model's short name: the ``.gguf`` file's stem, or the folder's name."""
+    path = Path(path)
+    return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
+
+
+def hf_tag(
+    model_path: str | os.PathLike,
+    text_path: str | os.PathLike,
+    *,
+    window: int | None = None,
+    bos: bool = False,
+    max_contexts: int | None = None,
+) -> str:
+    """``<model>-<text stem>[-w<W>][-bos][-first<N>]``: the tag of a record in ``--out``."""
+    tag = f"{model_name(model_path)}-{Path(text_path).stem}"
+    if window is not None:
+        tag += f"-w{window}"
+    if bos:
+        tag += "-bos"
+    if max_contexts is not None:
+        tag += f"-first{max_contexts}"
+    return tag
+
+
+def path_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
+    """Resolved path, size and modification time of a file, or of each file directly in a
+    model folder: a rewritten model or text no longer matches a kept matrix."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return {
+        "path": str(path),
+        "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+    }
+
+
+class TokenizerVocab:
+    """The three things the top-k table needs of a vocabulary (``len``, ``word``,
+    ``decode``) over a tokenizer: a token shows as the Python ``repr`` of its decoded text,
+    so spaces and newlines are visible (``' the'``, ``'\\n'``)."""
+
+    def __init__(self, tokenizer: Any, size: int) -> None:
+        self.tokenizer, self.size = tokenizer, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def word(self, index: int) -> str:
+        return repr(self.tokenizer.decode([int(index)]))
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> list[str]:
+        return [repr(self.tokenizer.decode([int(i) for i in ids]))]
+
+
+# ---- command-line options shared by the analyses --------------------------------------------
+
+
+def add_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--hf MODEL --text FILE`` (instead of RUN_DIRs) and the window options."""
+    group = parser.add_argument_group(
+        "Hugging Face causal LMs (instead of RUN_DIRs; records go to --out)",
+        "Contexts: the text's tokens (no special tokens added) in non-overlapping windows of "
+        "--window tokens, each run as its own sequence; row i is the model's distribution "
+        "after token i given the tokens of its window up to i (1 .. W tokens), target token "
+        "i + 1.",
+    )
+    group.add_argument(
+        "--hf",
+        action="append",
+        metavar="MODEL",
+        help="a local model folder (save_pretrained output) or a .gguf file; repeat to "
+        "compare models (needs the hf extra)",
+    )
+    group.add_argument("--text", metavar="FILE", help="UTF-8 text file the contexts come from")
+    group.add_argument(
+        "--window",
+        type=_positive_int,
+        help="tokens per window (default: min(the model's maximum positions, 1024))",
+    )
+    group.add_argument(
+        "--bos",
+        action="store_true",
+        help="put the tokenizer's BOS token before every window (default: none added)",
+    )
+    group.add_argument(
+        "--batch-windows",
+        type=_positive_int,
+        help=f"windows per forward pass (default: logits under {BATCH_ELEMENTS:,} entries)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    from highrank.cli import positive_int
+
+    return positive_int(text)
+
+
+def hf_mode(args: argparse.Namespace) -> bool:
+    """Whether ``args`` ask for Hugging Face models (``--hf``) or runs; refuses a mixture
+    or a missing ``--text`` / ``--out`` in one line."""
+    models, runs = getattr(args, "hf", None), getattr(args, "run_dirs", [])
+    if models and runs:
+        raise HFInputError("give RUN_DIRs or --hf MODEL, not both")
+    if not models:
+        if getattr(args, "text", None):
+            raise HFInputError("--text goes with --hf MODEL")
+        if not runs:
+            raise HFInputError("expected RUN_DIR... or --hf MODEL --text FILE --out DIR")
+        return False
+    if not args.text:
+        raise HFInputError("--hf needs --text FILE: the text the contexts come from")
+    if not getattr(args, "out", None):
+        raise HFInputError("--hf needs --out DIR: the records are written there")
+    return True
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
