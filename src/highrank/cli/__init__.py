@@ -1,0 +1,127 @@
+"""The ``highrank`` command line: a table of verbs, each verb a small module of this package.
+
+A verb is a :class:`Verb`: a name, a one-line help, ``add_arguments(parser)`` that declares
+its options on its subparser and ``run(args) -> int`` that does it and returns the exit status.
+Each lives in ``highrank/cli/<verb>.py`` (shared option types, config overrides and the error
+guard in :mod:`highrank.cli.common`); :data:`VERBS` lists them in the order ``highrank --help``
+shows, so adding a verb is one module and one entry. Verb modules import the library inside
+their functions, so ``highrank --help`` stays fast and imports no optional extra.
+
+    highrank demo --rank 32 --dim 8 --out demo-out
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from highrank import __version__
+from highrank.cli import (
+    analyze,
+    bench,
+    compare,
+    config,
+    data,
+    demo,
+    dynamic_eval,
+    evaluate,
+    finetune,
+    report,
+    train,
+)
+from highrank.cli.common import config_keys, non_negative_int, positive_int
+
+
+@dataclass(frozen=True)
+class Verb:
+    """A subcommand: ``add_arguments(parser)`` declares its options, ``run(args)`` does it."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _verb(name: str, help: str, module) -> Verb:
+    return Verb(name, help, module.add_arguments, module.run)
+
+
+VERBS: list[Verb] = [
+    _verb(
+        "demo",
+        "fit every head to a synthetic language of known rank (the softmax bottleneck)",
+        demo,
+    ),
+    _verb("data", "corpus statistics: lines, tokens with <eos>, vocabulary", data),
+    _verb("bench", "benchmark the heads' time and peak memory against a naive softmax", bench),
+    _verb("train", "train a language model from a TOML config (or --resume a run exactly)", train),
+    _verb(
+        "finetune",
+        "finetune a trained run: averaged SGD restarted from its best checkpoint",
+        finetune,
+    ),
+    _verb("config", "show a resolved config and its parameter count", config),
+    _verb("eval", "perplexity of a trained run on a split (hidden state carried)", evaluate),
+    _verb("dynamic-eval", "dynamic evaluation (Krause et al. 2017) of a trained run", dynamic_eval),
+    _verb(
+        "analyze",
+        "measure the bottleneck of trained runs: rank, KL, top-k, word similarity",
+        analyze,
+    ),
+    _verb(
+        "compare",
+        "compare two groups of runs (seeds): t-test on perplexity, rank vs perplexity",
+        compare,
+    ),
+    _verb(
+        "report",
+        "one self-contained HTML page of what trained runs hold (tables and plots)",
+        report,
+    ),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of ``VERBS``."""
+    parser = argparse.ArgumentParser(
+        prog="highrank",
+        description="Output layers that break the softmax bottleneck, and the instruments "
+        "that measure it.",
+    )
+    parser.add_argument("--version", action="version", version=f"highrank {__version__}")
+    subparsers = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for verb in VERBS:
+        sub = subparsers.add_parser(verb.name, help=verb.help, description=verb.help)
+        verb.add_arguments(sub)
+        sub.set_defaults(run=verb.run, parser=sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``highrank`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _reject_unknown(parser, args, unknown)
+    return args.run(args)
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown) -> None:
+    """argparse's error for unknown arguments, naming the closest config keys for a
+    ``--section.key`` that is not one (``--train.lrr=20``: did you mean train.lr?)."""
+    import difflib
+
+    verb_parser = getattr(args, "parser", parser)
+    for argument in unknown:
+        name = argument.removeprefix("--").split("=", 1)[0]
+        if argument.startswith("--") and "." in name:
+            close = difflib.get_close_matches(name, config_keys(), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            verb_parser.error(
+                f"unknown config key {name!r}{hint} (`highrank config show` lists every key)"
+            )
+    verb_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+
+
+__all__ = ["VERBS", "Verb", "build_parser", "main", "non_negative_int", "positive_int"]

@@ -1,0 +1,157 @@
+"""What several verbs share: argument types, config overrides, and the error guard.
+
+A bad value of an option is an argparse error naming the option (exit status 2); inside a verb,
+:func:`guarded` turns the library's errors into one line on stderr and an exit status: 2 for
+bad input (config, corpus, run directory, checkpoint), 1 for a diverged run, 130 for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+# ---- argument types: a bad value is an argparse error naming the option --------------------
+
+
+def positive_int(text: str) -> int:
+    """An integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated positive integers."""
+    return [positive_int(part) for part in text.split(",") if part.strip()]
+
+
+def head_list(text: str) -> tuple[str, ...]:
+    """Comma-separated head names from ``highrank.heads.HEADS``."""
+    from highrank.demo import check_head_names
+
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    try:
+        check_head_names(names)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return names
+
+
+# ---- config overrides: --section.key=value ------------------------------------------------
+
+
+class Override(argparse.Action):
+    """``--section.key=value`` (or ``--section.key value``) appended to ``args.overrides`` in
+    command-line order, for :func:`highrank.config.load_config`."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        overrides = list(getattr(namespace, "overrides", None) or [])
+        overrides.append(f"{option_string.removeprefix('--')}={values}")
+        namespace.overrides = overrides
+
+
+class Alias(Override):
+    """A flag that stands for one config key (``const``): ``--checkpoint-every 50`` is
+    ``--train.checkpoint_every=50``, an override in command-line order like the others."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, f"--{self.const}")
+
+
+def config_keys() -> list[str]:
+    """Every dotted config key, head knobs of every head included."""
+    import dataclasses
+
+    from highrank.config import MODEL_SET_KNOBS, SECTIONS
+    from highrank.heads import HEADS, head_knobs
+
+    keys = ["head.name"]
+    for section, schema in SECTIONS.items():
+        if section != "head":
+            keys += [f"{section}.{f.name}" for f in dataclasses.fields(schema)]
+    knobs = {k for name in HEADS for k in head_knobs(name) if k not in MODEL_SET_KNOBS}
+    return keys + [f"head.{k}" for k in sorted(knobs)]
+
+
+def add_overrides(parser: argparse.ArgumentParser) -> None:
+    """One ``--section.key`` option per config key (hidden from --help, listed in the epilog)."""
+    for key in config_keys():
+        parser.add_argument(f"--{key}", action=Override, dest="overrides", help=argparse.SUPPRESS)
+    parser.set_defaults(overrides=[])
+    parser.epilog = (
+        "Any config key can be overridden as --section.key=value (e.g. --train.lr=20 "
+        "--head.name=mos --run.out_dir=runs/x); `highrank config show` prints them all."
+    )
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+def input_errors() -> tuple[type[Exception], ...]:
+    """Errors in what the user gave (config, corpus, run directory): exit status 2."""
+    from highrank.checkpoint import CheckpointError
+    from highrank.config import ConfigError
+    from highrank.data import CorpusError
+    from highrank.runs import RunDirError
+
+    return ConfigError, CorpusError, CheckpointError, RunDirError
+
+
+# What a user does after Ctrl-C, per verb.
+AFTER_INTERRUPT = {
+    "train": "continue from the last checkpoint with `highrank train --resume RUN_DIR`",
+    "finetune": "continue from the last checkpoint with `highrank finetune RUN_DIR --resume`",
+    "analyze": "run the same command again: a kept matrix and the saved Gram matrix are reused",
+}
+
+
+def guarded(verb: str, job: Callable[[], int]) -> int:
+    """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130."""
+    from highrank.checkpoint import NonFiniteCheckpointError
+    from highrank.train import TrainingError
+
+    try:
+        return job()
+    except (TrainingError, NonFiniteCheckpointError) as error:
+        print(f"highrank {verb}: stopped: {error}", file=sys.stderr)
+        return 1
+    except input_errors() as error:
+        print(f"highrank {verb}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"highrank {verb}: interrupted; {AFTER_INTERRUPT.get(verb, 'nothing was kept')}",
+            file=sys.stderr,
+        )
+        return 130
+
+
+__all__ = [
+    "AFTER_INTERRUPT",
+    "Alias",
+    "Override",
+    "add_overrides",
+    "config_keys",
+    "guarded",
+    "head_list",
+    "input_errors",
+    "int_list",
+    "non_negative_int",
+    "positive_int",
+]

@@ -1,0 +1,61 @@
+"""``highrank dynamic-eval``: dynamic evaluation (Krause et al. 2017) of a trained run."""
+
+from __future__ import annotations
+
+import argparse
+
+from highrank.cli.common import guarded, positive_int
+from highrank.cli.evaluate import add_eval_options, load_for_eval, report_eval
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_eval_options(parser)
+    for flag, meaning in (("--lr", "eta"), ("--epsilon", "epsilon"), ("--prior-decay", "lambda")):
+        parser.add_argument(flag, type=float, help=f"{meaning} (default: the run's [dynamic_eval])")
+    parser.add_argument(
+        "--max-stats-batches",
+        type=positive_int,
+        help="gradient statistics from only this many training segments (default: all)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from highrank.evaluate import dynamic_evaluate, gradient_statistics
+
+    def job() -> int:
+        model, config, corpus = load_for_eval(args)
+        settings = config.dynamic_eval
+        stats = gradient_statistics(
+            model,
+            corpus.train,
+            batch_size=settings.stats_batch_size,
+            bptt=settings.bptt,
+            progress=not args.no_progress,
+            max_batches=args.max_stats_batches,
+            name=str(corpus.path("train")),
+        )
+        knobs = {
+            "lr": settings.lr if args.lr is None else args.lr,
+            "epsilon": settings.epsilon if args.epsilon is None else args.epsilon,
+            "prior_decay": settings.prior_decay if args.prior_decay is None else args.prior_decay,
+        }
+        result = dynamic_evaluate(
+            model,
+            corpus.split(args.split),
+            stats,
+            **knobs,
+            batch_size=settings.batch_size,
+            bptt=settings.bptt,
+            progress=not args.no_progress,
+            name=str(corpus.path(args.split)),
+        )
+        extra = {
+            **knobs,
+            "batch_size": settings.batch_size,
+            "bptt": settings.bptt,
+            "max_stats_batches": args.max_stats_batches,
+        }
+        report_eval(args, "dynamic-eval", result, extra)
+        return 0
+
+    return guarded("dynamic-eval", job)

@@ -1,0 +1,95 @@
+"""``highrank train``: train a language model from a TOML config, or ``--resume`` a run exactly.
+
+Also the options and the result line ``highrank finetune`` shares with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from highrank.cli.common import Alias, add_overrides, guarded, positive_int
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """--max-steps, --checkpoint-every, --no-progress."""
+    parser.add_argument(
+        "--max-steps",
+        type=positive_int,
+        help="stop after this many steps in total, saving last.pt (resume continues exactly)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        action=Alias,
+        const="train.checkpoint_every",
+        dest="overrides",
+        metavar="N",
+        help="steps between saves of checkpoints/last.pt, besides every epoch end; the same as "
+        "--train.checkpoint_every=N (default: the config's, 1000 unless it says otherwise)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def train_options(args: argparse.Namespace):
+    from highrank.train import TrainOptions
+
+    return TrainOptions(max_steps=args.max_steps, progress=not args.no_progress)
+
+
+def flags(args: argparse.Namespace) -> list[str]:
+    """The options of a train / finetune command line, for command.txt (``--checkpoint-every
+    N`` is among the overrides, written as ``--train.checkpoint_every=N``)."""
+    words = [f"--{text}" for text in args.overrides]
+    if args.max_steps is not None:
+        words += ["--max-steps", str(args.max_steps)]
+    return words
+
+
+def result_line(result) -> str:
+    """One line on how a stage ended."""
+    how = {"epochs": "all epochs done", "nonmono": "stopped by the non-monotone rule"}
+    how["max_steps"] = "stopped at --max-steps (continue with --resume)"
+    best = (
+        f"best validation perplexity {result.best_val_ppl:.2f} (epoch {result.best_epoch})"
+        if result.best_epoch
+        else "no validation improvement"
+    )
+    return (
+        f"{result.stage}: {how.get(result.stop_reason, result.stop_reason)} after "
+        f"{result.epochs_completed} epoch(s), {result.steps} steps; {best}; "
+        f"run directory {result.run_dir}"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML experiment file (see configs/)")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint, exactly (no CONFIG)",
+    )
+    add_run_options(parser)
+    add_overrides(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from highrank import train as training
+    from highrank.config import load_config
+
+    if (args.config is None) == (args.resume is None):
+        args.parser.error("give either CONFIG (a new run) or --resume RUN_DIR, not both")
+    command = ["highrank", "train", *([args.config] if args.config else [])]
+    command += [*(["--resume", args.resume] if args.resume else []), *flags(args)]
+
+    def job() -> int:
+        options = train_options(args)
+        if args.resume:
+            kwargs = {"overrides": args.overrides, "options": options, "command": command}
+            result = training.resume(args.resume, **kwargs)
+        else:
+            config = load_config(args.config, args.overrides)
+            result = training.train(config, options=options, command=command)
+        print(result_line(result))
+        return 0
+
+    return guarded("train", job)
