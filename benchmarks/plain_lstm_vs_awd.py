@@ -1,7 +1,7 @@
 """Training throughput: highrank's AWD-LSTM (every AWD regulariser off) against a plain PyTorch
 LSTM language model of the same size, on the same Penn Treebank batches, interleaved in one
-process. The logic lives in :mod:`highrank.bench.plain_lstm` (read its docstring for what is
-compared and how).
+process. The logic lives in ``benchmarks/plain_lstm.py`` beside this script (read its docstring
+for what is compared and how).
 
     python benchmarks/plain_lstm_vs_awd.py [--data-dir ../shared/data/ptb] [--steps 20]
         [--repeats 10] [--warmup 10] [--threads 2]
@@ -23,8 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from highrank.bench.plain_lstm import (  # noqa: E402
+from plain_lstm import (  # noqa: E402
     Settings,
     benchmark_config,
     markdown_table,

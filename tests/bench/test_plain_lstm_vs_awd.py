@@ -1,4 +1,4 @@
-"""Smoke tests of benchmarks/plain_lstm_vs_awd.py and highrank.bench.plain_lstm on a tiny
+"""Smoke tests of benchmarks/plain_lstm_vs_awd.py and benchmarks/plain_lstm.py on a tiny
 synthetic corpus (the real numbers come from the script on Penn Treebank)."""
 
 from __future__ import annotations
@@ -6,16 +6,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from highrank.bench import plain_lstm
 from highrank.data import load_corpus
 from highrank.model import build_model, count_parameters
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "plain_lstm_vs_awd.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCHMARKS / "plain_lstm_vs_awd.py"
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "ptb" / "small-softmax.toml"
 TINY = ["model.d_embed=8", "model.d_hidden=12", "train.batch_size=4", "train.bptt=6"]
 
@@ -33,11 +34,21 @@ def corpus(tmp_path) -> Path:
     return folder
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("plain_lstm_vs_awd", SCRIPT)
+def load_module(name: str, path: Path):
+    """Import a benchmark file as the module ``name`` (registered, so the script's own
+    ``from plain_lstm import ...`` finds this one)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+plain_lstm = load_module("plain_lstm", BENCHMARKS / "plain_lstm.py")
+
+
+def load_script():
+    return load_module("plain_lstm_vs_awd", SCRIPT)
 
 
 def test_script_writes_the_json_and_prints_the_table(corpus, tmp_path, capsys):

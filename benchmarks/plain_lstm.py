@@ -1,12 +1,16 @@
 """Training throughput of highrank's AWD-LSTM language model against a plain PyTorch LSTM
 language model of the same size, on the same Penn Treebank batches.
 
+A benchmark's peer model, not part of the library: run by ``benchmarks/plain_lstm_vs_awd.py``
+(which puts ``src/`` and this folder on ``sys.path``) and tested by
+``tests/bench/test_plain_lstm_vs_awd.py``.
+
 *Ours* is the model a recipe builds (:func:`highrank.model.build_model`, default
 ``configs/ptb/small-softmax.toml``) with every AWD regulariser off: no embedding dropout, no
 input dropout, no weight drop, no AR/TAR, fixed-length BPTT windows; only the dropouts a
 plain model has stay on (between the LSTM layers and on the output; locked here, one mask per
-sequence). Each step is :func:`highrank.train.optimization_step`, the step the trainer takes:
-the head's chunked loss, gradient clipping, SGD with weight decay.
+sequence). Each step is :func:`highrank.train.optimization_step`, the step the AWD-LSTM recipe
+takes: the head's chunked loss, gradient clipping, SGD with weight decay.
 
 *Plain* is the same network written the usual way (:class:`PlainLSTMLM`): ``nn.Embedding``
 -> ``nn.LSTM`` -> ``nn.Dropout`` -> ``nn.Linear`` tied to the embedding, ``F.cross_entropy``
