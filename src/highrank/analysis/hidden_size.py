@@ -1,0 +1,415 @@
+"""The output layer's hidden size, recovered from its log-probability matrix alone.
+
+Finlayson, Ren & Swayamdipta (2024), "Logits of API-Protected LLMs Leak Proprietary
+Information", and Carlini et al. (2024), "Stealing Part of a Production Language Model"
+(Sec. 4): the outputs of a softmax layer with hidden size d span a subspace of dimension about
+d, so the singular values of a matrix of many outputs fall off a cliff there; the largest
+multiplicative gap s_k / s_(k+1) of the spectrum marks it.
+
+**Which spectrum.** The raw log-probability matrix ``A (contexts x V)`` with
+``A[c] = log_softmax(W h_c + b)``, exactly as :mod:`~highrank.analysis.logprob_matrix` writes
+it and :mod:`~highrank.analysis.rank` takes its singular values. Row c is
+``W h_c + b - lse_c 1``, so the rows lie in span(columns of W, b, 1): rank(A) <= d + 2 with a
+bias and d + 1 without (Yang et al., 2018, Sec. 2), and generically equal. The centred-log-ratio
+(clr) rows ``A[c] - mean(A[c])`` that Finlayson et al. use remove exactly the direction 1 and
+have rank d + 1 / d; they are not used here because (1) the answer only moves by one, (2) a
+bias cannot be told from one more hidden unit with a constant value in either spectrum, and (3)
+the clr spectrum cannot be had from the singular values that rank records already store, nor
+from :func:`~highrank.analysis.rank.streamed_singular_values`, which this module reuses for
+matrices on disk. So the knee k of the raw spectrum gives **d = k - 2 with a bias, k - 1
+without**, and which of the two is not identifiable from the outputs.
+
+**The knee.** With ``s`` the singular values (descending):
+
+1. ``floor``: the level below which the computed values are rounding noise of the SVD itself
+   (in memory, a float64 SVD: ``eps64 * max(m, n) * s_max``, NumPy's ``matrix_rank``
+   tolerance; on disk, the Gram matrix's :func:`~highrank.analysis.rank.gram_resolution`).
+   Values below it are raised to it, so gaps among noise values count as 1 and cannot win.
+2. ``knee = argmax_{k >= 2} c_k / c_(k+1)`` of the floored values c; ``gap`` is that ratio.
+   k = 1 is excluded: s_1 carries the mean log-probability level (every entry is about
+   -log V), so s_1 / s_2 is large for every model (measured: 40-240 on random MoS and
+   Mixtape heads, where the gap at d + 1 was 2-8) and says nothing about d; a model whose
+   matrix has rank 1 ignores its context.
+3. A **low-rank knee** exists when ``gap >= min_gap`` (default 100: two orders of magnitude)
+   *and* every value after the knee lies at or below the Press threshold of the matrix's own
+   dtype (:func:`~highrank.analysis.rank.press_threshold`): the tail is numerically zero.
+   Otherwise the record says **no knee**: either the largest gap is small (a smoothly
+   decaying spectrum: MoS, Mixtape without gate sharing, SigSoftmax/GSS at their usual
+   scales) or values above the Press threshold follow it (a gap inside a high-rank
+   spectrum). Only a low-rank knee gives a ``hidden_size``. Mixtape *with* gate sharing has
+   an exact knee, but at about d + 2 + S (S frequent tokens with their own gates), far from
+   d + 2: the record says where, and :func:`matches_hidden_size` tells it from a softmax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from highrank.analysis.output import read_json, text_table, write_json
+from highrank.analysis.rank import (
+    GRAM_BACKENDS,
+    gram_resolution,
+    press_threshold,
+    singular_values,
+    streamed_singular_values,
+)
+
+DEFAULT_MIN_GAP = 100.0
+SPECTRUM = "singular values of the raw log-probability matrix (rows not centred)"
+TOP_GAPS = 5  # the largest gaps kept in a record, for a reader to judge the knee
+
+
+class HiddenSizeError(ValueError):
+    """A spectrum, matrix or record the hidden size cannot be estimated from."""
+
+
+# ---- the knee of a spectrum ------------------------------------------------------------------
+
+
+def spectrum_knee(
+    values: np.ndarray,
+    *,
+    shape: tuple[int, int],
+    dtype: np.dtype | torch.dtype | str,
+    floor: float,
+    min_gap: float = DEFAULT_MIN_GAP,
+) -> dict[str, Any]:
+    """The knee of singular ``values`` (descending) of a ``shape`` matrix stored as ``dtype``,
+    by the module's rule; ``floor`` is the level below which the values are rounding noise.
+
+    Returns a record: ``knee``, ``gap``, ``low_rank_knee``, ``hidden_size`` (``with_bias`` /
+    ``without_bias``, or None without a low-rank knee), ``press_rank`` and the numbers behind
+    them, and a one-line ``verdict``.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    _check_values(values, min_gap)
+    dtype = np.dtype(str(dtype).removeprefix("torch."))
+    s_max = float(values[0])
+    tau = press_threshold(tuple(shape), s_max, dtype)
+    floored = np.maximum(values, floor)
+    ratios = floored[:-1] / floored[1:]  # ratios[k - 1] = c_k / c_(k+1)
+    knee = 2 + int(np.argmax(ratios[1:]))
+    gap = float(ratios[knee - 1])
+    tail_above = int(np.count_nonzero(values[knee:] > tau))
+    low_rank = gap >= min_gap and tail_above == 0
+    largest = np.argsort(ratios[1:], kind="stable")[::-1][:TOP_GAPS] + 2
+    return {
+        "spectrum": SPECTRUM,
+        "shape": [int(n) for n in shape],
+        "dtype": str(dtype),
+        "n_values": int(values.size),
+        "knee": knee,
+        "gap": gap,
+        "low_rank_knee": bool(low_rank),
+        "hidden_size": {"with_bias": knee - 2, "without_bias": knee - 1} if low_rank else None,
+        "values_above_press_after_knee": tail_above,
+        "press_rank": int(np.count_nonzero(values > tau)),
+        "press_threshold": tau,
+        "floor": float(floor),
+        "min_gap": float(min_gap),
+        "level_gap": float(ratios[0]),  # s_1 / s_2, excluded from the search (module note)
+        "top_gaps": [[int(k), float(ratios[k - 1])] for k in largest],
+        "s_max": s_max,
+        "verdict": _verdict(knee, gap, low_rank, tail_above, min_gap),
+    }
+
+
+def _check_values(values: np.ndarray, min_gap: float) -> None:
+    if values.ndim != 1 or values.size < 3:
+        raise HiddenSizeError(
+            f"the knee needs at least 3 singular values (a matrix of at least 3 x 3); got "
+            f"{values.size}"
+        )
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise HiddenSizeError("singular values must be finite and >= 0")
+    if np.any(np.diff(values) > 0):
+        raise HiddenSizeError("singular values must be in descending order")
+    if values[0] == 0:
+        raise HiddenSizeError("the matrix is zero: it has no spectrum to find a knee in")
+    if not min_gap > 1:
+        raise HiddenSizeError(f"min_gap must be a number > 1; got {min_gap!r}")
+
+
+def _verdict(knee: int, gap: float, low_rank: bool, tail_above: int, min_gap: float) -> str:
+    if low_rank:
+        return (
+            f"knee at {knee} (gap {gap:.3g}x, the rest numerically zero): a softmax layer of "
+            f"hidden size {knee - 2} with a bias, or {knee - 1} without"
+        )
+    if gap < min_gap:
+        return f"no knee: the largest gap, {gap:.3g}x after value {knee}, is below {min_gap:g}x"
+    return (
+        f"no knee: the largest gap ({gap:.3g}x after value {knee}) is followed by {tail_above} "
+        "values above the Press threshold (a high-rank spectrum)"
+    )
+
+
+def matches_hidden_size(result: dict[str, Any], d: int) -> bool:
+    """Whether ``result`` found the knee a softmax layer of hidden size ``d`` has: a
+    low-rank knee at d + 1 (no bias) or d + 2 (bias)."""
+    return bool(result["low_rank_knee"]) and result["knee"] in (d + 1, d + 2)
+
+
+# ---- sources: a matrix in memory, a .npy on disk, a rank record -------------------------------
+
+
+def estimate_hidden_size(
+    matrix: np.ndarray | torch.Tensor, *, min_gap: float = DEFAULT_MIN_GAP
+) -> dict[str, Any]:
+    """The knee of a log-prob ``matrix (contexts, V)`` in memory; its singular values are
+    computed in float64 whatever its dtype (so a float32 matrix's rounding noise lies far
+    above the SVD's own), and its Press threshold uses its own dtype."""
+    if isinstance(matrix, torch.Tensor):
+        matrix = matrix.detach().cpu().numpy()
+    matrix = np.asarray(matrix)
+    if matrix.ndim != 2 or matrix.dtype not in (np.float32, np.float64):
+        raise HiddenSizeError(
+            f"expected a 2-D float32 or float64 matrix (contexts, vocabulary); got "
+            f"{matrix.dtype} of shape {matrix.shape}"
+        )
+    if not np.isfinite(matrix).all():
+        raise HiddenSizeError("the matrix holds NaN or infinite entries")
+    values = singular_values(matrix.astype(np.float64))
+    floor = float(values[0]) * max(matrix.shape) * np.finfo(np.float64).eps
+    return spectrum_knee(
+        values, shape=matrix.shape, dtype=matrix.dtype, floor=floor, min_gap=min_gap
+    )
+
+
+def estimate_hidden_size_file(
+    path: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP, **gram_options
+) -> dict[str, Any]:
+    """The knee of the log-prob matrix in the ``.npy`` at ``path``. A float32 matrix is
+    streamed through :func:`~highrank.analysis.rank.streamed_singular_values` (its
+    ``gram_options``: block_rows, backend, device, state_dir, progress), never held whole; a
+    float64 one is read into memory (:func:`estimate_hidden_size`)."""
+    from highrank.analysis.logprob_matrix import npy_layout
+
+    try:
+        shape, dtype, _ = npy_layout(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise HiddenSizeError(str(error)) from None
+    if len(shape) != 2:
+        raise HiddenSizeError(f"{path} holds an array of shape {shape}; expected a 2-D matrix")
+    if dtype == np.float64:
+        return {**estimate_hidden_size(np.load(path), min_gap=min_gap), "source": str(path)}
+    values = streamed_singular_values(path, **gram_options)
+    floor = gram_resolution(min(shape), float(values[0]))
+    result = spectrum_knee(values, shape=shape, dtype=dtype, floor=floor, min_gap=min_gap)
+    return {**result, "source": str(path)}
+
+
+def estimate_from_rank_record(
+    path: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP
+) -> dict[str, Any]:
+    """The knee of the singular values a rank record (``highrank analyze rank``) saved: its
+    ``singular_values_file`` (beside the record, or in ``RUN_DIR/analysis``) or an inline
+    ``singular_values`` list; floor = its ``resolution`` (Gram) or, without one, the
+    ``matrix_rank`` tolerance of its own dtype."""
+    path = Path(path)
+    record = read_json(path)
+    for key in ("shape", "dtype"):
+        if key not in record:
+            raise HiddenSizeError(f"{path} has no {key!r}: is it a rank record?")
+    values = _record_values(record, path)
+    shape = tuple(record["shape"])
+    if "resolution" in record:
+        floor = float(record["resolution"])
+    else:
+        floor = float(values[0]) * max(shape) * np.finfo(np.dtype(record["dtype"])).eps
+    result = spectrum_knee(values, shape=shape, dtype=record["dtype"], floor=floor, min_gap=min_gap)
+    return {**result, "source": str(path), "head": record.get("head")}
+
+
+def _record_values(record: dict[str, Any], path: Path) -> np.ndarray:
+    if "singular_values" in record:
+        return np.asarray(record["singular_values"], dtype=np.float64)
+    if "singular_values_file" not in record:
+        raise HiddenSizeError(
+            f"{path} has neither 'singular_values' nor 'singular_values_file': is it a rank record?"
+        )
+    name = record["singular_values_file"]
+    places = [path.parent / name]
+    if "run_dir" in record:
+        places.append(Path(record["run_dir"]) / "analysis" / name)
+    for place in places:
+        if place.is_file():
+            return np.load(place)
+    raise HiddenSizeError(
+        f"{path} names singular values {name!r}, found in none of {', '.join(map(str, places))}"
+    )
+
+
+# ---- runs: the rank machinery, then the knee -------------------------------------------------
+
+
+def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP, **rank_options):
+    """The knee of a trained run's log-prob matrix: the run's rank record for the same
+    settings (``rank_options``, as :func:`highrank.analysis.rank_cli.analyze_run` takes them)
+    is reused when it exists and computed (and kept) otherwise. Adds the head's configured
+    ``d_embed`` and whether the knee matches it (:func:`matches_hidden_size`)."""
+    from highrank.analysis.output import record_tag, run_record_path
+    from highrank.analysis.rank_cli import analyze_run as rank_run
+    from highrank.runs import RunDir
+
+    run = RunDir.open(run_dir)  # a clear error for a folder that is no run
+    tag = record_tag(
+        rank_options.get("split", "test"),
+        rank_options.get("which", "best"),
+        kind=rank_options.get("kind", "log_prob"),
+        max_contexts=rank_options.get("max_contexts"),
+    )
+    rank_path = run_record_path(run_dir, "rank", tag)
+    if not _rank_record_is_current(rank_path, run_dir, rank_options):
+        rank_run(run_dir, **rank_options)
+    result = estimate_from_rank_record(rank_path, min_gap=min_gap)
+    d_embed = run.load_config().model.d_embed
+    return {
+        **result,
+        "run_dir": str(run_dir),
+        "tag": tag,
+        "head_d_embed": d_embed,
+        "matches_d_embed": matches_hidden_size(result, d_embed),
+    }
+
+
+def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -> bool:
+    """A rank record at ``path`` computed from the run's present checkpoint file with the
+    same split, contexts and corpus (the settings a rank record stores)."""
+    from highrank.analysis.rank_cli import _file_fingerprint
+    from highrank.checkpoint import checkpoint_path
+
+    if not path.is_file():
+        return False
+    record = read_json(path)
+    which = rank_options.get("which", "best")
+    data_dir = rank_options.get("data_dir")
+    expected = {
+        "split": rank_options.get("split", "test"),
+        "max_contexts": rank_options.get("max_contexts"),
+        "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
+        "checkpoint_file": _file_fingerprint(checkpoint_path(run_dir, which)),
+    }
+    return all(record.get(key) == value for key, value in expected.items())
+
+
+# ---- command line (wired into `highrank analyze hidden-size` by analysis/commands.py) -------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from highrank.cli import positive_int
+
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="RUN_DIR|MATRIX.npy|RANK.json",
+        help="runs of `highrank train` (their rank record is reused or computed), log-prob "
+        "matrices (.npy, contexts x vocabulary) or rank records (.json)",
+    )
+    parser.add_argument(
+        "--min-gap",
+        type=float,
+        default=DEFAULT_MIN_GAP,
+        help=f"smallest gap s_k/s_(k+1) that counts as a knee ({DEFAULT_MIN_GAP:g})",
+    )
+    parser.add_argument(
+        "--expect", type=positive_int, help="a hidden size to check the knee against"
+    )
+    runs = parser.add_argument_group("runs (as `highrank analyze rank`)")
+    runs.add_argument("--which", default="best", help="checkpoint (best)")
+    runs.add_argument("--split", choices=("train", "valid", "test"), default="test")
+    runs.add_argument("--data-dir", help="corpus folder (default: each run's data.dir)")
+    runs.add_argument("--max-contexts", type=positive_int, help="only the first N contexts")
+    gram = parser.add_argument_group("matrices on disk and runs")
+    gram.add_argument("--backend", choices=GRAM_BACKENDS, default="auto", help="(auto)")
+    gram.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
+    gram.add_argument("--block-rows", type=positive_int, default=2048, help="(2048)")
+    parser.add_argument("--out", help="also write hidden-size.json and hidden-size.md here")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    records = []
+    try:
+        for source in args.inputs:
+            record = _estimate(Path(source), args)
+            if args.expect is not None:
+                record["expected_hidden_size"] = args.expect
+                record["matches_expected"] = matches_hidden_size(record, args.expect)
+            written = write_json(_record_path(Path(source), record), record)
+            print(f"wrote {written}")
+            records.append(record)
+    except (ValueError, FileNotFoundError) as error:  # bad input, incl. the Gram memory plan
+        print(f"highrank analyze hidden-size: error: {error}", file=sys.stderr)
+        return 2
+    print(summary_table(records), end="")
+    for record in records:
+        print(f"{record['source']}: {record['verdict']}")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "hidden-size.json", {"spectrum": SPECTRUM, "inputs": records})
+        (out / "hidden-size.md").write_text(summary_table(records, markdown=True))
+        print(f"wrote {out / 'hidden-size.json'}, {out / 'hidden-size.md'}")
+    return 0
+
+
+def _estimate(source: Path, args: argparse.Namespace) -> dict[str, Any]:
+    gram = {"backend": args.backend, "device": args.device, "block_rows": args.block_rows}
+    if source.is_dir():
+        record = analyze_run(
+            source,
+            min_gap=args.min_gap,
+            split=args.split,
+            which=args.which,
+            data_dir=args.data_dir,
+            max_contexts=args.max_contexts,
+            progress=not args.no_progress,
+            **gram,
+        )
+        return {**record, "source": str(source)}
+    if source.suffix == ".npy":
+        return estimate_hidden_size_file(
+            source, min_gap=args.min_gap, progress=not args.no_progress, **gram
+        )
+    if source.suffix == ".json":
+        return estimate_from_rank_record(source, min_gap=args.min_gap)
+    raise HiddenSizeError(
+        f"{source}: expected a run directory, a .npy log-prob matrix or a rank record .json"
+    )
+
+
+def _record_path(source: Path, record: dict[str, Any]) -> Path:
+    """``RUN_DIR/analysis/hidden-size-TAG.json`` for a run; ``hidden-size-<stem>.json``
+    beside a matrix or record."""
+    if "tag" in record:
+        from highrank.analysis.output import run_record_path
+
+        return run_record_path(source, "hidden-size", record["tag"])
+    return source.with_name(f"hidden-size-{source.stem}.json")
+
+
+def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    headers = ["input", "matrix", "knee", "gap", "low-rank", "d (bias)", "d (no bias)", "Press"]
+    rows = []
+    for r in records:
+        size = r["hidden_size"] or {}
+        rows.append(
+            [
+                r["source"],
+                f"{r['shape'][0]:,} x {r['shape'][1]:,}",
+                r["knee"],
+                r["gap"],
+                "yes" if r["low_rank_knee"] else "no",
+                size.get("with_bias"),
+                size.get("without_bias"),
+                r["press_rank"],
+            ]
+        )
+    return text_table(headers, rows, markdown=markdown)
