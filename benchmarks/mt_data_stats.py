@@ -16,7 +16,7 @@ per split with one ``<eos>`` per line, the vocabulary size, and the bits per cha
 train unigram distribution on each split (the baseline every character model must beat).
 
 Writes ``stats.json`` and ``stats.txt`` (the printed tables) to ``--out``. Everything is
-deterministic; the script takes about half a minute on a 2-vCPU machine.
+deterministic.
 """
 
 from __future__ import annotations
