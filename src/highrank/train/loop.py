@@ -20,13 +20,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from highrank.checkpoint import FORMAT, VERSION, capture_rng, restore_rng, save_checkpoint
 from highrank.config import Config, config_to_dict
 from highrank.runs import MetricsLog, RunDir
 from highrank.train.recipe import Recipe, Stage, StepBatch
-from highrank.train.reporting import RunLog, finite_or_none, perplexity, say, validation_line
+from highrank.train.reporting import RunLog
 from highrank.train.state import (
     Meter,
     Progress,
@@ -108,12 +109,10 @@ class Trainer:
         p.consecutive_skips = p.consecutive_skips + 1 if skipped else 0
         allowed = self.config.train.max_nonfinite_skips
         if p.consecutive_skips > allowed:
+            last = self.run_dir.checkpoint(self.stage.last)
+            advice = self.recipe.divergence_advice()
             raise TrainingError(
-                f"{self.stage.name} step {p.step} (epoch {p.epoch}): the {self._skip_reason}; "
-                f"{p.consecutive_skips} consecutive steps were non-finite, more than "
-                f"train.max_nonfinite_skips = {allowed}. Those steps changed nothing and the "
-                f"last checkpoint ({self.run_dir.checkpoint(self.stage.last)}) holds finite "
-                f"weights. {self.recipe.divergence_advice()}"
+                _diverged(self.stage.name, p, self._skip_reason, allowed, last, advice)
             )
 
     def _after_step(self, batch: StepBatch, loss: float | None, epoch_over: bool) -> None:
@@ -152,29 +151,14 @@ class Trainer:
         start = time.perf_counter()
         val_loss = self.recipe.validate()
         if not math.isfinite(val_loss):
-            raise TrainingError(
-                f"{self.stage.name} epoch {p.epoch}: the validation loss is {val_loss} although "
-                f"the weights are finite; try a lower learning rate (train.lr = "
-                f"{self.recipe.lr:g}) and restart from an earlier checkpoint"
-            )
+            raise TrainingError(_bad_validation(self.stage.name, p.epoch, val_loss, self.recipe))
         seconds = time.perf_counter() - start
         improved = val_loss < p.best_val_loss
         if improved:
             p.best_val_loss, p.best_epoch = val_loss, p.epoch
         record = self._record(kind, p.epoch_meter)  # the phase before the recipe's verdict
         verdict = self.recipe.after_validation(val_loss, p)
-        record.update(
-            val_loss=val_loss,
-            val_ppl=finite_or_none(perplexity(val_loss)),
-            best_val_loss=p.best_val_loss,
-            improved=improved,
-            eval_seconds=round(seconds, 3),
-            **verdict.fields,
-        )
-        self.log.write(record)
-        say(validation_line(record))
-        if verdict.message:
-            say(verdict.message)
+        self.log.validation(record, val_loss, improved, seconds, verdict)
         if verdict.stop_reason:
             p.done, p.stop_reason = True, verdict.stop_reason
         return improved
@@ -199,9 +183,6 @@ class Trainer:
 
     def payload(self, kind: str) -> dict[str, Any]:
         """The checkpoint contents (see :mod:`highrank.checkpoint`)."""
-        recipe = self.recipe
-        rng = capture_rng()
-        rng.update({name: g.get_state() for name, g in recipe.generators().items()})
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -209,15 +190,39 @@ class Trainer:
             "stage": self.stage.name,
             "config": config_to_dict(self.config),
             "vocab_size": self.vocab_size,
-            "model": recipe.evaluation_state_dict(),
-            "training": {
-                "model": recipe.model.state_dict(),
-                **recipe.state_dict(),
-                "rng": rng,
-                "progress": dataclasses.asdict(self.progress),
-                "metrics_offset": self.log.metrics.offset(),
-            },
+            "model": self.recipe.evaluation_state_dict(),
+            "training": training_state(self.recipe, self.progress, self.log.metrics.offset()),
         }
+
+
+def training_state(recipe: Recipe, progress: Progress, metrics_offset: int) -> dict[str, Any]:
+    """A checkpoint's ``"training"``: what :func:`restore` needs to continue exactly."""
+    rng = capture_rng()
+    rng.update({name: g.get_state() for name, g in recipe.generators().items()})
+    return {
+        "model": recipe.model.state_dict(),
+        **recipe.state_dict(),
+        "rng": rng,
+        "progress": dataclasses.asdict(progress),
+        "metrics_offset": metrics_offset,
+    }
+
+
+def _diverged(stage: str, p: Progress, reason: str, allowed: int, last: Path, advice: str) -> str:
+    return (
+        f"{stage} step {p.step} (epoch {p.epoch}): the {reason}; {p.consecutive_skips} "
+        f"consecutive steps were non-finite, more than train.max_nonfinite_skips = {allowed}. "
+        f"Those steps changed nothing and the last checkpoint ({last}) holds finite weights. "
+        f"{advice}"
+    )
+
+
+def _bad_validation(stage: str, epoch: int, val_loss: float, recipe: Recipe) -> str:
+    return (
+        f"{stage} epoch {epoch}: the validation loss is {val_loss} although the weights are "
+        f"finite; try a lower learning rate (train.lr = {recipe.lr:g}) and restart from an "
+        f"earlier checkpoint"
+    )
 
 
 def restore(
@@ -243,4 +248,4 @@ def restore(
     return Trainer(config, run, stage, recipe, progress, options, vocab_size)
 
 
-__all__ = ["Trainer", "restore"]
+__all__ = ["Trainer", "restore", "training_state"]

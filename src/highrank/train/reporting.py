@@ -19,7 +19,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from highrank.runs import MetricsLog, RunDir, TensorBoardLog
-from highrank.train.recipe import EpochSize
+from highrank.train.recipe import EpochSize, Verdict
 from highrank.train.state import Meter, Progress
 
 
@@ -49,6 +49,29 @@ class RunLog:
             "skipped_steps": meter.skipped,
             "seconds": round(meter.seconds, 3),
         }
+
+    def validation(
+        self,
+        record: dict[str, Any],
+        val_loss: float,
+        improved: bool,
+        seconds: float,
+        verdict: Verdict,
+    ) -> None:
+        """Complete a validation's ``record`` (from :meth:`record`), write it, and print its
+        line and the recipe's message."""
+        record.update(
+            val_loss=val_loss,
+            val_ppl=finite_or_none(perplexity(val_loss)),
+            best_val_loss=self.progress.best_val_loss,
+            improved=improved,
+            eval_seconds=round(seconds, 3),
+            **verdict.fields,
+        )
+        self.write(record)
+        say(validation_line(record))
+        if verdict.message:
+            say(verdict.message)
 
     def write(self, record: Mapping[str, Any]) -> None:
         self.metrics.write(record)
