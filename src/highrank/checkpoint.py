@@ -14,16 +14,21 @@ and None, so ``torch.load(path, weights_only=True)`` reads it (no pickled classe
       "training": {                            # everything a resumed run needs
         "model": {name: tensor},               # the raw iterates being optimised (before the
                                                # switch the same tensors as "model": stored once)
-        "optimizer": optimizer.state_dict(),   # SGD, or ASGD with its averages "ax"
-        "phase": "sgd" | "asgd",
-        "trigger": trigger.state_dict(),       # NT-ASGD history / ET-ASGD epoch count
-        "rng": {"python", "numpy", "torch", "cuda", "bptt"},
-        "progress": {...},                     # epoch, row position in the epoch, step,
+        ...recipe.state_dict(),                # the training recipe's own keys; AWD-LSTM:
+          "optimizer": optimizer.state_dict(), #   SGD, or ASGD with its averages "ax"
+          "phase": "sgd" | "asgd",
+          "trigger": trigger.state_dict(),     #   NT-ASGD history / ET-ASGD epoch count
+          "hidden": [[h, c], ...],             #   recurrent state, each (1, B, H_layer)
+        "rng": {"python", "numpy", "torch", "cuda", + the recipe's generators (AWD: "bptt")},
+        "progress": {...},                     # epoch, position in the epoch, step,
                                                # best validation loss, skip and metric counters
-        "hidden": [[h, c], ...],               # recurrent state, each (1, B, H_layer)
         "metrics_offset": int,                 # bytes of metrics.jsonl written at this point
       },
     }
+
+The loop (:mod:`highrank.train.loop`) writes everything but the recipe's keys; the recipes
+(:mod:`highrank.train.recipe`) own theirs. Runs written before training became a loop plus
+recipes have exactly this layout (tests/fixtures/run-v1).
 
 Writing (:func:`save_checkpoint`) goes to a temporary file in the same directory, is flushed
 and fsynced, replaces the target with ``os.replace`` and then fsyncs the directory, so a crash
