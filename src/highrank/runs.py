@@ -7,7 +7,8 @@ Layout of ``config.run.out_dir``::
     environment.json    python, torch, numpy versions, platform, threads, git commit (or null)
     vocab.json          the vocabulary (highrank.data.Vocab.save), id order
     metrics.jsonl       one JSON object per line: "kind": "step" every train.log_every steps,
-                        "kind": "epoch" after each epoch's validation (see highrank.train)
+                        "kind": "epoch" after each epoch's validation, "kind": "eval" after a
+                        mid-epoch one (see highrank.train.reporting)
     checkpoints/        last.pt (+ last.prev.pt), best.pt, finetune-last.pt, finetuned.pt
     tensorboard/        the same scalars, when the optional ``tensorboard`` package imports
 """
