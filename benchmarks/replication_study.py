@@ -28,7 +28,10 @@ The budget (the same for every head; defaults, stated again in ``summary.md``):
 
 Rerunning continues where it stopped: a finished stage leaves its record (a ``.done`` marker
 for training, the verb's own JSON record otherwise) and is never redone; an interrupted
-training run resumes from its last checkpoint (or restarts when it had none).
+training run resumes from its last checkpoint (or restarts when it had none). The run
+directories live in ``benchmarks/results/replication/runs`` and are committed without their
+checkpoints and log-prob matrices (.gitignore), so that a later fresh clone holds every
+finished stage's records and continues with the rest.
 """
 
 from __future__ import annotations
@@ -319,7 +322,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--extra-seeds", type=int, default=2, help="more for softmax, MoS (2)")
     parser.add_argument("--epochs", type=int, default=3, help="PTB epochs per run (3)")
     parser.add_argument("--rank-contexts", type=int, default=20_000, help="(20000)")
-    parser.add_argument("--runs", default=str(REPO / "runs" / "replication"))
+    parser.add_argument("--runs", default=str(REPO / "benchmarks/results/replication/runs"))
     parser.add_argument("--results", default=str(REPO / "benchmarks/results/replication"))
     parser.add_argument("--plan", action="store_true", help="print the remaining work only")
     parser.add_argument(
