@@ -185,7 +185,7 @@ def test_rotary_rotates_pairs_and_scores_depend_on_offsets_only():
 
 
 def test_eval_is_deterministic_and_each_dropout_acts_only_in_training():
-    knobs = {"dropout_embedding": 0.0, "dropout_attention": 0.0, "dropout_residual": 0.0}
+    knobs = {"dropout_input": 0.0, "dropout_attention": 0.0, "dropout_residual": 0.0}
     tokens = torch.randint(0, 30, (6, 2))
     quiet = _small(**knobs).train()
     torch.testing.assert_close(quiet(tokens)[0], quiet(tokens)[0], rtol=0, atol=0)

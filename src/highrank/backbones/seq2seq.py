@@ -103,7 +103,7 @@ class TransformerSeq2Seq(nn.Module):
         n_encoder_layers, n_decoder_layers: blocks in each stack.
         positions: ``"learned"``, ``"sinusoidal"`` or ``"rotary"``.
         max_len: longest sentence (learned positions only).
-        dropout_embedding, dropout_attention, dropout_residual: as in
+        dropout_input, dropout_attention, dropout_residual: as in
             :class:`highrank.backbones.transformer.CausalTransformer`.
         share_embeddings: one embedding matrix for source and target.
         tie_output: the head's decoder weight is the target embedding.
@@ -124,7 +124,7 @@ class TransformerSeq2Seq(nn.Module):
         n_decoder_layers: int = 6,
         positions: str = "sinusoidal",
         max_len: int = 1024,
-        dropout_embedding: float = 0.1,
+        dropout_input: float = 0.1,
         dropout_attention: float = 0.0,
         dropout_residual: float = 0.1,
         share_embeddings: bool = False,
@@ -146,7 +146,7 @@ class TransformerSeq2Seq(nn.Module):
             dropout_residual=dropout_residual,
             rotary=positions == "rotary",
         )
-        inputs = {"positions": positions, "max_len": max_len, "dropout": dropout_embedding}
+        inputs = {"positions": positions, "max_len": max_len, "dropout": dropout_input}
         self.src_inputs = InputEmbedding(d_model, **inputs)
         self.tgt_inputs = InputEmbedding(d_model, **inputs)
         self.encoder = TransformerStack(n_encoder_layers, sizes, causal=False)

@@ -10,7 +10,7 @@ One block (``d`` = d_model, ``LN`` = LayerNorm, dropouts as in Vaswani et al. Se
     x = x + dropout_residual(W_2 GELU(W_1 LN(x) + b_1) + b_2)
 
 and a stack of blocks ends in a final LN (pre-LN needs it: the residual stream is never
-normalised otherwise). Inputs are ``dropout_embedding(sqrt(d) E[token] + P[position])``
+normalised otherwise). Inputs are ``dropout_input(sqrt(d) E[token] + P[position])``
 (Sec. 3.4, 3.5). Positions are a knob:
 
 * ``"learned"``: a table of ``max_len`` vectors (GPT-2; fairseq's learned positions);
@@ -93,7 +93,7 @@ class InputEmbedding(nn.Module):
         self.table = nn.Embedding(max_len, d_model) if positions == "learned" else None
         if self.table is not None:
             nn.init.normal_(self.table.weight, std=d_model**-0.5)
-        self.dropout = nn.Dropout(check_probability("dropout_embedding", dropout))
+        self.dropout = nn.Dropout(check_probability("dropout_input", dropout))
 
     def forward(self, vectors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """vectors ``(B, T, d)`` (looked-up tokens), positions ``(T,)`` -> ``(B, T, d)``."""
@@ -402,7 +402,8 @@ class CausalTransformer(nn.Module):
         d_ff: inner size of the feed-forward layer; None: 4 d_model (Vaswani, GPT-2).
         positions: ``"learned"``, ``"sinusoidal"`` or ``"rotary"`` (module docstring).
         max_len: longest sequence (learned positions only: the table's rows).
-        dropout_embedding: dropout on embeddings plus positions.
+        dropout_input: dropout on the input vectors, embeddings plus positions (the name of
+            AWD-LSTM's ``dropouti``, dropout on its embedding output; here not locked).
         dropout_attention: dropout on attention weights.
         dropout_residual: dropout on every sub-layer's output before the residual sum.
     """
@@ -417,7 +418,7 @@ class CausalTransformer(nn.Module):
         d_ff: int | None = None,
         positions: str = "learned",
         max_len: int = 512,
-        dropout_embedding: float = 0.1,
+        dropout_input: float = 0.1,
         dropout_attention: float = 0.1,
         dropout_residual: float = 0.1,
     ) -> None:
@@ -428,7 +429,7 @@ class CausalTransformer(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d_model)
         nn.init.normal_(self.embedding.weight, std=d_model**-0.5)  # unit scale after sqrt(d)
         self.inputs = InputEmbedding(
-            d_model, positions=positions, max_len=max_len, dropout=dropout_embedding
+            d_model, positions=positions, max_len=max_len, dropout=dropout_input
         )
         sizes = BlockSizes(
             d_model=d_model,
