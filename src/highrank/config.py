@@ -16,10 +16,14 @@ Sections and keys (defaults: AWD-LSTM with a softmax head on Penn Treebank, Meri
 the MoS values of Yang et al. 2018 are in the docstrings):
 
 * ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: the user cache, ~/.cache/highrank) —
-  :func:`highrank.data.load_corpus`.
-* ``[model]`` backbone (the model family: ``awd-lstm``), d_embed, tie_weights, and the keys of
-  the family: for ``awd-lstm`` d_hidden, n_layers, d_last (unset: d_embed), dropout_embedding,
-  dropout_input, dropout_hidden, dropout_output, weight_drop, ar_alpha, tar_beta.
+  :func:`highrank.data.load_corpus`; for ``seq2seq`` (a parallel corpus, :mod:`highrank.bitext`)
+  src_lang, tgt_lang, subword_type, subword_vocab_size, subword_joint (:mod:`highrank.subwords`).
+* ``[model]`` backbone (the model family: ``awd-lstm`` | ``seq2seq``), d_embed, tie_weights, and
+  the keys of the family: for ``awd-lstm`` d_hidden, n_layers, d_last (unset: d_embed),
+  dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop, ar_alpha,
+  tar_beta; for ``seq2seq`` (:class:`highrank.backbones.seq2seq.TransformerSeq2Seq`, d_model =
+  d_embed) n_encoder_layers, n_decoder_layers, n_heads, d_ff (unset: 4 d_embed), positions,
+  max_len, dropout_embedding, dropout_attention, dropout_residual, share_embeddings.
 * ``[head]`` name (a key of :data:`highrank.heads.HEADS`) and, in the same table, that head's
   knobs (``n_components = 15``), checked against :func:`highrank.heads.head_knobs`. The knobs
   the model wires itself (:data:`MODEL_SET_KNOBS`) are not configurable here. A loaded config
@@ -28,9 +32,14 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.optim`), nonmono, switch_epoch,
   seed, eval_batch_size, test_batch_size, log_every, checkpoint_every, chunk_size (unset:
   "auto"), max_nonfinite_skips.
+  ``seq2seq`` reads max_tokens, label_smoothing, warmup_steps, lr_schedule, adam_beta2,
+  eval_every (:mod:`highrank.train.seq2seq`) besides lr, weight_decay, clip, epochs, seed,
+  log_every, checkpoint_every, chunk_size, max_nonfinite_skips.
 * ``[finetune]`` lr, epochs.
 * ``[dynamic_eval]`` lr, epsilon, prior_decay, batch_size, bptt, stats_batch_size (Krause
   et al. 2017).
+* ``[decode]`` (``seq2seq``) beam_size, length_penalty, max_len_a, max_len_b
+  (:mod:`highrank.translation`).
 * ``[run]`` out_dir, device.
 
 TOML has no null, so a key whose default is "unset" (None) is written by leaving it out.
@@ -61,7 +70,7 @@ from highrank.data import MODES
 from highrank.heads import HEADS, head_knobs
 from highrank.optim import SWITCH_POLICIES
 
-BACKBONES = ("awd-lstm",)  # model.backbone: the model families
+BACKBONES = ("awd-lstm", "seq2seq")  # model.backbone: the model families
 # Family -> section -> the keys of that section only this family (and any other family listing
 # them too) reads; a key listed for no family is read by every family.
 FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -79,6 +88,30 @@ FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
             "tar_beta",
         ),
         "train": ("max_seq_len_delta", "optimizer", "nonmono", "switch_epoch"),
+    },
+    "seq2seq": {
+        "data": ("src_lang", "tgt_lang", "subword_type", "subword_vocab_size", "subword_joint"),
+        "model": (
+            "n_encoder_layers",
+            "n_decoder_layers",
+            "n_heads",
+            "d_ff",
+            "positions",
+            "max_len",
+            "dropout_embedding",
+            "dropout_attention",
+            "dropout_residual",
+            "share_embeddings",
+        ),
+        "train": (
+            "max_tokens",
+            "label_smoothing",
+            "warmup_steps",
+            "lr_schedule",
+            "adam_beta2",
+            "eval_every",
+        ),
+        "decode": ("beam_size", "length_penalty", "max_len_a", "max_len_b"),
     },
 }
 # Head constructor arguments that the model sets from [model], not the user from [head].
@@ -100,11 +133,22 @@ class DataConfig:
         dir: corpus directory.
         mode: ``"word"`` (whitespace tokens) or ``"char"`` (characters).
         cache_dir: where token-id caches go; None (unset): the user cache (~/.cache/highrank).
+        src_lang, tgt_lang: (``seq2seq``) the file suffixes of the two sides of a parallel
+            corpus, ``{train,valid,test}.<lang>`` (:mod:`highrank.bitext`).
+        subword_type: (``seq2seq``) SentencePiece ``"bpe"`` or ``"unigram"``, learned on the
+            train split only (:mod:`highrank.subwords`).
+        subword_vocab_size: (``seq2seq``) pieces per vocabulary, the four specials included.
+        subword_joint: (``seq2seq``) one vocabulary for both languages.
     """
 
     dir: str = "data/ptb"
     mode: str = "word"
     cache_dir: str | None = None
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    subword_type: str = "bpe"
+    subword_vocab_size: int = 8000
+    subword_joint: bool = True
 
 
 @dataclass
@@ -126,6 +170,23 @@ class ModelConfig:
         weight_drop: ``wdrop``, DropConnect on the hidden-to-hidden matrices.
         ar_alpha: activation regularisation weight (alpha).
         tar_beta: temporal activation regularisation weight (beta).
+
+    The ``seq2seq`` family (Vaswani et al. 2017; defaults: their base model; d_model is
+    d_embed, and tie_weights ties the head's decoder to the target embedding):
+
+    Attributes:
+        n_encoder_layers, n_decoder_layers: Transformer blocks in each stack.
+        n_heads: attention heads (d_embed must be a multiple).
+        d_ff: feed-forward width; None (unset): 4 d_embed.
+        positions: ``"sinusoidal"``, ``"learned"`` or ``"rotary"``.
+        max_len: longest sentence in tokens (the learned position table; longer training
+            pairs are dropped).
+        dropout_embedding: (``seq2seq``) dropout on the scaled embeddings plus positions
+            (for ``awd-lstm`` it is ``dropoute``, above).
+        dropout_attention: dropout on the attention weights.
+        dropout_residual: dropout on each block's output before the residual sum.
+        share_embeddings: one embedding matrix for source and target (needs
+            data.subword_joint).
     """
 
     backbone: str = "awd-lstm"
@@ -141,6 +202,15 @@ class ModelConfig:
     weight_drop: float = 0.5
     ar_alpha: float = 2.0
     tar_beta: float = 1.0
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    n_heads: int = 8
+    d_ff: int | None = None
+    positions: str = "sinusoidal"
+    max_len: int = 256
+    dropout_attention: float = 0.0
+    dropout_residual: float = 0.1
+    share_embeddings: bool = True
 
 
 @dataclass
@@ -182,6 +252,19 @@ class TrainConfig:
             2**21 logits (see OutputHead.loss).
         max_nonfinite_skips: steps with a non-finite loss or gradient that may be skipped
             before the run stops with an error.
+
+    The ``seq2seq`` family (:mod:`highrank.train.seq2seq`; lr is the peak learning rate):
+
+    Attributes:
+        max_tokens: a batch holds at most this many padded tokens on its longer side
+            (fairseq ``--max-tokens``).
+        label_smoothing: epsilon of the label-smoothed loss (Szegedy et al. 2016).
+        warmup_steps: updates of linear warm-up from 0 to lr.
+        lr_schedule: after the warm-up, ``"inverse-sqrt"`` (lr sqrt(warmup / step), Vaswani
+            et al. 2017 eq. 3) or ``"cosine"`` (to 0 at the last update of train.epochs).
+        adam_beta2: AdamW's beta2 (beta1 0.9, epsilon 1e-9: Vaswani et al. 2017).
+        eval_every: updates between validations besides every epoch end; None (unset): at
+            epoch ends only.
     """
 
     batch_size: int = 20
@@ -201,6 +284,12 @@ class TrainConfig:
     checkpoint_every: int = 1000
     chunk_size: int | None = None
     max_nonfinite_skips: int = 10
+    max_tokens: int = 4096
+    label_smoothing: float = 0.1
+    warmup_steps: int = 4000
+    lr_schedule: str = "inverse-sqrt"
+    adam_beta2: float = 0.98
+    eval_every: int | None = None
 
 
 @dataclass
@@ -240,6 +329,23 @@ class DynamicEvalConfig:
 
 
 @dataclass
+class DecodeConfig:
+    """Decoding a translation model (``seq2seq``; :mod:`highrank.decoding`).
+
+    Attributes:
+        beam_size: hypotheses kept per sentence; 1 is greedy search's output.
+        length_penalty: alpha of GNMT's ((5 + |y|) / 6) ** alpha (Wu et al. 2016); 0: none.
+        max_len_a, max_len_b: at most ``a * (longest source of the batch) + b`` tokens are
+            generated (fairseq ``--max-len-a/b``), and never beyond model.max_len.
+    """
+
+    beam_size: int = 5
+    length_penalty: float = 1.0
+    max_len_a: float = 1.5
+    max_len_b: int = 10
+
+
+@dataclass
 class RunConfig:
     """Where and on what a run happens.
 
@@ -262,6 +368,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     dynamic_eval: DynamicEvalConfig = field(default_factory=DynamicEvalConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -580,14 +687,38 @@ DEVICE: _Rule = (
     "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'",
 )
 SEED: _Rule = (lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
+LANGUAGE: _Rule = (
+    lambda v: re.fullmatch(r"[A-Za-z0-9_\-]+", v) is not None,
+    "a language suffix such as 'en' (letters, digits, '_' or '-'; the split files' extension)",
+)
 
 # Dotted key -> rule; None values (unset optional keys) are not checked.
 RULES: dict[str, _Rule] = {
     "data.dir": NON_EMPTY,
     "data.mode": _one_of(MODES),
     "data.cache_dir": NON_EMPTY,
+    "data.src_lang": LANGUAGE,
+    "data.tgt_lang": LANGUAGE,
+    "data.subword_type": _one_of(("bpe", "unigram")),
+    "data.subword_vocab_size": (lambda v: v > 4, "> 4 (the four special pieces and more)"),
     "model.backbone": _one_of(BACKBONES),
-    **{f"model.{k}": POSITIVE for k in ("d_embed", "d_hidden", "n_layers", "d_last")},
+    **{
+        f"model.{k}": POSITIVE
+        for k in (
+            "d_embed",
+            "d_hidden",
+            "n_layers",
+            "d_last",
+            "n_encoder_layers",
+            "n_decoder_layers",
+            "n_heads",
+            "d_ff",
+        )
+    },
+    "model.positions": _one_of(("sinusoidal", "learned", "rotary")),
+    "model.max_len": (lambda v: v >= 2, ">= 2"),
+    "model.dropout_attention": PROBABILITY,
+    "model.dropout_residual": PROBABILITY,
     **{
         f"model.{k}": PROBABILITY
         for k in (
@@ -613,8 +744,18 @@ RULES: dict[str, _Rule] = {
             "log_every",
             "checkpoint_every",
             "chunk_size",
+            "max_tokens",
+            "eval_every",
         )
     },
+    "train.label_smoothing": PROBABILITY,
+    "train.warmup_steps": NON_NEGATIVE,
+    "train.lr_schedule": _one_of(("inverse-sqrt", "cosine")),
+    "train.adam_beta2": PROBABILITY,
+    "decode.beam_size": POSITIVE,
+    "decode.length_penalty": NON_NEGATIVE_FINITE,
+    "decode.max_len_a": NON_NEGATIVE_FINITE,
+    "decode.max_len_b": POSITIVE,
     "train.max_seq_len_delta": NON_NEGATIVE,
     "train.max_nonfinite_skips": NON_NEGATIVE,
     "train.lr": POSITIVE_FINITE,
@@ -647,6 +788,8 @@ def validate_config(config: Config, origins: Mapping[str, str] | None = None) ->
                 f"expected {expected}"
             )
     _validate_switch_epoch(config, origins)
+    if config.model.backbone == "seq2seq":
+        _validate_seq2seq(config, origins)
 
 
 def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
@@ -657,6 +800,26 @@ def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
             f"{train.switch_epoch} with train.epochs = {train.epochs}: et-asgd switches after "
             f"epoch switch_epoch, so it would never average; lower train.switch_epoch or raise "
             f"train.epochs"
+        )
+
+
+def _validate_seq2seq(config: Config, origins: Mapping[str, str]) -> None:
+    """Cross-key rules of a translation config."""
+    data, model = config.data, config.model
+    if data.src_lang == data.tgt_lang:
+        raise ConfigError(
+            f"{_origin(origins, 'data.tgt_lang')}: data.tgt_lang = {_show(data.tgt_lang)} is also "
+            f"data.src_lang; expected two languages"
+        )
+    if model.d_embed % model.n_heads:
+        raise ConfigError(
+            f"{_origin(origins, 'model.n_heads')}: model.n_heads = {model.n_heads} does not "
+            f"divide model.d_embed = {model.d_embed}; expected a divisor"
+        )
+    if model.share_embeddings and not data.subword_joint:
+        raise ConfigError(
+            f"{_origin(origins, 'model.share_embeddings')}: model.share_embeddings = true needs "
+            f"one joint vocabulary, but data.subword_joint = false; set one of them"
         )
 
 
@@ -789,6 +952,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DecodeConfig",
     "DynamicEvalConfig",
     "FinetuneConfig",
     "HeadConfig",
