@@ -495,3 +495,47 @@ def test_metrics_file_exists_even_before_the_first_logged_line(corpus, tmp_path)
     train(tiny_config(corpus, out, "train.log_every=1000"), options=options(max_steps=1))
     assert (out / "metrics.jsonl").is_file()
     assert read_metrics(out / "metrics.jsonl", kind="step") == []
+
+
+# ---- the references' window choices -----------------------------------------------------------
+
+
+def test_finetune_caps_windows_at_bptt_plus_its_own_delta(corpus, tmp_path):
+    """Training caps at bptt + train.max_seq_len_delta (6 + 3 here), finetuning at bptt +
+    finetune.max_seq_len_delta: 10 by default as awd-lstm-lm's finetune.py, 0 here."""
+    seen: dict[str, list[int]] = {"train": [], "finetune": []}
+
+    def record(info):
+        seen[info.stage].append(info.seq_len)
+
+    out = tmp_path / "run"
+    train(tiny_config(corpus, out, "train.epochs=2"), options=options(callback=record))
+    assert max(seen["train"]) == 9  # N(6, 5) draws above 9 were capped
+    assert load_config(None).finetune.max_seq_len_delta == 10
+    overrides = ["finetune.epochs=2", "finetune.max_seq_len_delta=0"]
+    finetune(out, overrides=overrides, options=options(callback=record))
+    assert max(seen["finetune"]) == 6 and seen["finetune"].count(6) > 10
+
+
+@pytest.mark.parametrize(("length", "trained_rows", "last"), [(7, 203, 7), (5, 204, 4)])
+def test_an_epoch_skips_a_last_window_of_one_token_as_the_references_do(
+    corpus, tmp_path, monkeypatch, length, trained_rows, last
+):
+    """awd-lstm-lm and MoS train ``while i < T - 1 - 1``: no window starts at row T - 2, where
+    it would hold a single token. The tiny corpus has T = 205 rows of inputs and targets; fixed
+    windows of 7 rows end exactly at row 203 = T - 2, so the epoch ends there, one row short;
+    windows of 5 end at row 200 and a last window of 4 still trains up to row 204 = T - 1."""
+    from highrank.backbones import BpttLength
+    from highrank.data import load_corpus
+
+    assert load_corpus(corpus).batchify("train", 4).size(0) == 205
+    fixed = lambda bptt, rng, delta: BpttLength(length, length / bptt)  # noqa: E731
+    monkeypatch.setattr(awd_recipe, "variable_bptt_length", fixed)
+    lengths: list[int] = []
+
+    def record(info):
+        if info.epoch == 1:
+            lengths.append(info.seq_len)
+
+    train(tiny_config(corpus, tmp_path / "run", "train.epochs=1"), options=options(callback=record))
+    assert sum(lengths) == trained_rows and lengths[-1] == last and 1 not in lengths

@@ -23,7 +23,7 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop, ar_alpha,
   tar_beta; for ``seq2seq`` (:class:`highrank.backbones.seq2seq.TransformerSeq2Seq`, d_model =
   d_embed) n_encoder_layers, n_decoder_layers, n_heads, d_ff (unset: 4 d_embed), positions,
-  max_len, dropout_embedding, dropout_attention, dropout_residual, share_embeddings.
+  max_len, dropout_input, dropout_attention, dropout_residual, share_embeddings.
 * ``[head]`` name (a key of :data:`highrank.heads.HEADS`) and, in the same table, that head's
   knobs (``n_components = 15``), checked against :func:`highrank.heads.head_knobs`. The knobs
   the model wires itself (:data:`MODEL_SET_KNOBS`) are not configurable here. A loaded config
@@ -35,7 +35,7 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   ``seq2seq`` reads max_tokens, label_smoothing, warmup_steps, lr_schedule, adam_beta2,
   eval_every (:mod:`highrank.train.seq2seq`) besides lr, weight_decay, clip, epochs, seed,
   log_every, checkpoint_every, chunk_size, max_nonfinite_skips.
-* ``[finetune]`` lr, epochs.
+* ``[finetune]`` lr, epochs, max_seq_len_delta.
 * ``[dynamic_eval]`` lr, epsilon, prior_decay, batch_size, bptt, stats_batch_size (Krause
   et al. 2017).
 * ``[decode]`` (``seq2seq``) beam_size, length_penalty, max_len_a, max_len_b
@@ -88,6 +88,7 @@ FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
             "tar_beta",
         ),
         "train": ("max_seq_len_delta", "optimizer", "nonmono", "switch_epoch"),
+        "finetune": ("max_seq_len_delta",),
     },
     "seq2seq": {
         "data": ("src_lang", "tgt_lang", "subword_type", "subword_vocab_size", "subword_joint"),
@@ -98,7 +99,7 @@ FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
             "d_ff",
             "positions",
             "max_len",
-            "dropout_embedding",
+            "dropout_input",
             "dropout_attention",
             "dropout_residual",
             "share_embeddings",
@@ -181,8 +182,8 @@ class ModelConfig:
         positions: ``"sinusoidal"``, ``"learned"`` or ``"rotary"``.
         max_len: longest sentence in tokens (the learned position table; longer training
             pairs are dropped).
-        dropout_embedding: (``seq2seq``) dropout on the scaled embeddings plus positions
-            (for ``awd-lstm`` it is ``dropoute``, above).
+        dropout_input: (``seq2seq``) dropout on the scaled embeddings plus positions, as
+            ``dropouti`` is on the AWD-LSTM's embedding output.
         dropout_attention: dropout on the attention weights.
         dropout_residual: dropout on each block's output before the residual sum.
         share_embeddings: one embedding matrix for source and target (needs
@@ -300,10 +301,14 @@ class FinetuneConfig:
     Attributes:
         lr: learning rate.
         epochs: maximum number of epochs; 0: no finetuning.
+        max_seq_len_delta: a sampled window is capped at train.bptt + this while finetuning:
+            10 as salesforce/awd-lstm-lm ``finetune.py``; the MoS ``finetune.py`` caps at
+            bptt + its max_seq_len_delta instead (40), so MoS recipes set 40 to follow it.
     """
 
     lr: float = 30.0
     epochs: int = 500
+    max_seq_len_delta: int = 10
 
 
 @dataclass
@@ -765,6 +770,7 @@ RULES: dict[str, _Rule] = {
     "train.seed": SEED,
     "finetune.lr": POSITIVE_FINITE,
     "finetune.epochs": NON_NEGATIVE,
+    "finetune.max_seq_len_delta": NON_NEGATIVE,
     "dynamic_eval.lr": POSITIVE_FINITE,
     "dynamic_eval.epsilon": POSITIVE_FINITE,
     "dynamic_eval.prior_decay": NON_NEGATIVE_FINITE,

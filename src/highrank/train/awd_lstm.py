@@ -12,7 +12,9 @@ the AWD-LSTM and MoS (Yang et al., ICLR 2018) code run it. One training step:
     by L / bptt for this step (Sec. 4.1); the hidden state is detached for the next window
 
 The lr is scaled by the length actually used: the reference scales the shorter last window of
-an epoch by the drawn length instead. The hidden state restarts from zeros every epoch.
+an epoch by the drawn length instead. As the references do, an epoch does not train a last
+window of a single token, and finetuning caps windows at bptt + finetune.max_seq_len_delta
+(10, awd-lstm-lm ``finetune.py``). The hidden state restarts from zeros every epoch.
 
 After each epoch (the loop validates; :meth:`AWDLSTMRecipe.validate`): validation loss (batch
 train.eval_batch_size, segments of bptt, state carried, ``exp(total NLL / tokens)`` =
@@ -200,16 +202,23 @@ class AWDLSTMRecipe:
     # ---- steps ------------------------------------------------------------------------------
 
     def epoch_size(self) -> EpochSize:
+        """Windows start at rows 0 .. T - 3 of the (T, B) batch: one starting at T - 2 would be
+        a single token, which awd-lstm-lm and MoS skip (``while i < T - 1 - 1``) and so do we
+        (but for T = 2, where it is the only window); row T - 1 is only ever a target."""
         rows, batch = self.splits.train.shape
-        return EpochSize(rows - 1, batch)  # the last row is only ever a target
+        return EpochSize(max(rows - 2, 1), batch)
 
     def start_epoch(self, progress: Progress) -> None:
         self.hidden = self.model.init_state(self.splits.train.size(1))  # as AWD-LSTM
 
     def next_batch(self, progress: Progress) -> StepBatch:
-        """A window of variable length from the epoch's position."""
+        """A window of variable length from the epoch's position, capped at bptt +
+        train.max_seq_len_delta (finetuning: finetune.max_seq_len_delta)."""
         train = self.config.train
-        drawn = variable_bptt_length(train.bptt, self.bptt_rng, train.max_seq_len_delta).seq_len
+        delta = (
+            self.config.finetune.max_seq_len_delta if self.finetuning else train.max_seq_len_delta
+        )
+        drawn = variable_bptt_length(train.bptt, self.bptt_rng, delta).seq_len
         tokens, target = get_batch(self.splits.train, progress.position, drawn)  # (L, B) each
         return StepBatch((tokens, target), tokens.size(0), tokens.numel(), tokens.size(0))
 

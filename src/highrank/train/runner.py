@@ -45,7 +45,13 @@ RESUME_OVERRIDES = (
     "data.dir",
     "data.cache_dir",
 )
-FINETUNE_OVERRIDES = ("finetune.lr", "finetune.epochs", *RESUME_OVERRIDES[1:], "train.nonmono")
+FINETUNE_OVERRIDES = (
+    "finetune.lr",
+    "finetune.epochs",
+    "finetune.max_seq_len_delta",
+    *RESUME_OVERRIDES[1:],
+    "train.nonmono",
+)
 FINETUNE_RESUME_OVERRIDES = ("finetune.epochs", *RESUME_OVERRIDES[1:])
 
 
