@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from highrank.backbones.awd_lstm import AWDLSTM, AWDLSTMExtras, AWDLSTMState
+from highrank.backbones.seq2seq import TransformerSeq2Seq
 from highrank.config import Config
 from highrank.heads import HEADS, OutputHead, build_head
 
@@ -95,10 +96,42 @@ def _awd_lstm(config: Config, vocab_size: int) -> AWDLSTM:
 BACKBONE_BUILDERS: dict[str, Callable[[Config, int], nn.Module]] = {"awd-lstm": _awd_lstm}
 
 
+def build_seq2seq(config: Config, vocab_size: int | tuple[int, int]) -> TransformerSeq2Seq:
+    """The translation model of a ``seq2seq`` config: an encoder-decoder Transformer whose
+    decoder ends in the head of ``[head]``. ``vocab_size``: the joint vocabulary's size, or
+    ``(source, target)`` sizes; padding is the subword vocabularies' ``<pad>`` id."""
+    from highrank.subwords import PAD_ID  # numpy only; sentencepiece is imported when used
+
+    src_size, tgt_size = (vocab_size, vocab_size) if isinstance(vocab_size, int) else vocab_size
+    m = config.model
+    return TransformerSeq2Seq(
+        src_size,
+        tgt_size,
+        pad_id=PAD_ID,
+        head=config.head.name,
+        head_knobs=config.head.knobs,
+        d_model=m.d_embed,
+        n_heads=m.n_heads,
+        d_ff=m.d_ff if m.d_ff is not None else 4 * m.d_embed,
+        n_encoder_layers=m.n_encoder_layers,
+        n_decoder_layers=m.n_decoder_layers,
+        positions=m.positions,
+        max_len=m.max_len,
+        dropout_input=m.dropout_input,
+        dropout_attention=m.dropout_attention,
+        dropout_residual=m.dropout_residual,
+        share_embeddings=m.share_embeddings,
+        tie_output=m.tie_weights,
+    )
+
+
 def build_model(config: Config, vocab_size: int) -> LanguageModel:
     """The model a config describes, for a vocabulary of ``vocab_size`` tokens: the backbone
-    of ``model.backbone`` (:data:`BACKBONE_BUILDERS`) and the head of ``[head]``."""
+    of ``model.backbone`` (:data:`BACKBONE_BUILDERS`) and the head of ``[head]``; for
+    ``seq2seq`` the translation model of :func:`build_seq2seq`."""
     m = config.model
+    if m.backbone == "seq2seq":
+        return build_seq2seq(config, vocab_size)
     backbone = BACKBONE_BUILDERS[m.backbone](config, vocab_size)
     wired: dict = {"d_embed": m.d_embed}
     if m.tie_weights:
