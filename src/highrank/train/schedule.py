@@ -1,0 +1,75 @@
+"""The Transformer schedule's pieces: AdamW parameter groups and a warm-up learning-rate curve.
+
+AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019) with weight
+decay on the weight matrices only: biases, LayerNorm gains and other vectors are not decayed
+(as nanoGPT and the GPT-2/BERT recipes do). Embedding matrices are matrices and are decayed.
+
+The learning rate of update ``t = 1, 2, ..`` is ``lr * lr_factor(t, ...)``::
+
+    warm-up     t <= w:  t / w                                  (linear from 0)
+    inverse-sqrt t > w:  sqrt(w / t)                            (Vaswani et al. 2017, eq. 3,
+                                                                 peak lr = d^-0.5 w^-0.5 there)
+    cosine       t > w:  (1 + cos(pi * (t - w) / (T - w))) / 2  (Loshchilov & Hutter 2017,
+                                                                 to 0 at t = T, then 0)
+
+With ``w = 0`` there is no warm-up and inverse-sqrt is ``t^-1/2``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SCHEDULES = ("inverse-sqrt", "cosine")
+
+
+def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: parameters with two or more dimensions decayed, the rest not; each
+    shared Parameter (a tied embedding) once."""
+    decay, no_decay = [], []
+    for param in model.parameters():  # parameters() yields a shared tensor once
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_adamw(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+) -> torch.optim.AdamW:
+    """AdamW over :func:`adamw_param_groups`."""
+    groups = adamw_param_groups(model, weight_decay)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def lr_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int | None) -> float:
+    """The multiplier of the peak lr at update ``step`` (1-based); see the module docstring.
+    ``total_steps`` (the last update) is needed by ``"cosine"`` only."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (updates are counted from 1); got {step}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not known; expected one of {SCHEDULES}")
+    if warmup_steps and step <= warmup_steps:
+        return step / warmup_steps
+    if schedule == "inverse-sqrt":
+        return math.sqrt(max(warmup_steps, 1) / step)
+    if total_steps is None or total_steps <= warmup_steps:
+        raise ValueError(
+            f"the cosine schedule needs total_steps > warmup_steps = {warmup_steps}; "
+            f"got {total_steps}"
+        )
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's lr to ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+__all__ = ["SCHEDULES", "adamw_param_groups", "build_adamw", "lr_factor", "set_lr"]
