@@ -95,14 +95,14 @@ def _all_hypotheses() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny_search():
     """A tiny model, one source sentence, and the log-probability of every hypothesis."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before conftest's one-thread fixture
     torch.manual_seed(3)
     model = _model(tgt_vocab=6)
     src = _sources([5])
-    return (
-        model,
-        src,
-        {tuple(y): _teacher_forced_log_prob(model, src[0], y) for y in _all_hypotheses()},
-    )
+    log_probs = {tuple(y): _teacher_forced_log_prob(model, src[0], y) for y in _all_hypotheses()}
+    torch.set_num_threads(threads)
+    return model, src, log_probs
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
