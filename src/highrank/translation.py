@@ -1,0 +1,323 @@
+"""Translation runs: their data (parallel text + subwords), loading a trained run, translating
+a split and scoring it with BLEU.
+
+A translation run (``model.backbone = "seq2seq"``) keeps, besides what every run keeps
+(:mod:`highrank.runs`), its subword vocabulary under ``RUN_DIR/subwords/``
+(:mod:`highrank.subwords`: learned on the train split only when the run starts, reloaded on
+resume and for decoding) and, as ``vocab.json``, the target pieces in id order.
+
+Translating a split (:func:`translate_split`): sources are encoded, cut into batches of at most
+``train.max_tokens`` padded tokens in length order (:class:`highrank.bitext.TokenBatches`),
+decoded by beam search (or greedy search) with at most ``decode.max_len_a * S +
+decode.max_len_b`` tokens per sentence (``S``: the longest source of the batch, ``<eos>``
+included; never beyond ``model.max_len``), put back in file order and detokenised by the target
+vocabulary. BLEU (:mod:`highrank.bleu`) is sacreBLEU's on the raw target lines of the split.
+
+Records (:func:`write_translation`): ``RUN_DIR/translate-<split>-<checkpoint>-<search>.json``
+(BLEU, signature, settings, time) and the hypotheses, one per line, beside it as ``.txt`` (or
+where ``--out`` says), both written atomically. ``<search>`` is ``greedy`` or e.g.
+``beam5-lp1-len1.5x+10``.
+
+Needs the optional extra ``mt`` (sentencepiece, sacrebleu) when used; importing it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from highrank.bitext import (
+    Bitext,
+    BitextSplit,
+    EncodedPairs,
+    SpecialIds,
+    TokenBatches,
+    encode_pairs,
+    load_bitext,
+)
+from highrank.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    config_of,
+    load_checkpoint,
+    load_weights,
+)
+from highrank.config import Config
+from highrank.data import Vocab, _atomic_write_bytes
+from highrank.decoding import beam_search, greedy_search
+from highrank.model import build_seq2seq
+from highrank.subwords import SubwordError, Subwords, SubwordSettings, learn_subwords
+
+
+def subword_settings(config: Config) -> SubwordSettings:
+    """The ``data.subword_*`` keys as :class:`SubwordSettings`."""
+    d = config.data
+    return SubwordSettings(
+        model_type=d.subword_type, vocab_size=d.subword_vocab_size, joint=d.subword_joint
+    )
+
+
+@dataclass
+class TranslationData:
+    """A parallel corpus and the run's subwords; splits encoded on first use."""
+
+    bitext: Bitext
+    subwords: Subwords
+    _pairs: dict[str, EncodedPairs] = field(default_factory=dict)
+
+    @property
+    def special(self) -> SpecialIds:
+        return self.subwords.special_ids()
+
+    @property
+    def vocab_sizes(self) -> tuple[int, int]:
+        """(source, target) vocabulary sizes."""
+        return len(self.subwords.src), len(self.subwords.tgt)
+
+    def target_vocab(self) -> Vocab:
+        """The target pieces in id order (the run's ``vocab.json``)."""
+        tgt = self.subwords.tgt
+        return Vocab(tgt.piece(i) for i in range(len(tgt)))
+
+    def pairs(self, split: str) -> EncodedPairs:
+        if split not in self._pairs:
+            sw = self.subwords
+            self._pairs[split] = encode_pairs(
+                self.bitext.split(split), sw.src.encode_lines, sw.tgt.encode_lines
+            )
+        return self._pairs[split]
+
+
+def read_bitext(config: Config, splits: tuple[str, ...], data_dir: str | None = None) -> Bitext:
+    d = config.data
+    return load_bitext(data_dir or d.dir, d.src_lang, d.tgt_lang, splits=splits)
+
+
+def learn_translation_data(config: Config) -> TranslationData:
+    """Train and valid read; the subword vocabulary learned on train only (not yet saved)."""
+    bitext = read_bitext(config, ("train", "valid"))
+    train = bitext.split("train")
+    subwords = learn_subwords(
+        train.src,
+        train.tgt,
+        subword_settings(config),
+        src_lang=config.data.src_lang,
+        tgt_lang=config.data.tgt_lang,
+    )
+    return TranslationData(bitext, subwords)
+
+
+def load_subwords(run_dir: str | os.PathLike, config: Config) -> Subwords:
+    """The run's saved vocabulary, checked against the config's languages and settings."""
+    subwords = Subwords.load(run_dir)
+    wanted = (subword_settings(config), config.data.src_lang, config.data.tgt_lang)
+    if (subwords.settings, subwords.src_lang, subwords.tgt_lang) != wanted:
+        raise SubwordError(
+            f"{Path(run_dir) / 'subwords'} holds a {subwords.src_lang}->{subwords.tgt_lang} "
+            f"vocabulary for {subwords.settings}, but the run's config says "
+            f"{wanted[1]}->{wanted[2]} with {wanted[0]}; the files are from different runs"
+        )
+    return subwords
+
+
+def saved_translation_data(
+    run_dir: str | os.PathLike, config: Config, splits: tuple[str, ...], data_dir=None
+) -> TranslationData:
+    """``splits`` of the corpus with the vocabulary saved in ``run_dir``."""
+    return TranslationData(read_bitext(config, splits, data_dir), load_subwords(run_dir, config))
+
+
+# ---- a trained run ----------------------------------------------------------------------------
+
+
+def load_translation_run(
+    run_dir: str | os.PathLike, which: str = "best", *, device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, Config, Subwords, dict[str, Any]]:
+    """``(model in eval mode, config, subwords, checkpoint payload)`` of a translation run."""
+    if not Path(run_dir).is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
+    path = checkpoint_path(run_dir, which)
+    if which == "best" and not path.is_file() and checkpoint_path(run_dir, "last").is_file():
+        raise CheckpointError(
+            f"checkpoint {path} does not exist: best.pt is written at the first validation, "
+            "and this run stopped before one; use --which last"
+        )
+    payload = load_checkpoint(path)
+    config = config_of(payload, path)
+    if config.model.backbone != "seq2seq":
+        raise CheckpointError(
+            f"{path} is a {config.model.backbone!r} run, not a translation (seq2seq) run"
+        )
+    subwords = load_subwords(run_dir, config)
+    with torch.random.fork_rng(devices=[]):  # initialisation draws; keep the caller's stream
+        model = build_seq2seq(config, (len(subwords.src), len(subwords.tgt)))
+    load_weights(model, payload["model"], path)
+    return model.to(device).eval(), config, subwords, payload
+
+
+# ---- translating a split ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Search:
+    """How to decode: beam search (``beam_size``, GNMT ``length_penalty``) or greedy."""
+
+    beam_size: int
+    length_penalty: float
+    max_len_a: float
+    max_len_b: int
+    greedy: bool = False
+
+    @classmethod
+    def from_config(cls, config: Config, **changes: Any) -> Search:
+        d = config.decode
+        values = {
+            "beam_size": d.beam_size,
+            "length_penalty": d.length_penalty,
+            "max_len_a": d.max_len_a,
+            "max_len_b": d.max_len_b,
+        }
+        values.update({k: v for k, v in changes.items() if v is not None})
+        return cls(**values)
+
+    @property
+    def name(self) -> str:
+        """``greedy`` or ``beam5-lp1-len1.5x+10``: part of the record's file name."""
+        length = f"len{self.max_len_a:g}x+{self.max_len_b}"
+        if self.greedy:
+            return f"greedy-{length}"
+        return f"beam{self.beam_size}-lp{self.length_penalty:g}-{length}"
+
+    def max_len(self, source_length: int, limit: int) -> int:
+        return max(1, min(limit, math.floor(self.max_len_a * source_length) + self.max_len_b))
+
+
+@torch.no_grad()
+def translate_split(
+    model: torch.nn.Module,
+    subwords: Subwords,
+    split: BitextSplit,
+    search: Search,
+    *,
+    max_tokens: int,
+    max_len: int,
+    device: str | torch.device = "cpu",
+) -> list[str]:
+    """Detokenised translations of the sources of ``split``, in file order."""
+    pairs = encode_pairs(split, subwords.src.encode_lines, subwords.tgt.encode_lines)
+    special = subwords.special_ids()
+    batches = TokenBatches(pairs, max_tokens=max_tokens, special=special, shuffle=False)
+    out: list[str] = [""] * len(split)
+    ids = {"bos_id": special.bos, "eos_id": special.eos, "pad_id": special.pad}
+    for batch in batches:
+        src = batch.src.to(device)  # (B, S)
+        limit = search.max_len(src.shape[1], max_len)
+        if search.greedy:
+            tokens = [h.tokens for h in greedy_search(model, src, max_len=limit, **ids)]
+        else:
+            hyps = beam_search(
+                model,
+                src,
+                beam_size=search.beam_size,
+                length_penalty_alpha=search.length_penalty,
+                max_len=limit,
+                **ids,
+            )
+            tokens = [h[0].tokens for h in hyps]
+        texts = subwords.tgt.decode_lines(tokens)
+        for index, text in zip(batch.index.tolist(), texts, strict=True):
+            out[index] = text
+    return out
+
+
+def record_stem(split: str, which: str, search: Search) -> str:
+    """``translate-<split>-<checkpoint>-<search>``."""
+    return f"translate-{split}-{Path(which).stem}-{search.name}"
+
+
+def write_translation(
+    run_dir: str | os.PathLike,
+    record: dict[str, Any],
+    hypotheses: list[str],
+    stem: str,
+    out: str | os.PathLike | None = None,
+) -> tuple[Path, Path]:
+    """Write the hypotheses (``out`` or ``RUN_DIR/<stem>.txt``) and the record
+    ``RUN_DIR/<stem>.json``, each atomically; returns their paths."""
+    text_path = Path(out) if out is not None else Path(run_dir) / f"{stem}.txt"
+    _atomic_write_bytes(text_path, "".join(h + "\n" for h in hypotheses).encode("utf-8"))
+    record = {**record, "hypotheses": str(text_path)}
+    json_path = Path(run_dir) / f"{stem}.json"
+    _atomic_write_bytes(json_path, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
+    return json_path, text_path
+
+
+def evaluate_bleu(
+    run_dir: str | os.PathLike,
+    *,
+    split: str = "test",
+    which: str = "best",
+    search: Search | None = None,
+    data_dir: str | None = None,
+    out: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+    **search_changes: Any,
+) -> dict[str, Any]:
+    """Translate ``split`` with a run's checkpoint, score it, write the record and the
+    hypotheses; returns the record. ``search`` defaults to the run's ``[decode]`` with
+    ``search_changes`` (beam_size=, length_penalty=, greedy=, ...) applied."""
+    from highrank.bleu import corpus_bleu
+
+    model, config, subwords, payload = load_translation_run(run_dir, which, device=device)
+    search = search or Search.from_config(config, **search_changes)
+    corpus = read_bitext(config, (split,), data_dir).split(split)
+    start = time.perf_counter()
+    hypotheses = translate_split(
+        model,
+        subwords,
+        corpus,
+        search,
+        max_tokens=config.train.max_tokens,
+        max_len=config.model.max_len,
+        device=device,
+    )
+    seconds = time.perf_counter() - start
+    bleu = corpus_bleu(hypotheses, list(corpus.tgt))
+    record = {
+        "split": split,
+        "checkpoint": which,
+        "step": payload["training"]["progress"]["step"] if "training" in payload else None,
+        "references": str(corpus.tgt_path),
+        "sentences": len(corpus),
+        **bleu.as_dict(),
+        "search": {**search.__dict__, "name": search.name},
+        "seconds": round(seconds, 3),
+        "torch_threads": torch.get_num_threads(),
+    }
+    json_path, text_path = write_translation(
+        run_dir, record, hypotheses, record_stem(split, which, search), out
+    )
+    return {**record, "record": str(json_path), "hypotheses": str(text_path)}
+
+
+__all__ = [
+    "Search",
+    "TranslationData",
+    "evaluate_bleu",
+    "learn_translation_data",
+    "load_subwords",
+    "load_translation_run",
+    "read_bitext",
+    "record_stem",
+    "saved_translation_data",
+    "subword_settings",
+    "translate_split",
+    "write_translation",
+]
