@@ -29,6 +29,7 @@ from highrank.cli import (
     finetune,
     report,
     train,
+    translate,
 )
 from highrank.cli.common import config_keys, non_negative_int, positive_int
 
@@ -63,6 +64,11 @@ VERBS: list[Verb] = [
     ),
     _verb("config", "show a resolved config and its parameter count", config),
     _verb("eval", "perplexity of a trained run on a split (hidden state carried)", evaluate),
+    _verb(
+        "translate",
+        "translate a split with a translation run and score it (sacreBLEU)",
+        translate,
+    ),
     _verb("dynamic-eval", "dynamic evaluation (Krause et al. 2017) of a trained run", dynamic_eval),
     _verb(
         "analyze",

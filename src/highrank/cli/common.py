@@ -109,8 +109,9 @@ def input_errors() -> tuple[type[Exception], ...]:
     from highrank.config import ConfigError
     from highrank.data import CorpusError
     from highrank.runs import RunDirError
+    from highrank.subwords import SubwordError
 
-    return ConfigError, CorpusError, CheckpointError, RunDirError
+    return ConfigError, CorpusError, CheckpointError, RunDirError, SubwordError
 
 
 # What a user does after Ctrl-C, per verb.

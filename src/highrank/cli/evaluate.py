@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from highrank.cli.common import guarded, positive_int
+from highrank.cli.translate import add_search_options, translate
 
 
 def add_eval_options(parser: argparse.ArgumentParser) -> None:
@@ -59,10 +60,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--bptt", type=positive_int, default=70, help="segment length (70)")
     parser.add_argument("--token-nll", help="also write per-token NLL to this .tsv or .npy file")
+    parser.add_argument(
+        "--bleu",
+        action="store_true",
+        help="a translation run: translate the split and score it with sacreBLEU, as "
+        "`highrank translate` (the default for translation runs)",
+    )
+    add_search_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from highrank.evaluate import evaluate_perplexity, write_token_nll
+
+    if args.bleu or _is_translation_run(args.run_dir):
+        return guarded("eval", lambda: translate(args))
 
     def job() -> int:
         model, config, corpus = load_for_eval(args)
@@ -86,3 +97,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return guarded("eval", job)
+
+
+def _is_translation_run(run_dir: str) -> bool:
+    """Whether RUN_DIR's config is a seq2seq one (False when it cannot be read: the
+    perplexity path then says what is wrong)."""
+    from highrank.config import ConfigError, load_config
+    from highrank.runs import CONFIG_FILE
+
+    try:
+        return load_config(f"{run_dir}/{CONFIG_FILE}").model.backbone == "seq2seq"
+    except ConfigError:
+        return False
