@@ -32,6 +32,9 @@ What ``attach_head(model, name, **knobs)`` builds and initialises:
   base model's distribution, and SigSoftmax/GSS start from its logits.
 * heads with internal dropout get ``dropout_time_dim=1``: hidden states are batch-first
   ``(B, T, d)``, so their masks are locked over each sequence as in the MoS/AWD-LSTM papers.
+* Mixtape gives its own gates to the ids below ``frequent_fraction x V``, which presumes ids
+  ordered by frequency as highrank's vocabularies are; a tokenizer's ids follow its merge
+  order (for byte-level BPE only roughly by frequency), so "frequent" is approximate there.
 
 What ``forward`` returns (``CausalLMOutputWithPast``):
 
@@ -46,6 +49,11 @@ What ``forward`` returns (``CausalLMOutputWithPast``):
   unless ``logits_to_keep`` asks for some positions (then their log-probabilities). Label
   smoothing in ``Trainer`` needs logits and is therefore not supported.
 
+Training: ``model.parameters()`` holds a tied embedding once, so any optimizer works; a head
+whose paper gives some parameters their own learning rate (PLIF's slopes) lists them in
+``model.head.parameter_groups(lr)``: pass an optimizer built from those groups (and the body's
+parameters) to ``Trainer(optimizers=...)`` to honour it.
+
 Limits: ``resize_token_embeddings`` is refused (resize the base model before attaching), and
 the base model's body must be the class ``AutoModel`` builds from its config (true of every
 causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
@@ -53,6 +61,7 @@ causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 
@@ -87,7 +96,6 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = HighrankConfig
     base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _skip_keys_device_placement = ["past_key_values"]
     # Attention runs in the body, which checks its own support; the wrapper must not veto it.
     _supports_sdpa = True
@@ -107,6 +115,8 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         # builds both from the config and then loads their weights.
         self.model = body if body is not None else AutoModel.from_config(config.base_config)
         self.head = head if head is not None else _build_head_for(config, self.model)
+        # Activation checkpointing runs in the body; offer it exactly when the body does.
+        self.supports_gradient_checkpointing = self.model.supports_gradient_checkpointing
         if config.tie_word_embeddings:
             # transformers re-ties after loading (the checkpoint stores the tensor once).
             self._tied_weights_keys = {"head.weight": _embedding_key(self)}
@@ -306,7 +316,7 @@ def attach_head(model: PreTrainedModel, name: str, **knobs) -> HighrankForCausal
     _initialise_from_lm_head(head, lm_head, tied)
     head.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     highrank_model = HighrankForCausalLM(config, body=body, head=head)
-    highrank_model.generation_config = model.generation_config
+    highrank_model.generation_config = copy.deepcopy(model.generation_config)
     highrank_model.train(model.training)
     return highrank_model
 
@@ -344,7 +354,8 @@ def _check_causal_lm(model: object) -> nn.Module:
         raise TypeError(f"{kind} is not a causal (decoder-only) language model")
     body = model.base_model
     expected = MODEL_MAPPING.get(type(model.config), None)
-    if body is model or expected is None or type(body) is not expected:
+    classes = expected if isinstance(expected, tuple) else (expected,)
+    if body is model or expected is None or type(body) not in classes:
         raise TypeError(
             f"{kind}'s body ({type(body).__name__}) is not what AutoModel builds from its config "
             f"({getattr(expected, '__name__', 'no class registered')}), so from_pretrained "

@@ -9,8 +9,16 @@ It nests the base model's own configuration (``base_config``, serialised as a di
 
 from __future__ import annotations
 
+import transformers
 from transformers import AutoConfig, PreTrainedConfig
-from transformers.configuration_utils import SubConfigSpec
+
+try:
+    from transformers.configuration_utils import SubConfigSpec
+except ImportError:  # older transformers: other configuration and weight-tying machinery
+    raise ImportError(
+        "highrank.integrations.hf needs a transformers 5 release with SubConfigSpec (written "
+        f"and tested against 5.23); found {transformers.__version__}: pip install -U transformers"
+    ) from None
 
 MODEL_TYPE = "highrank"
 
@@ -31,6 +39,7 @@ class HighrankConfig(PreTrainedConfig):
     """
 
     model_type = MODEL_TYPE
+    keys_to_ignore_at_inference = ["past_key_values"]  # Trainer's evaluation gathers the rest
     # "llama" is only the fallback type for a base_config dict without its own model_type.
     sub_configs_defaults = {
         "base_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")
