@@ -19,6 +19,7 @@ ANALYSES: dict[str, tuple[str, str]] = {
     "kl": ("kl", "expected pairwise KL divergence between next-token distributions"),
     "topk": ("topk", "top-k next tokens of several models side by side, with the reference"),
     "hidden-size": ("hidden_size", "output layer's hidden size from the knee of the spectrum"),
+    "unargmaxable": ("unargmaxable", "tokens no hidden state can make the argmax (LP, HiGHS)"),
 }
 
 
