@@ -22,8 +22,9 @@ warm-up and cosine decay, gradient-norm clip 1), it trains:
 
 and evaluates each, with the untouched model head (``zero_step``), by perplexity in the
 model's own tokens on the valid and test slices, and by the Press rank and effective ranks of
-the log-probability matrix of the test slice (``highrank.analysis.rank.rank_report_file``: a
-float64 Gram matrix on the smaller, context side). No dropout anywhere.
+the log-probability matrix of the first ``--rank-contexts`` contexts of the test slice
+(``highrank.analysis.rank.rank_report_file``: a float64 Gram matrix on the smaller, context
+side). No dropout anywhere.
 
 Every stage runs in a fresh process (so its peak RSS is its own) and writes one JSON record to
 ``--out``; a rerun skips finished stages and resumes the unfinished one (the cache per batch of
@@ -71,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--train-tokens", type=int, default=7_680)
     parser.add_argument("--valid-tokens", type=int, default=2_048)
-    parser.add_argument("--test-tokens", type=int, default=8_192)
+    parser.add_argument("--test-tokens", type=int, default=4_096)
+    parser.add_argument("--rank-contexts", type=int, default=2_048,
+                        help="rows of the test slice's log-prob matrix whose rank is measured")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-tokens", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -87,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for split in SPLITS:
         if getattr(args, f"{split}_tokens") % args.window:
             parser.error(f"--{split}-tokens must be a multiple of --window ({args.window})")
+    if not 0 < args.rank_contexts <= args.test_tokens:
+        parser.error(f"--rank-contexts must lie in 1..--test-tokens ({args.test_tokens})")
     unknown = set(args.heads.split(",")) - set(HEADS)
     if unknown:
         parser.error(f"unknown head(s) {', '.join(sorted(unknown))}; choose from {HEADS}")
@@ -104,6 +109,7 @@ def settings(args) -> dict:
         "context": f"non-overlapping windows of {args.window} tokens; position t sees the "
                    f"t + 1 tokens of its window",
         "tokens": {s: getattr(args, f"{s}_tokens") for s in SPLITS},
+        "rank_contexts": f"the first {args.rank_contexts} contexts of the test slice",
         "features": "final hidden states (after the final RMSNorm), bfloat16 on disk",
         "budget": {"steps": args.steps, "batch_tokens": args.batch_tokens,
                    "optimizer": "Adam (betas 0.9, 0.999, no weight decay)", "lr": args.lr,
@@ -239,7 +245,7 @@ def stage_eval(name: str, args) -> dict:
     for split in ("valid", "test"):
         matrix = args.work_dir / f"logprob-test-{name}.npy" if split == "test" else None
         record[split] = evaluate_head(head, load_cache(args.work_dir / f"cache-{split}"),
-                                      matrix_path=matrix)
+                                      matrix_path=matrix, matrix_rows=args.rank_contexts)
         print(f"{name} {split} perplexity {record[split]['perplexity']:.3f}", flush=True)
     return record
 
