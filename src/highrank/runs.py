@@ -71,22 +71,29 @@ class RunDir:
         """``checkpoints/<name>.pt``."""
         return self.checkpoints / f"{name}.pt"
 
+    def has_checkpoint(self) -> bool:
+        """Whether ``checkpoints/`` holds any ``.pt`` file (a run that saved something)."""
+        return self.checkpoints.is_dir() and any(self.checkpoints.glob("*.pt"))
+
     @classmethod
     def create(
         cls, path: str | os.PathLike, config: Config, vocab: Vocab, command: Sequence[str]
     ) -> RunDir:
         """A new run directory with config, command, environment and vocabulary written.
 
-        Refuses a directory that already holds a run, so nothing is overwritten.
+        Refuses a directory that already holds a run with a checkpoint, so nothing is
+        overwritten; a run stopped before its first checkpoint starts again in place (its
+        metrics are cleared, command.txt keeps its earlier lines).
         """
         run = cls(Path(path))
-        if run.config_file.exists():
+        if run.config_file.exists() and run.has_checkpoint():
             raise RunDirError(
                 f"{run.path} already holds a run ({CONFIG_FILE} exists); continue it with "
                 f"`highrank train --resume {run.path}`, or choose another run.out_dir "
                 f"(--run.out_dir=...)"
             )
         run.checkpoints.mkdir(parents=True, exist_ok=True)
+        run.metrics_file.unlink(missing_ok=True)
         save_config(config, run.config_file)
         run.append_command(command)
         run.path.joinpath(ENVIRONMENT_FILE).write_text(

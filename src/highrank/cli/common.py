@@ -123,9 +123,10 @@ AFTER_INTERRUPT = {
 
 
 def guarded(verb: str, job: Callable[[], int]) -> int:
-    """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130."""
+    """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130
+    (SIGTERM 143 when training stopped on it), naming what was saved."""
     from highrank.checkpoint import NonFiniteCheckpointError
-    from highrank.train import TrainingError
+    from highrank.train import Interrupted, TrainingError
 
     try:
         return job()
@@ -135,12 +136,26 @@ def guarded(verb: str, job: Callable[[], int]) -> int:
     except input_errors() as error:
         print(f"highrank {verb}: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except Interrupted as stop:  # training saved its state between two steps
+        run_dir = stop.saved.parent.parent  # RUN_DIR/checkpoints/<name>.pt
+        hint = AFTER_INTERRUPT[verb].replace("from the last checkpoint", "from it")
         print(
-            f"highrank {verb}: interrupted; {AFTER_INTERRUPT.get(verb, 'nothing was kept')}",
+            f"highrank {verb}: interrupted by {stop.signal_name} at step {stop.step}; saved "
+            f"{stop.saved}; {hint.replace('RUN_DIR', str(run_dir))}",
             file=sys.stderr,
         )
+        return stop.exit_status
+    except KeyboardInterrupt:
+        print(f"highrank {verb}: interrupted; {_unsaved(verb)}", file=sys.stderr)
         return 130
+
+
+def _unsaved(verb: str) -> str:
+    """After an interrupt that saved nothing (a second Ctrl-C, or outside the training steps)."""
+    hint = AFTER_INTERRUPT.get(verb, "nothing was kept")
+    if verb in ("train", "finetune"):
+        return f"nothing was saved now; {hint} (a run with none starts again)"
+    return hint
 
 
 __all__ = [

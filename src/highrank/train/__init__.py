@@ -8,7 +8,10 @@ Layout::
                   and averaged weights, finetuning (Merity et al., 2018; Yang et al., 2018)
     runner.py     train / resume / finetune: run directory, model, recipe (RECIPES, chosen by
                   model.backbone), loop
-    state.py      Progress, Meter, TrainOptions, TrainResult, StepInfo, TrainingError
+    state.py      Progress, Meter, TrainOptions, TrainResult, StepInfo, TrainingError,
+                  Interrupted
+    saving.py     the stage's checkpoints: payload, last (by steps and by time), best
+    interrupts.py SIGINT / SIGTERM caught, acted on between two steps
     reporting.py  metrics.jsonl, TensorBoard, the progress bar, the validation line
     steps.py      the non-finite guard pieces every recipe uses; seeding; the device
 
@@ -59,6 +62,7 @@ from highrank.train.runner import (
     train,
 )
 from highrank.train.state import (
+    Interrupted,
     Meter,
     Progress,
     StepInfo,
@@ -75,6 +79,7 @@ __all__ = [
     "RESUME_OVERRIDES",
     "AWDLSTMRecipe",
     "EpochSize",
+    "Interrupted",
     "Meter",
     "Progress",
     "Recipe",

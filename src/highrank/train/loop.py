@@ -4,10 +4,13 @@
 (:mod:`highrank.train.recipe` says what the recipe decides and in which order it is asked).
 What the loop guarantees whatever the recipe:
 
-* ``last.pt`` every ``train.checkpoint_every`` steps, at every epoch end and when
-  ``TrainOptions.max_steps`` stops the stage; resuming it continues bit-identically on the same
-  machine (the payload holds the model, the recipe's state, every RNG, the progress and the
-  metrics offset; :mod:`highrank.checkpoint` documents the layout);
+* ``last.pt`` every ``train.checkpoint_every`` steps and ``train.checkpoint_minutes``
+  minutes, at every epoch end, and when ``TrainOptions.max_steps``, SIGINT or SIGTERM stops the
+  stage between two steps (a signal then raises :class:`~highrank.train.state.Interrupted`
+  naming the file; :mod:`highrank.train.interrupts`); resuming it continues bit-identically on
+  the same machine (the payload holds the model, the recipe's state, every RNG, the progress
+  and the metrics offset; :mod:`highrank.checkpoint` documents the layout,
+  :mod:`highrank.train.saving` writes it);
 * the best checkpoint whenever validation improves on the best so far (after an epoch-end
   validation it is written once the next epoch has begun, so it resumes cleanly there);
 * a step the recipe skipped as non-finite changes nothing; more than
@@ -17,18 +20,20 @@ What the loop guarantees whatever the recipe:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from pathlib import Path
 from typing import Any
 
-from highrank.checkpoint import FORMAT, VERSION, capture_rng, restore_rng, save_checkpoint
-from highrank.config import Config, config_to_dict
+from highrank.checkpoint import restore_rng
+from highrank.config import Config
 from highrank.runs import MetricsLog, RunDir
+from highrank.train.interrupts import SignalCatcher
 from highrank.train.recipe import Recipe, Stage, StepBatch
 from highrank.train.reporting import RunLog
+from highrank.train.saving import Checkpoints
 from highrank.train.state import (
+    Interrupted,
     Meter,
     Progress,
     StepInfo,
@@ -54,16 +59,18 @@ class Trainer:
         self.config, self.run_dir, self.stage, self.recipe = config, run, stage, recipe
         self.progress, self.options, self.vocab_size = progress, options, vocab_size
         self.log = RunLog(run, stage.name, progress, options.progress)
-        self._last_saved: tuple[int, int, int] | None = None
+        self.saves = Checkpoints(config, run, stage, recipe, progress, self.log.metrics, vocab_size)
+        self.signals = SignalCatcher()
         self._skip_reason = ""
 
     def run(self) -> TrainResult:
-        """Epochs until the stage ends or ``options.max_steps`` is reached."""
+        """Epochs until the stage ends, ``options.max_steps`` is reached or a signal arrives."""
         try:
-            while not self.progress.done:
-                if not self._run_epoch():
-                    break
-                self._end_epoch()
+            with self.signals:
+                while not self.progress.done:
+                    if not self._run_epoch():
+                        break
+                    self._end_epoch()
         finally:
             self.log.close()
         p = self.progress
@@ -80,15 +87,24 @@ class Trainer:
         size = self.recipe.epoch_size()
         with self.log.bar(size) as bar:
             while self.progress.position < size.positions:
-                limit = self.options.max_steps
-                if limit is not None and self.progress.step >= limit:
-                    self.progress.stop_reason = "max_steps"
-                    self.save_last()
+                if self._stop_here():
                     return False
                 batch, loss = self._step()
                 self.log.show(bar, batch.tokens)
                 self._after_step(batch, loss, epoch_over=self.progress.position >= size.positions)
         return True
+
+    def _stop_here(self) -> bool:
+        """Between two steps: save and raise on a signal; save and stop at --max-steps."""
+        p, limit, caught = self.progress, self.options.max_steps, self.signals
+        if caught.signal is not None:
+            p.stop_reason = "interrupted"
+            raise Interrupted(caught.name, 128 + caught.signal, self.saves.save_last(), p.step)
+        if limit is not None and p.step >= limit:
+            p.stop_reason = "max_steps"
+            self.saves.save_last()
+            return True
+        return False
 
     def _step(self) -> tuple[StepBatch, float | None]:
         p = self.progress
@@ -109,7 +125,7 @@ class Trainer:
         p.consecutive_skips = p.consecutive_skips + 1 if skipped else 0
         allowed = self.config.train.max_nonfinite_skips
         if p.consecutive_skips > allowed:
-            last = self.run_dir.checkpoint(self.stage.last)
+            last = self.saves.last_path
             advice = self.recipe.divergence_advice()
             raise TrainingError(
                 _diverged(self.stage.name, p, self._skip_reason, allowed, last, advice)
@@ -122,10 +138,10 @@ class Trainer:
             p.window_meter = Meter()
         if every and p.step % every == 0 and not epoch_over:  # the epoch end validates anyway
             if self._validate("eval"):
-                self._save(self.stage.best, keep_previous=False)
+                self.saves.save_best()
             self.recipe.model.train()
-        if p.step % self.config.train.checkpoint_every == 0:
-            self.save_last()
+        if self.saves.due():
+            self.saves.save_last()
         if self.options.callback is not None:
             lost = math.nan if loss is None else loss
             info = StepInfo(self.stage.name, p.epoch, p.step, batch.seq_len, lost, loss is None)
@@ -142,8 +158,8 @@ class Trainer:
         if p.epoch > self.stage.epochs and not p.done:
             p.done, p.stop_reason = True, "epochs"
         if improved:  # after the epoch advanced: the best checkpoint resumes at this boundary
-            self._save(self.stage.best, keep_previous=False)
-        self.save_last()
+            self.saves.save_best()
+        self.saves.save_last()
 
     def _validate(self, kind: str) -> bool:
         """Validate, log, ask the recipe; True when the loss is the best so far."""
@@ -165,47 +181,6 @@ class Trainer:
 
     def _record(self, kind: str, meter: Meter) -> dict[str, Any]:
         return self.log.record(kind, meter, self.recipe.lr, self.recipe.phase)
-
-    # ---- checkpoints ------------------------------------------------------------------------
-
-    def save_last(self) -> None:
-        """Save the resumable state as the stage's last checkpoint (keeping the previous
-        one), once per position."""
-        p = self.progress
-        key = (p.epoch, p.position, p.step)
-        if key != self._last_saved:
-            self._save(self.stage.last, keep_previous=True)
-            self._last_saved = key
-
-    def _save(self, name: str, *, keep_previous: bool) -> None:
-        path = self.run_dir.checkpoint(name)
-        save_checkpoint(self.payload(name), path, keep_previous=keep_previous)
-
-    def payload(self, kind: str) -> dict[str, Any]:
-        """The checkpoint contents (see :mod:`highrank.checkpoint`)."""
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "kind": kind,
-            "stage": self.stage.name,
-            "config": config_to_dict(self.config),
-            "vocab_size": self.vocab_size,
-            "model": self.recipe.evaluation_state_dict(),
-            "training": training_state(self.recipe, self.progress, self.log.metrics.offset()),
-        }
-
-
-def training_state(recipe: Recipe, progress: Progress, metrics_offset: int) -> dict[str, Any]:
-    """A checkpoint's ``"training"``: what :func:`restore` needs to continue exactly."""
-    rng = capture_rng()
-    rng.update({name: g.get_state() for name, g in recipe.generators().items()})
-    return {
-        "model": recipe.model.state_dict(),
-        **recipe.state_dict(),
-        "rng": rng,
-        "progress": dataclasses.asdict(progress),
-        "metrics_offset": metrics_offset,
-    }
 
 
 def _diverged(stage: str, p: Progress, reason: str, allowed: int, last: Path, advice: str) -> str:
@@ -248,4 +223,4 @@ def restore(
     return Trainer(config, run, stage, recipe, progress, options, vocab_size)
 
 
-__all__ = ["Trainer", "restore", "training_state"]
+__all__ = ["Trainer", "restore"]

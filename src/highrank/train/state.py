@@ -13,6 +13,17 @@ class TrainingError(RuntimeError):
     """Training cannot go on (diverged); the message names the step and what to try."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT or SIGTERM between two steps, after saving ``saved`` (the path
+    of its last checkpoint); ``exit_status`` is the shell's 128 + signal number."""
+
+    def __init__(self, signal_name: str, exit_status: int, saved: Path, step: int) -> None:
+        super().__init__(f"{signal_name} at step {step}; saved {saved}")
+        self.signal_name, self.exit_status, self.saved, self.step = (
+            signal_name, exit_status, saved, step,
+        )  # fmt: skip
+
+
 @dataclass
 class Meter:
     """Running totals of training steps (an epoch, or a logging window)."""
@@ -113,4 +124,12 @@ class TrainResult:
         return math.exp(self.best_val_loss) if math.isfinite(self.best_val_loss) else math.inf
 
 
-__all__ = ["Meter", "Progress", "StepInfo", "TrainOptions", "TrainResult", "TrainingError"]
+__all__ = [
+    "Interrupted",
+    "Meter",
+    "Progress",
+    "StepInfo",
+    "TrainOptions",
+    "TrainResult",
+    "TrainingError",
+]

@@ -1,0 +1,57 @@
+"""Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM.
+
+While a stage runs, :class:`SignalCatcher` replaces the handlers of both signals by one that only
+records the signal; the loop looks at it between steps (where the state is whole: the same
+point as a ``--max-steps`` stop), saves the last checkpoint there and raises
+:class:`~highrank.train.state.Interrupted` naming the file. The first signal also puts the
+previous handlers back, so a second Ctrl-C interrupts at once (inside a long step or a
+validation) without saving: the last periodic checkpoint is then what remains. Handlers can
+only be set in the main thread; elsewhere signals keep their usual effect.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType, TracebackType
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class SignalCatcher:
+    """``with SignalCatcher() as caught:`` ... ``caught.name`` is "SIGINT"/"SIGTERM" once one
+    arrived, else None."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def name(self) -> str | None:
+        return None if self.signal is None else signal.Signals(self.signal).name
+
+    def __enter__(self) -> SignalCatcher:
+        if threading.current_thread() is threading.main_thread():
+            for number in SIGNALS:
+                self._previous[number] = signal.signal(number, self._catch)
+        return self
+
+    def _catch(self, number: int, frame: FrameType | None) -> None:
+        self.signal = number
+        self._restore()  # a second signal acts as usual
+
+    def _restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._restore()
+
+
+__all__ = ["SIGNALS", "SignalCatcher"]

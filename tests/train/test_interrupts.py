@@ -1,0 +1,156 @@
+"""Every moment of a run recoverable: SIGINT/SIGTERM save between two steps, checkpoints by
+time, a run stopped before its first checkpoint starts again in place."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+import highrank.train.awd_lstm as awd_recipe
+from highrank.checkpoint import load_checkpoint
+from highrank.cli import main
+from highrank.config import load_config
+from highrank.runs import read_metrics
+from highrank.train import Interrupted, TrainOptions, resume, train
+
+TINY = [
+    "model.d_embed=8",
+    "model.d_hidden=12",
+    "model.n_layers=2",
+    "train.batch_size=4",
+    "train.bptt=6",
+    "train.max_seq_len_delta=3",
+    "train.eval_batch_size=2",
+    "train.lr=5",
+    "train.log_every=1",
+    "train.epochs=1",
+]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(30)]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
+        text = [" ".join(rng.choices(words, k=rng.randint(3, 9))) for _ in range(lines)]
+        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
+    return folder
+
+
+def tiny(corpus: Path, out: Path, *overrides: str):
+    return load_config(None, [f"data.dir={corpus}", f"run.out_dir={out}", *TINY, *overrides])
+
+
+def send_at(step: int, *signals: int):
+    """A callback that sends ``signals`` to this process after ``step``."""
+
+    def callback(info):
+        if info.step == step:
+            for number in signals:
+                os.kill(os.getpid(), number)
+
+    return callback
+
+
+def losses(out: Path) -> list[tuple]:
+    keys = ("kind", "epoch", "step", "train_loss", "val_loss")
+    return [tuple(r.get(k) for k in keys) for r in read_metrics(out / "metrics.jsonl")]
+
+
+def saved_step(out: Path) -> int:
+    return load_checkpoint(out / "checkpoints" / "last.pt")["training"]["progress"]["step"]
+
+
+@pytest.mark.parametrize(("number", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_saves_between_two_steps_and_the_run_resumes_exactly(
+    corpus, tmp_path, number, status
+):
+    train(tiny(corpus, tmp_path / "straight"), options=TrainOptions(progress=False))
+    out = tmp_path / "run"
+    options = TrainOptions(progress=False, callback=send_at(5, number))
+    before = signal.getsignal(number)
+    with pytest.raises(Interrupted) as stopped:
+        train(tiny(corpus, out), options=options)
+    assert signal.getsignal(number) == before  # the handlers were put back
+    assert stopped.value.saved == out / "checkpoints" / "last.pt" and stopped.value.step == 5
+    assert stopped.value.exit_status == status and saved_step(out) == 5
+    resume(out, options=TrainOptions(progress=False))
+    assert losses(out) == losses(tmp_path / "straight")
+
+
+def test_a_second_signal_interrupts_at_once_without_saving(corpus, tmp_path):
+    out = tmp_path / "run"
+    options = TrainOptions(progress=False, callback=send_at(5, signal.SIGINT, signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        train(tiny(corpus, out, "train.checkpoint_minutes=0"), options=options)
+    assert not isinstance(stopped.value, Interrupted)
+    assert not (out / "checkpoints" / "last.pt").exists()
+
+
+def test_cli_names_what_an_interrupt_saved(corpus, tmp_path, capsys, monkeypatch):
+    real, calls = awd_recipe.training_loss, {"n": 0}
+
+    def interrupted_at_the_third(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(awd_recipe, "training_loss", interrupted_at_the_third)
+    out, empty = tmp_path / "run", tmp_path / "empty.toml"
+    empty.write_text("")
+    argv = ["train", str(empty), "--no-progress", f"--data.dir={corpus}", f"--run.out_dir={out}"]
+    assert main([*argv, *(f"--{o}" for o in TINY)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"highrank train: interrupted by SIGINT at step 3; saved {out}/checkpoints/last.pt; "
+        f"continue from it with `highrank train --resume {out}`"
+    )
+
+
+def test_last_checkpoint_is_also_saved_by_time(corpus, tmp_path):
+    def crash_at(step):
+        def callback(info):
+            if info.step == step:
+                raise RuntimeError("simulated crash")
+
+        return callback
+
+    for minutes, expected in (("1e-9", 5), ("0", None)):  # every step / never by time
+        out = tmp_path / f"run-{minutes}"
+        config = tiny(corpus, out, f"train.checkpoint_minutes={minutes}")
+        with pytest.raises(RuntimeError):
+            train(config, options=TrainOptions(progress=False, callback=crash_at(5)))
+        last = out / "checkpoints" / "last.pt"
+        assert (saved_step(out) if last.exists() else None) == expected
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_in_place(corpus, tmp_path, capsys):
+    def crash(info):
+        if info.step == 3:
+            raise KeyboardInterrupt("a crash before any checkpoint")
+
+    train(tiny(corpus, tmp_path / "straight"), options=TrainOptions(progress=False))
+    out = tmp_path / "run"
+    config = tiny(corpus, out, "train.checkpoint_minutes=0")
+    for again in (
+        lambda: resume(out, options=TrainOptions(progress=False)),
+        lambda: train(config, options=TrainOptions(progress=False)),
+    ):
+        with pytest.raises(KeyboardInterrupt):
+            train(config, options=TrainOptions(progress=False, callback=crash))
+        assert not any((out / "checkpoints").iterdir())
+        result = again()
+        assert result.stop_reason == "epochs" and losses(out) == losses(tmp_path / "straight")
+        assert "stopped before its first checkpoint; starting it again" in capsys.readouterr().err
+        for path in (out / "checkpoints").iterdir():
+            path.unlink()  # the next round starts from a run with no checkpoint again
+    train(config, options=TrainOptions(progress=False, max_steps=1))  # now it has one
+    with pytest.raises(ValueError, match="already holds a run"):
+        train(config, options=TrainOptions(progress=False))
