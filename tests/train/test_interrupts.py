@@ -154,3 +154,16 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_in_place(corpus,
     train(config, options=TrainOptions(progress=False, max_steps=1))  # now it has one
     with pytest.raises(ValueError, match="already holds a run"):
         train(config, options=TrainOptions(progress=False))
+
+
+def test_cli_says_when_an_interrupt_saved_nothing(corpus, tmp_path, capsys, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt  # a second Ctrl-C inside a step: no clean point to save at
+
+    monkeypatch.setattr(awd_recipe, "training_loss", interrupted)
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    argv = ["train", str(empty), "--no-progress", f"--data.dir={corpus}"]
+    assert main([*argv, f"--run.out_dir={tmp_path / 'run'}", *(f"--{o}" for o in TINY)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("highrank train: interrupted; nothing was saved now; continue from")

@@ -150,12 +150,18 @@ def guarded(verb: str, job: Callable[[], int]) -> int:
         return 130
 
 
+# After an interrupt that saved nothing (a second Ctrl-C, or outside the training steps).
+_UNSAVED = {
+    "train": "nothing was saved now; continue from the last checkpoint with `highrank train "
+    "--resume RUN_DIR` (a run that saved none starts again)",
+    "finetune": "nothing was saved now; continue from the last checkpoint with `highrank "
+    "finetune RUN_DIR --resume`, or start it again with `highrank finetune RUN_DIR` if it "
+    "saved none",
+}
+
+
 def _unsaved(verb: str) -> str:
-    """After an interrupt that saved nothing (a second Ctrl-C, or outside the training steps)."""
-    hint = AFTER_INTERRUPT.get(verb, "nothing was kept")
-    if verb in ("train", "finetune"):
-        return f"nothing was saved now; {hint} (a run with none starts again)"
-    return hint
+    return _UNSAVED.get(verb) or AFTER_INTERRUPT.get(verb, "nothing was kept")
 
 
 __all__ = [
