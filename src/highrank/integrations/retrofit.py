@@ -114,7 +114,7 @@ def cache_hidden_states(
     ``batch_windows`` windows at a time with the body frozen, under ``torch.no_grad``.
 
     Resumable: the settings (``window``, ``dtype``, ``source`` — e.g. the model's path — and a
-    hash of the token ids) are written to ``meta.json`` first; a rerun with the same settings
+    hash of the token ids) are kept in ``meta.json``; a rerun with the same settings
     continues after the last batch recorded in ``progress.json``, a rerun with other settings
     is refused (delete the folder to start again). A finished cache is just loaded.
     """
@@ -158,7 +158,8 @@ def _fill_features(body, inputs, features, directory, done, batch_windows, dtype
     for first in range(done, n_windows, batch_windows):
         last = min(first + batch_windows, n_windows)
         with torch.no_grad():
-            hidden = body(input_ids=inputs[first:last]).last_hidden_state  # (b, window, d)
+            output = body(input_ids=inputs[first:last], use_cache=False)
+        hidden = output.last_hidden_state  # (b, window, d)
         rows = hidden.reshape(-1, hidden.shape[-1])
         features[first * window : last * window] = _to_storage(rows, dtype)
         features.flush()  # rows on disk before the progress record says so
