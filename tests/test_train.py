@@ -335,6 +335,7 @@ def test_too_many_consecutive_non_finite_steps_stop_with_advice(corpus, tmp_path
     message = str(error.value)
     assert "step 7" in message and "train.max_nonfinite_skips = 3" in message
     assert "--train.lr=2.5" in message and "train.clip" in message
+    assert "Start a new run" in message and f"({out}/checkpoints/last.pt) holds" in message
     # last.pt is from step 6: three skipped steps left the weights finite and as they were.
     assert load_checkpoint(out / "checkpoints/last.pt")["training"]["progress"]["step"] == 6
 
@@ -539,3 +540,11 @@ def test_an_epoch_skips_a_last_window_of_one_token_as_the_references_do(
 
     train(tiny_config(corpus, tmp_path / "run", "train.epochs=1"), options=options(callback=record))
     assert sum(lengths) == trained_rows and lengths[-1] == last and 1 not in lengths
+
+
+def test_divergence_before_any_checkpoint_says_none_was_saved(corpus, tmp_path, monkeypatch):
+    poison(monkeypatch, set(range(1, 100)))
+    config = tiny_config(corpus, tmp_path / "run", "train.max_nonfinite_skips=2")
+    with pytest.raises(TrainingError, match="no checkpoint of this stage was saved yet"):
+        train(config, options=QUIET)
+    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()

@@ -242,11 +242,18 @@ class AWDLSTMRecipe:
         return StepResult(outcome.nll, outcome.skip_reason)
 
     def divergence_advice(self) -> str:
+        """What to change: settings a resume keeps, so in a new run (or a new finetuning)."""
         lr, clip = self.lr, self.config.train.clip
+        if self.finetuning:
+            return (
+                f"Finetune anew with a lower learning rate (now lr = {lr:g}, e.g. "
+                f"--finetune.lr={lr / 2:g}) after deleting checkpoints/finetune-last*.pt "
+                f"(a resume keeps the learning rate)"
+            )
         return (
-            f"Try a lower learning rate (now lr = {lr:g}, e.g. --train.lr={lr / 2:g}) or a "
-            f"tighter gradient clip (train.clip = {clip:g}, "
-            f"e.g. --train.clip={(clip or 1.0) / 2:g})"
+            f"Start a new run (another --run.out_dir: a resume keeps these settings) with a "
+            f"lower learning rate (now lr = {lr:g}, e.g. --train.lr={lr / 2:g}) or a tighter "
+            f"gradient clip (train.clip = {clip:g}, e.g. --train.clip={(clip or 1.0) / 2:g})"
         )
 
     # ---- validation -------------------------------------------------------------------------

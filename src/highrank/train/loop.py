@@ -184,11 +184,15 @@ class Trainer:
 
 
 def _diverged(stage: str, p: Progress, reason: str, allowed: int, last: Path, advice: str) -> str:
+    saved = (
+        f"the last checkpoint ({last}) holds finite weights"
+        if last.is_file()
+        else "no checkpoint of this stage was saved yet"
+    )
     return (
         f"{stage} step {p.step} (epoch {p.epoch}): the {reason}; {p.consecutive_skips} "
         f"consecutive steps were non-finite, more than train.max_nonfinite_skips = {allowed}. "
-        f"Those steps changed nothing and the last checkpoint ({last}) holds finite weights. "
-        f"{advice}"
+        f"Those steps changed nothing and {saved}. {advice}"
     )
 
 
