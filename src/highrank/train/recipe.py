@@ -15,6 +15,7 @@ start of epoch 1 with a new optimizer) and registered under its ``model.backbone
 
     size = recipe.epoch_size()                      # once per epoch
     while progress.position < size.positions:       # one step:
+        (stop here on --max-steps, SIGINT, SIGTERM: the state between steps is saved)
         batch = recipe.next_batch(progress)         #   data at progress.position (may draw RNG)
         result = recipe.train_step(batch)           #   forward, backward, guard, update (timed)
         progress.position += batch.advance
@@ -37,8 +38,9 @@ are restored after that, last.
 Writing a second recipe (the Transformer schedule, say: AdamW, linear warm-up then cosine or
 inverse-sqrt decay, gradient accumulation, bf16 autocast, fixed-length windows, evaluation
 every N steps) means one class with these methods in its own module and one line in
-``RECIPES``: set the lr of the step from ``progress.step`` in ``train_step``, accumulate micro
-batches inside one ``train_step`` (``batch.tokens`` counts them all), use
+``RECIPES``: set the step's lr in ``train_step`` from an update counter the recipe keeps (and
+saves) or from ``progress.step`` read in ``next_batch``, accumulate micro-batches inside one
+``train_step`` (``batch.tokens`` counts them all), use
 :func:`highrank.train.steps.backward_or_skip` and :func:`highrank.train.steps.clip_or_skip`
 for the non-finite guard, set ``eval_every``, keep the schedule's state in ``state_dict`` (an
 AdamW ``state_dict`` already holds its step counts).
