@@ -251,7 +251,7 @@ def test_bad_override_syntax(override, expected):
         ("train.lr=nan", "train.lr = nan is out of range"),
         ("train.optimizer=adam", "expected one of: 'nt-asgd', 'et-asgd', 'sgd'"),
         ("data.mode=byte", "expected one of: 'word', 'char'"),
-        ("model.backbone=transformer", "expected one of: 'awd-lstm'"),
+        ("model.backbone=gru", "expected one of: 'awd-lstm'"),
         ("run.device=gpu", "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'"),
         ("data.dir=''", 'data.dir = "" is out of range; expected a non-empty string'),
         ("train.seed=-1", "train.seed = -1 is out of range"),

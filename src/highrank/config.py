@@ -18,23 +18,29 @@ the MoS values of Yang et al. 2018 are in the docstrings):
 * ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: the user cache, ~/.cache/highrank) —
   :func:`highrank.data.load_corpus`; for ``seq2seq`` (a parallel corpus, :mod:`highrank.bitext`)
   src_lang, tgt_lang, subword_type, subword_vocab_size, subword_joint (:mod:`highrank.subwords`).
-* ``[model]`` backbone (the model family: ``awd-lstm`` | ``seq2seq``), d_embed, tie_weights, and
+* ``[model]`` backbone (the model family: ``awd-lstm`` | ``seq2seq`` | ``transformer``), d_embed,
+  tie_weights, and
   the keys of the family: for ``awd-lstm`` d_hidden, n_layers, d_last (unset: d_embed),
   dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop, ar_alpha,
   tar_beta; for ``seq2seq`` (:class:`highrank.backbones.seq2seq.TransformerSeq2Seq`, d_model =
   d_embed) n_encoder_layers, n_decoder_layers, n_heads, d_ff (unset: 4 d_embed), positions,
-  max_len, dropout_input, dropout_attention, dropout_residual, share_embeddings.
+  max_len, dropout_input, dropout_attention, dropout_residual, share_embeddings; for
+  ``transformer`` (:class:`highrank.backbones.transformer.CausalTransformer`, d_model =
+  d_embed) n_layers, n_heads, d_ff (unset: 4 d_embed), positions, max_len, dropout_input,
+  dropout_attention, dropout_residual.
 * ``[head]`` name (a key of :data:`highrank.heads.HEADS`) and, in the same table, that head's
   knobs (``n_components = 15``), checked against :func:`highrank.heads.head_knobs`. The knobs
   the model wires itself (:data:`MODEL_SET_KNOBS`) are not configurable here. A loaded config
   holds every knob, defaults filled in, so the written config records them.
 * ``[train]`` batch_size, bptt, max_seq_len_delta, lr, weight_decay, clip, epochs, optimizer
   (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.optim`), nonmono, switch_epoch,
-  seed, eval_batch_size, test_batch_size, log_every, checkpoint_every, checkpoint_minutes,
-  chunk_size (unset: "auto"), max_nonfinite_skips.
+  seed, eval_batch_size, test_batch_size, log_every, checkpoint_every, chunk_size (unset:
+  "auto"), max_nonfinite_skips.
   ``seq2seq`` reads max_tokens, label_smoothing, warmup_steps, lr_schedule, adam_beta2,
   eval_every (:mod:`highrank.train.seq2seq`) besides lr, weight_decay, clip, epochs, seed,
   log_every, checkpoint_every, chunk_size, max_nonfinite_skips.
+  ``transformer`` reads warmup_steps, lr_schedule, adam_beta2, eval_every, accumulate, bf16
+  (:mod:`highrank.train.transformer`) besides the keys every family reads.
 * ``[finetune]`` lr, epochs, max_seq_len_delta.
 * ``[dynamic_eval]`` lr, epsilon, prior_decay, batch_size, bptt, stats_batch_size (Krause
   et al. 2017).
@@ -70,7 +76,7 @@ from highrank.data import MODES
 from highrank.heads import HEADS, head_knobs
 from highrank.optim import SWITCH_POLICIES
 
-BACKBONES = ("awd-lstm", "seq2seq")  # model.backbone: the model families
+BACKBONES = ("awd-lstm", "seq2seq", "transformer")  # model.backbone: the model families
 # Family -> section -> the keys of that section only this family (and any other family listing
 # them too) reads; a key listed for no family is read by every family.
 FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -113,6 +119,26 @@ FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
             "eval_every",
         ),
         "decode": ("beam_size", "length_penalty", "max_len_a", "max_len_b"),
+    },
+    "transformer": {
+        "model": (
+            "n_layers",
+            "n_heads",
+            "d_ff",
+            "positions",
+            "max_len",
+            "dropout_input",
+            "dropout_attention",
+            "dropout_residual",
+        ),
+        "train": (
+            "warmup_steps",
+            "lr_schedule",
+            "adam_beta2",
+            "eval_every",
+            "accumulate",
+            "bf16",
+        ),
     },
 }
 # Head constructor arguments that the model sets from [model], not the user from [head].
@@ -188,6 +214,12 @@ class ModelConfig:
         dropout_residual: dropout on each block's output before the residual sum.
         share_embeddings: one embedding matrix for source and target (needs
             data.subword_joint).
+
+    The ``transformer`` family (:class:`highrank.backbones.transformer.CausalTransformer`,
+    a decoder-only LM; d_model is d_embed, tie_weights ties the head's decoder to the
+    token embedding) reads n_layers (blocks), n_heads, d_ff, positions, max_len (the
+    learned position table: at least train.bptt), dropout_input, dropout_attention and
+    dropout_residual as above.
     """
 
     backbone: str = "awd-lstm"
@@ -247,11 +279,8 @@ class TrainConfig:
         test_batch_size: test batch size.
         log_every: log every this many training steps.
         checkpoint_every: save checkpoints/last.pt every this many training steps (it is
-            also saved at every epoch end and when a run stops at its step limit or on SIGINT /
-            SIGTERM); changes nothing that is computed, so a resumed run may change it.
-        checkpoint_minutes: also save last.pt once this many minutes of wall time have passed
-            since the last save (checked after each step); 0: by steps only. Like
-            checkpoint_every it changes nothing computed.
+            also saved at every epoch end and when a run stops at its step limit); changes
+            nothing that is computed, so a resumed run may change it.
         chunk_size: tokens per chunk of the head loss; None (unset): "auto", chunks of about
             2**21 logits (see OutputHead.loss).
         max_nonfinite_skips: steps with a non-finite loss or gradient that may be skipped
@@ -269,6 +298,15 @@ class TrainConfig:
         adam_beta2: AdamW's beta2 (beta1 0.9, epsilon 1e-9: Vaswani et al. 2017).
         eval_every: updates between validations besides every epoch end; None (unset): at
             epoch ends only.
+
+    The ``transformer`` family (:mod:`highrank.train.transformer`; lr is the peak learning
+    rate, bptt the window length) reads warmup_steps, lr_schedule, adam_beta2 and
+    eval_every as above (AdamW epsilon 1e-8), and:
+
+    Attributes:
+        accumulate: windows (micro-batches of batch_size x bptt tokens) per update.
+        bf16: run the forward passes of training under bfloat16 autocast (weights,
+            gradients and optimizer state stay float32; validation is float32).
     """
 
     batch_size: int = 20
@@ -286,7 +324,6 @@ class TrainConfig:
     test_batch_size: int = 1
     log_every: int = 200
     checkpoint_every: int = 1000
-    checkpoint_minutes: float = 10.0
     chunk_size: int | None = None
     max_nonfinite_skips: int = 10
     max_tokens: int = 4096
@@ -295,6 +332,8 @@ class TrainConfig:
     lr_schedule: str = "inverse-sqrt"
     adam_beta2: float = 0.98
     eval_every: int | None = None
+    accumulate: int = 1
+    bf16: bool = False
 
 
 @dataclass
@@ -761,13 +800,13 @@ RULES: dict[str, _Rule] = {
     "train.warmup_steps": NON_NEGATIVE,
     "train.lr_schedule": _one_of(("inverse-sqrt", "cosine")),
     "train.adam_beta2": PROBABILITY,
+    "train.accumulate": POSITIVE,
     "decode.beam_size": POSITIVE,
     "decode.length_penalty": NON_NEGATIVE_FINITE,
     "decode.max_len_a": NON_NEGATIVE_FINITE,
     "decode.max_len_b": POSITIVE,
     "train.max_seq_len_delta": NON_NEGATIVE,
     "train.max_nonfinite_skips": NON_NEGATIVE,
-    "train.checkpoint_minutes": NON_NEGATIVE_FINITE,
     "train.lr": POSITIVE_FINITE,
     "train.weight_decay": NON_NEGATIVE_FINITE,
     "train.clip": NON_NEGATIVE_FINITE,
@@ -801,6 +840,8 @@ def validate_config(config: Config, origins: Mapping[str, str] | None = None) ->
     _validate_switch_epoch(config, origins)
     if config.model.backbone == "seq2seq":
         _validate_seq2seq(config, origins)
+    if config.model.backbone == "transformer":
+        _validate_transformer(config, origins)
 
 
 def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
@@ -831,6 +872,27 @@ def _validate_seq2seq(config: Config, origins: Mapping[str, str]) -> None:
         raise ConfigError(
             f"{_origin(origins, 'model.share_embeddings')}: model.share_embeddings = true needs "
             f"one joint vocabulary, but data.subword_joint = false; set one of them"
+        )
+
+
+def _validate_transformer(config: Config, origins: Mapping[str, str]) -> None:
+    """Cross-key rules of a decoder-only Transformer LM config."""
+    model, train = config.model, config.train
+    if model.d_embed % model.n_heads:
+        raise ConfigError(
+            f"{_origin(origins, 'model.n_heads')}: model.n_heads = {model.n_heads} does not "
+            f"divide model.d_embed = {model.d_embed}; expected a divisor"
+        )
+    if model.positions == "rotary" and (model.d_embed // model.n_heads) % 2:
+        raise ConfigError(
+            f"{_origin(origins, 'model.positions')}: rotary positions rotate pairs of "
+            f"features, but d_embed / n_heads = {model.d_embed // model.n_heads} is odd"
+        )
+    if model.positions == "learned" and model.max_len < train.bptt:
+        raise ConfigError(
+            f"{_origin(origins, 'model.max_len')}: model.max_len = {model.max_len} is shorter "
+            f"than the windows (train.bptt = {train.bptt}) the learned positions must cover; "
+            f"expected max_len >= bptt"
         )
 
 

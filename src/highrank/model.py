@@ -1,10 +1,11 @@
 """LanguageModel = embedding + backbone + head: the composition, and the weight tying.
 
-The backbone (AWD-LSTM) owns the input embedding and produces time-major hidden states
-``(T, B, d_last)``; the head turns them into a normalised next-token distribution and owns
-the loss. Tying passes the embedding's Parameter to the head explicitly, so the two share
-one tensor. Heads with internal dropout get ``dropout_time_dim=0`` so that it is *locked*
-over time as in the AWD-LSTM and MoS code.
+The backbone (AWD-LSTM, or the decoder-only Transformer of ``backbones/transformer.py``) owns
+the input embedding and produces time-major hidden states ``(T, B, d_last)``; the head turns
+them into a normalised next-token distribution and owns the loss. Tying passes the embedding's
+Parameter to the head explicitly, so the two share one tensor. Heads with internal dropout get
+``dropout_time_dim=0`` so that it is *locked* over time (one mask per window and column) as in
+the AWD-LSTM and MoS code, for either backbone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from highrank.backbones.awd_lstm import AWDLSTM, AWDLSTMExtras, AWDLSTMState
 from highrank.backbones.seq2seq import TransformerSeq2Seq
+from highrank.backbones.transformer import CausalTransformer
 from highrank.config import Config
 from highrank.heads import HEADS, OutputHead, build_head
 
@@ -91,9 +93,28 @@ def _awd_lstm(config: Config, vocab_size: int) -> AWDLSTM:
     )
 
 
+def _transformer(config: Config, vocab_size: int) -> CausalTransformer:
+    m = config.model
+    return CausalTransformer(
+        vocab_size,
+        d_model=m.d_embed,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        d_ff=m.d_ff,
+        positions=m.positions,
+        max_len=m.max_len,
+        dropout_input=m.dropout_input,
+        dropout_attention=m.dropout_attention,
+        dropout_residual=m.dropout_residual,
+    )
+
+
 # model.backbone (the model family) -> the function that builds its backbone. A backbone owns
 # the input embedding (``.embedding``, the tied weight) and outputs ``.d_last`` features.
-BACKBONE_BUILDERS: dict[str, Callable[[Config, int], nn.Module]] = {"awd-lstm": _awd_lstm}
+BACKBONE_BUILDERS: dict[str, Callable[[Config, int], nn.Module]] = {
+    "awd-lstm": _awd_lstm,
+    "transformer": _transformer,
+}
 
 
 def build_seq2seq(config: Config, vocab_size: int | tuple[int, int]) -> TransformerSeq2Seq:

@@ -31,10 +31,12 @@ from highrank.train.recipe import Recipe, Stage
 from highrank.train.seq2seq import Seq2SeqRecipe, continue_translation, start_translation
 from highrank.train.state import Progress, TrainOptions, TrainResult
 from highrank.train.steps import resolve_device, seed_everything
+from highrank.train.transformer import TransformerRecipe
 
 # model.backbone -> the recipe class that trains it.
 RECIPES: dict[str, Callable[..., Recipe]] = {
     "awd-lstm": AWDLSTMRecipe,
+    "transformer": TransformerRecipe,
     "seq2seq": Seq2SeqRecipe,  # its "corpus" is a highrank.translation.TranslationData
 }
 
