@@ -34,8 +34,8 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   holds every knob, defaults filled in, so the written config records them.
 * ``[train]`` batch_size, bptt, max_seq_len_delta, lr, weight_decay, clip, epochs, optimizer
   (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.optim`), nonmono, switch_epoch,
-  seed, eval_batch_size, test_batch_size, log_every, checkpoint_every, chunk_size (unset:
-  "auto"), max_nonfinite_skips.
+  seed, eval_batch_size, test_batch_size, log_every, checkpoint_every, checkpoint_minutes,
+  chunk_size (unset: "auto"), max_nonfinite_skips.
   ``seq2seq`` reads max_tokens, label_smoothing, warmup_steps, lr_schedule, adam_beta2,
   eval_every (:mod:`highrank.train.seq2seq`) besides lr, weight_decay, clip, epochs, seed,
   log_every, checkpoint_every, chunk_size, max_nonfinite_skips.
@@ -279,8 +279,11 @@ class TrainConfig:
         test_batch_size: test batch size.
         log_every: log every this many training steps.
         checkpoint_every: save checkpoints/last.pt every this many training steps (it is
-            also saved at every epoch end and when a run stops at its step limit); changes
-            nothing that is computed, so a resumed run may change it.
+            also saved at every epoch end and when a run stops at its step limit or on SIGINT /
+            SIGTERM); changes nothing that is computed, so a resumed run may change it.
+        checkpoint_minutes: also save last.pt once this many minutes of wall time have passed
+            since the last save (checked after each step); 0: by steps only. Like
+            checkpoint_every it changes nothing computed.
         chunk_size: tokens per chunk of the head loss; None (unset): "auto", chunks of about
             2**21 logits (see OutputHead.loss).
         max_nonfinite_skips: steps with a non-finite loss or gradient that may be skipped
@@ -324,6 +327,7 @@ class TrainConfig:
     test_batch_size: int = 1
     log_every: int = 200
     checkpoint_every: int = 1000
+    checkpoint_minutes: float = 10.0
     chunk_size: int | None = None
     max_nonfinite_skips: int = 10
     max_tokens: int = 4096
@@ -807,6 +811,7 @@ RULES: dict[str, _Rule] = {
     "decode.max_len_b": POSITIVE,
     "train.max_seq_len_delta": NON_NEGATIVE,
     "train.max_nonfinite_skips": NON_NEGATIVE,
+    "train.checkpoint_minutes": NON_NEGATIVE_FINITE,
     "train.lr": POSITIVE_FINITE,
     "train.weight_decay": NON_NEGATIVE_FINITE,
     "train.clip": NON_NEGATIVE_FINITE,
