@@ -27,9 +27,9 @@ without**, and which of the two is not identifiable from the outputs.
    Values below it are raised to it, so gaps among noise values count as 1 and cannot win.
 2. ``knee = argmax_{k >= 2} c_k / c_(k+1)`` of the floored values c; ``gap`` is that ratio.
    k = 1 is excluded: s_1 carries the mean log-probability level (every entry is about
-   -log V), so s_1 / s_2 is large for every model (measured: 40-240 on random MoS and
-   Mixtape heads, where the gap at d + 1 was 2-8) and says nothing about d; a model whose
-   matrix has rank 1 ignores its context.
+   -log V), so s_1 / s_2 is large for every model and says nothing about d (measured on
+   random MoS and Mixtape heads with d = 8: s_1 / s_2 = 41-240, above every other gap; on
+   SmolLM2: 14.9); a model whose matrix has rank 1 ignores its context.
 3. A **low-rank knee** exists when ``gap >= min_gap`` (default 100: two orders of magnitude)
    *and* every value after the knee lies at or below the Press threshold of the matrix's own
    dtype (:func:`~highrank.analysis.rank.press_threshold`): the tail is numerically zero.
@@ -37,8 +37,13 @@ without**, and which of the two is not identifiable from the outputs.
    decaying spectrum: MoS, Mixtape without gate sharing, SigSoftmax/GSS at their usual
    scales) or values above the Press threshold follow it (a gap inside a high-rank
    spectrum). Only a low-rank knee gives a ``hidden_size``. Mixtape *with* gate sharing has
-   an exact knee, but at about d + 2 + S (S frequent tokens with their own gates), far from
-   d + 2: the record says where, and :func:`matches_hidden_size` tells it from a softmax.
+   an exact knee, but at up to d + 2 + S (S frequent tokens with their own gates; measured
+   39 for d = 8, S = 30), far from d + 2: the record says where, and
+   :func:`matches_hidden_size` tells it from a softmax's.
+
+Measured on SmolLM2-135M (hidden size 576, no bias), 4,096 WikiText-2 test contexts: a knee
+at 577 = d + 1, gap 710x (s_577 = 6.8e-4 s_max against the Gram resolution 9.5e-7 s_max),
+the next largest gap 1.7x.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from highrank.analysis.output import read_json, text_table, write_json
+from highrank.analysis.output import read_json, text_table, write_json, write_text_atomic
 from highrank.analysis.rank import (
     GRAM_BACKENDS,
     gram_resolution,
@@ -355,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         write_json(out / "hidden-size.json", {"spectrum": SPECTRUM, "inputs": records})
-        (out / "hidden-size.md").write_text(summary_table(records, markdown=True))
+        write_text_atomic(out / "hidden-size.md", summary_table(records, markdown=True))
         print(f"wrote {out / 'hidden-size.json'}, {out / 'hidden-size.md'}")
     return 0
 

@@ -50,6 +50,11 @@ the float64 bound; h must also lie in the box. A token is *undecided* when the L
 neither verdict (r* > 1e-6 but no verified witness, or a solver failure); the report counts
 them.
 
+Measured on SmolLM2-135M-Instruct (the Q4_1 .gguf, V = 49,152, d = 576, no bias, box 100):
+49,085 tokens have a candidate witness, 50 more a reflected one, 2 an LP witness, and the 15
+unargmaxable tokens are exactly the rows shared by several tokens (4 groups of 2, 2, 4 and 7
+tokens, among them 11 special tokens such as ``<file_sep>``): they can only tie.
+
 **Heads other than softmax.**
 
 * SigSoftmax, GSS, LMS-PLIF: log p = log_softmax(f(z)) with f strictly increasing, and a
@@ -83,7 +88,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from highrank.analysis.output import text_table, write_json
+from highrank.analysis.output import text_table, write_json, write_text_atomic
 
 DEFAULT_RADIUS = 100.0
 DEFAULT_PATIENCE = 10  # braid reflections per token before the LP
@@ -481,7 +486,9 @@ def search_argmax_input(
     recomputed in float64 with the head in eval mode, is > 0, else ``(None, best margin)``.
 
     A search, not a proof: a failure shows nothing by itself (for softmax and MoS the module
-    docstring proves it), a success is an exact example."""
+    docstring proves it), a success is an exact example. The head is left in float64 eval
+    mode, with ``train_head`` holding the parameters of the last start (the example's when
+    one is found)."""
     generator = torch.Generator().manual_seed(seed)
     best = -math.inf
     original = {name: p.detach().clone() for name, p in head.named_parameters()}
@@ -631,14 +638,14 @@ def run(args: argparse.Namespace) -> int:
             write_json(path, record)
             print(f"wrote {path}")
             records.append(record)
-    except UnargmaxableError as error:
+    except ValueError as error:  # UnargmaxableError, HFInputError (a missing hf extra too)
         print(f"highrank analyze unargmaxable: error: {error}", file=sys.stderr)
         return 2
     print(summary_table(records), end="")
     if args.out:
         out = Path(args.out)
         write_json(out / "unargmaxable.json", {"inputs": records})
-        (out / "unargmaxable.md").write_text(summary_table(records, markdown=True))
+        write_text_atomic(out / "unargmaxable.md", summary_table(records, markdown=True))
         print(f"wrote {out / 'unargmaxable.json'}, {out / 'unargmaxable.md'}")
     return 0
 
