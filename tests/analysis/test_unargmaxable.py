@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -362,3 +363,25 @@ def test_the_command_line_on_a_hugging_face_model(tmp_path, monkeypatch, capsys)
     weight = model.get_output_embeddings().weight.detach().double().numpy()
     expected = find_unargmaxable(weight, radius=None).unargmaxable.tolist()
     assert record["unargmaxable_ids"] == expected
+
+
+def test_a_mos_run_is_analysed_on_all_of_r_d(tmp_path):
+    from tests.analysis.conftest import train_tiny_run
+
+    run = train_tiny_run(tmp_path, "mos", "head.name=mos", "head.n_components=2")
+    assert main(["analyze", "unargmaxable", str(run), "--no-progress"]) == 0
+    # MoS: the domain is R^d whatever --radius says (the theorem needs no box).
+    record = json.loads((run / "analysis" / "unargmaxable-best-unbounded.json").read_text())
+    assert record["head"] == "mos" and record["domain"] == "all of R^d"
+    assert "unargmaxable for MoS too" in record["analysed"]
+
+
+def test_a_missing_hf_extra_is_one_clear_line(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    argv = ["analyze", "unargmaxable", "--hf", str(folder), "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "transformers" in error and "pip install" in error and "Traceback" not in error
