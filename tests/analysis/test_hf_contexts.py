@@ -353,6 +353,7 @@ def test_analyze_rank_hf_writes_its_record_to_out(llama, tmp_path, capsys, monke
     assert record["shape"] == [56, 20] and record["gram_side"] == "columns"
     assert record["window"] == 10 and record["model_class"] == "LlamaForCausalLM"
     assert "windows of 10 tokens" in record["contexts"] and record["load_seconds"] >= 0
+    assert record["model"] == str(folder.resolve()) and record["matrix_reused"] is False
     for name in ("rank.json", "rank.md", "spectrum.png", f"rank-{tag}.singular_values.npy"):
         assert (out / name).stat().st_size > 0
     assert not (out / f"rank-{tag}.state").exists()
@@ -362,7 +363,8 @@ def test_analyze_rank_hf_writes_its_record_to_out(llama, tmp_path, capsys, monke
 
     monkeypatch.setattr(rank_cli, "load_text_contexts", lambda *a, **k: pytest.fail("reloaded"))
     assert _cli(*args) == 0
-    assert json.loads((out / f"rank-{tag}.json").read_text())["press_rank"] == record["press_rank"]
+    again = json.loads((out / f"rank-{tag}.json").read_text())
+    assert again["press_rank"] == record["press_rank"] and again["matrix_reused"] is True
     assert not (out / f"logprob-{tag}.npy").exists()  # deleted now that it was not kept
 
 
@@ -376,6 +378,24 @@ def test_analyze_rank_hf_with_fewer_contexts_than_words_takes_the_row_side(llama
     assert record["shape"] == [12, 20] and record["gram_side"] == "rows"
     assert record["press_rank"] == rank_report(matrix)["press_rank"]
     assert record["max_contexts"] == 12 and record["n_contexts"] == 12
+
+
+def test_analyze_rank_hf_refuses_a_gram_matrix_that_does_not_fit_before_the_forward_passes(
+    llama, tmp_path, capsys, monkeypatch
+):
+    import highrank.analysis.rank as rank
+    import highrank.analysis.rank_cli as rank_cli
+
+    monkeypatch.setattr(rank, "available_memory_bytes", lambda device="cpu": 1000)
+    monkeypatch.setattr(rank_cli, "write_hf_logprob_matrix", lambda *a, **k: pytest.fail("ran"))
+    folder, text = llama
+    out = tmp_path / "out"
+    argv = ["rank", "--hf", str(folder), "--text", str(text), "--out", str(out), "--window", "8"]
+    assert _cli(*argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("highrank analyze rank: error: rank of a 56 x 20 matrix")
+    assert "\n" not in error and "does not fit" in error
+    assert not out.exists() or not list(out.glob("logprob-*"))
 
 
 def test_analyze_kl_hf(llama, tmp_path):

@@ -467,12 +467,12 @@ class TextContexts:
     def record(self, max_contexts: int | None) -> dict[str, Any]:
         """What every record of an analysis of this model on this text says about them."""
         return {
-            "model": str(self.model_path),
+            "model": str(self.model_path.resolve()),
             "model_name": self.name,
             "model_class": type(self.model).__name__,
             "model_type": getattr(self.model.config, "model_type", None),
             "head": type(self.model).__name__,
-            "text": str(self.text),
+            "text": str(self.text.resolve()),
             "n_tokens": self.ids.numel(),
             "window": self.window,
             "bos_token_id": self.bos_token_id,

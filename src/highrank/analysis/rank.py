@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -152,7 +153,7 @@ def streamed_singular_values(
     state_dir: str | os.PathLike | None = None,
     checkpoint_seconds: float = 600.0,
     progress: bool = False,
-    timings: dict[str, float] | None = None,
+    details: dict[str, Any] | None = None,
 ) -> np.ndarray:
     """Singular values (descending, float64) of the 2-D float32 ``.npy`` matrix at ``path``,
     which is read in blocks of ``block_rows`` rows and never held whole: ``min(m, n)`` values,
@@ -169,7 +170,8 @@ def streamed_singular_values(
             there (with either backend). The folder is removed once the values are computed.
         progress: the memory plan, a tqdm bar with a time estimate, and an estimate for the
             eigenvalue step (on stderr).
-        timings: if given, receives ``gram_seconds`` and ``eigen_seconds``.
+        details: if given, receives ``gram_backend`` (the one used), ``memory_plan`` (its
+            line), ``gram_seconds`` and ``eigen_seconds``.
 
     Raises :class:`GramMemoryError` before any work when the plan does not fit in memory.
 
@@ -198,9 +200,11 @@ def streamed_singular_values(
     )
     middle = time.perf_counter()
     values = _gram_eigenvalues(gram, plan.backend, progress)
-    if timings is not None:
-        timings["gram_seconds"] = middle - began
-        timings["eigen_seconds"] = time.perf_counter() - middle
+    if details is not None:
+        details["gram_backend"] = plan.backend
+        details["memory_plan"] = plan.describe()
+        details["gram_seconds"] = round(middle - began, 2)
+        details["eigen_seconds"] = round(time.perf_counter() - middle, 2)
     if state_dir is not None:
         _GramCheckpoint(state_dir, path, plan.side).remove()
     return np.sqrt(np.clip(values, 0.0, None))[::-1].copy()
@@ -211,13 +215,13 @@ def rank_report_file(
 ) -> dict[str, object]:
     """:func:`rank_report` of the float32 ``.npy`` matrix at ``path``, computed by
     :func:`streamed_singular_values` (``options`` go there); the Press threshold uses
-    float32's eps, exactly as for the matrix in memory. Adds the Gram ``side`` and the
-    seconds of its two steps."""
+    float32's eps, exactly as for the matrix in memory. Adds the Gram matrix's side,
+    backend, memory plan and the seconds of its two steps."""
     from highrank.analysis.logprob_matrix import npy_layout
 
     shape, dtype, _ = npy_layout(path)
-    timings: dict[str, float] = {}
-    values = streamed_singular_values(path, timings=timings, **options)
+    details: dict[str, Any] = {}
+    values = streamed_singular_values(path, details=details, **options)
     return {
         "shape": list(shape),
         "dtype": str(dtype),
@@ -226,7 +230,7 @@ def rank_report_file(
         "resolution": gram_resolution(min(shape), float(values[0])),
         "effective_rank": {str(eps): effective_rank(values, eps) for eps in epsilons},
         "gram_side": gram_side(shape),
-        **{key: round(value, 2) for key, value in timings.items()},
+        **details,
         "singular_values": values,
     }
 
@@ -307,7 +311,7 @@ def plan_gram(
     ``backend="auto"`` is torch unless only scipy's plan (no copy of G) fits, on the CPU.
     ``available_bytes`` defaults to :func:`available_memory_bytes` of ``device``.
     """
-    backend = resolve_backend(backend, device)
+    resolved = resolve_backend(backend, device)
     if available_bytes == -1:
         available_bytes = available_memory_bytes(device)
     m, n = int(shape[0]), int(shape[1])
@@ -317,7 +321,7 @@ def plan_gram(
             (m, n), name, str(device), *_gram_bytes(m, n, block_rows, name), available_bytes
         )
 
-    chosen = plan("torch" if backend == "auto" else backend)
+    chosen = plan(resolved)
     if backend == "auto" and not chosen.fits and torch.device(device).type == "cpu":
         scipy_plan = plan("scipy")
         scipy_possible = scipy_plan.side == "rows" or n <= SCIPY_MAX_N

@@ -212,15 +212,15 @@ def analyze_hf(
         "max_contexts": max_contexts,
     }
     options = {"backend": backend, "device": device, "block_rows": block_rows}
-    began = time.perf_counter()
-    record = _ensure_hf_matrix(
+    record, seconds = _ensure_hf_matrix(
         model_path, text_path, matrix_path, settings, batch_windows, progress, options
     )
     record = {
         "tag": tag,
         "out_dir": str(out),
         **{key: value for key, value in record.items() if key not in _MATRIX_ONLY},
-        "matrix_seconds": round(time.perf_counter() - began, 2),
+        **seconds,
+        "threads": torch.get_num_threads(),
     }
     return _rank_of_matrix(
         matrix_path,
@@ -242,12 +242,14 @@ _MATRIX_ONLY = ("matrix", "shape", "dtype", "kind", "hf_settings")
 def _ensure_hf_matrix(
     model_path, text_path, matrix_path, settings, batch_windows, progress, options
 ):
-    """The side record of the matrix at ``matrix_path``: reused when it was written with
-    ``settings`` (same model and text files, reading options), written otherwise."""
+    """``(side record, seconds)`` of the matrix at ``matrix_path``: reused when it was
+    written with ``settings`` (same model and text files, reading options), written
+    otherwise; ``seconds`` are those of loading the model and text and of the forward
+    passes (with the writing), this time."""
     if matrix_path.is_file() and matrix_path.with_suffix(".json").is_file():
         existing = matrix_record(matrix_path)
         if existing.get("hf_settings") == settings:
-            return existing
+            return existing, {"matrix_reused": True, "load_seconds": 0.0, "matrix_seconds": 0.0}
     began = time.perf_counter()
     loaded = load_text_contexts(
         model_path,
@@ -265,6 +267,7 @@ def _ensure_hf_matrix(
     if progress:
         print(f"{loaded.name}: {loaded.ids.numel():,} tokens of {text_path}; {plan.describe()}")
     plan.check()  # before the forward passes, not after them
+    began = time.perf_counter()
     record = write_hf_logprob_matrix(
         loaded.model,
         loaded.ids,
@@ -275,14 +278,14 @@ def _ensure_hf_matrix(
         batch_windows=batch_windows,
         progress=progress,
         source=str(text_path),
-        metadata={
-            **loaded.record(settings["max_contexts"]),
-            "hf_settings": settings,
-            "load_seconds": round(load_seconds, 2),
-            "threads": torch.get_num_threads(),
-        },
+        metadata={**loaded.record(settings["max_contexts"]), "hf_settings": settings},
     )
-    return record
+    seconds = {
+        "matrix_reused": False,
+        "load_seconds": round(load_seconds, 2),
+        "matrix_seconds": round(time.perf_counter() - began, 2),
+    }
+    return record, seconds
 
 
 def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -> str:
@@ -407,7 +410,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=GRAM_BACKENDS, default="auto", help="(auto)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
     parser.add_argument(
-        "--block-rows", type=positive_int, default=2048, help="rows read at a time (2048)"
+        "--block-rows",
+        type=positive_int,
+        default=2048,
+        help="rows read at a time, and the panel of A A^T when contexts < words (2048)",
     )
     parser.add_argument(
         "--checkpoint-minutes",
