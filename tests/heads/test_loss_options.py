@@ -206,3 +206,23 @@ def test_out_of_range_targets_name_the_ignore_index(make_head):
         head.loss(torch.randn(4, 12), target)
     with pytest.raises(ValueError, match=r"got \[-100\]"):  # -100 is an id when not ignored
         head.loss(torch.randn(4, 12), target.clamp(max=49), ignore_index=-1)
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_the_loss_never_reads_a_value_on_the_host(make_head, name):
+    # On the meta device tensors have shapes but no values: any host read (int(), .item(),
+    # a data-dependent shape) raises. The target check must then run on the device.
+    head = make_head(name).to("meta")
+    hidden = torch.randn(4, 6, 12, device="meta", requires_grad=True)
+    target = torch.randint(0, 50, (4, 6), device="meta")
+    loss = head.loss(hidden, target, chunk_size=None, label_smoothing=0.1)
+    loss.backward()
+    assert loss.shape == () and hidden.grad.shape == hidden.shape
+
+
+def test_check_target_ids_validates_outside_the_hot_path(make_head):
+    head = make_head("softmax")
+    head.check_target_ids(torch.tensor([0, 49, IGNORE]))
+    head.check_target_ids(torch.tensor([0, 7]), ignore_index=7)
+    with pytest.raises(ValueError, match=r"Softmax: target ids must lie in \[0, 50\).*got \[50\]"):
+        head.check_target_ids(torch.tensor([0, 50]))

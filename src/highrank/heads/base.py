@@ -233,10 +233,14 @@ class OutputHead(nn.Module):
         """Summed loss, chunked, with gradients computed in the forward pass; heads with a
         closed-form gradient (softmax, MoS, MoC) override it with a fused version (and
         ``auto_chunk_tokens`` with ``fused_auto_chunk_tokens``)."""
-        params = [p for p in self.parameters() if p.requires_grad]
         token_losses = functools.partial(
             self._token_losses, label_smoothing=label_smoothing, ignore_index=ignore_index
         )
+        if torch.compiler.is_compiling():
+            # torch.compile cannot trace torch.autograd.grad inside a forward pass; it can
+            # trace activation checkpointing: the same memory bound, one recomputation per chunk.
+            return checkpointed_nll(token_losses, rows, target, masks, chunk_size).sum()
+        params = [p for p in self.parameters() if p.requires_grad]
         return gradient_in_forward_nll(token_losses, rows, target, masks, params, chunk_size)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -279,13 +283,34 @@ class OutputHead(nn.Module):
         if target.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"target must hold integer token ids; got dtype {target.dtype}")
         flat = target.reshape(-1).long()
-        bad = flat[((flat < 0) | (flat >= self.vocab_size)) & (flat != ignore_index)]
-        if bad.numel():
-            raise ValueError(
-                f"target ids must lie in [0, {self.vocab_size}) or equal "
-                f"ignore_index={ignore_index}; got {bad[:5].tolist()}"
-            )
+        valid = self._valid_target_ids(flat, ignore_index)
+        if torch.compiler.is_compiling() or flat.device.type != "cpu":
+            # Checked on the device, without waiting for it: the host never reads the ids
+            # (no synchronisation, no graph break). A bad id fails the next synchronisation
+            # with this message; call check_target_ids first for an immediate ValueError.
+            torch._assert_async(valid.all(), self._target_range_message(ignore_index))
+        else:
+            self.check_target_ids(flat, ignore_index)  # CPU tensors are at hand: name them
         return flat
+
+    def check_target_ids(self, target: torch.Tensor, ignore_index: int = -100) -> None:
+        """Raise a ValueError naming the ids of ``target`` outside ``[0, V)`` that are not
+        ``ignore_index``. Reads the ids on the host (a synchronisation on accelerators), so
+        ``loss`` does it only for CPU tensors in eager mode; call it outside the hot path to
+        validate data bound for an accelerator or a compiled model."""
+        valid = self._valid_target_ids(target, ignore_index)
+        if not bool(valid.all()):
+            bad = target[~valid][:5].tolist()
+            raise ValueError(f"{self._target_range_message(ignore_index)}; got {bad}")
+
+    def _valid_target_ids(self, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        return ((target >= 0) & (target < self.vocab_size)) | (target == ignore_index)
+
+    def _target_range_message(self, ignore_index: int) -> str:
+        return (
+            f"{type(self).__name__}: target ids must lie in [0, {self.vocab_size}) "
+            f"or equal ignore_index={ignore_index}"
+        )
 
 
 def check_label_smoothing(value: object) -> float:

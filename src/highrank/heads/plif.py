@@ -105,9 +105,8 @@ def _locate(logits: torch.Tensor, low: float, width: float, n_pieces: int):
 
 class _PiecewiseLinear(torch.autograd.Function):
     """Forward and backward written out, so that backward keeps only the logits (4 bytes per
-    logit instead of ~20 for autograd's gathers) and sums the slope gradients with
-    ``bincount``, which is deterministic where a scatter-add of many logits into few pieces is
-    not (and is faster)."""
+    logit instead of ~20 for autograd's gathers) and sums the slope gradients per piece in
+    float64 (``_sum_per_piece``)."""
 
     @staticmethod
     def forward(ctx, logits, rise, low, width):
@@ -128,10 +127,18 @@ class _PiecewiseLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # d f / d rise_j = offset on piece j itself, 1 on every piece to its right.
             flat_index = index.reshape(-1)
-            on_piece = torch.bincount(
-                flat_index, (grad * offset).reshape(-1).double(), rise.numel()
-            )
-            per_piece = torch.bincount(flat_index, grad.reshape(-1).double(), rise.numel())
+            on_piece = _sum_per_piece(flat_index, (grad * offset).reshape(-1), rise.numel())
+            per_piece = _sum_per_piece(flat_index, grad.reshape(-1), rise.numel())
             to_the_right = per_piece.sum() - torch.cumsum(per_piece, 0)
             grad_rise = (on_piece + to_the_right).to(rise.dtype)
         return grad_logits, grad_rise, None, None
+
+
+def _sum_per_piece(index: torch.Tensor, values: torch.Tensor, n_pieces: int) -> torch.Tensor:
+    """``out[j] = sum of values[i] with index[i] == j``, in float64, ``(n_pieces,)``.
+
+    ``index_add_`` into a fixed-size vector rather than ``bincount``: the same sums
+    (deterministic on CPU, where the one-dimensional accumulation runs in order), but an
+    output shape that does not depend on the data, so ``torch.compile`` keeps it in the graph.
+    """
+    return values.new_zeros(n_pieces, dtype=torch.float64).index_add_(0, index, values.double())
