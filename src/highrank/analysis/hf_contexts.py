@@ -19,8 +19,9 @@ position of the context's last token): the analyses need no other indexing. Ther
 ``N - 1`` rows, the first ``max_contexts`` of them when that is given. ``W`` defaults to
 ``min(the model's maximum positions, 1024)``; a text shorter than one window is refused.
 With ``bos_token_id`` that token is put before every window (the model then sees ``W + 1``
-positions) and its own output is dropped: rows and their numbering do not change. By default
-no token is added: the rows are the model's view of the text alone.
+positions; the default ``W`` leaves room for it) and its own output is dropped: rows and their
+numbering do not change. By default no token is added: the rows are the model's view of the
+text alone.
 
 Log-probabilities are ``log_softmax(logits.float())`` in float32, so a model whose ``logits``
 are already normalised log-probabilities (highrank's heads attached by
@@ -308,6 +309,8 @@ def iter_causal_lm_rows(
     ``needed`` (sorted row indices) runs only the windows that hold one and yields only
     those rows. The model is in eval mode for the duration (its flag is restored after).
     """
+    if not isinstance(window, int) or window < 1:
+        raise HFInputError(f"window must be a positive number of tokens; got {window!r}")
     ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
     n_rows = count_text_contexts(ids.numel(), max_contexts)
     if needed is not None:
@@ -364,6 +367,8 @@ def causal_lm_rows_at(
     """``(len(positions), V)`` float32 log-prob rows of the contexts at ``positions`` (any
     order, repeats allowed); only the windows holding them are run."""
     wanted = np.unique(np.asarray(positions, dtype=np.int64))
+    if len(wanted) == 0:
+        return torch.empty(0, vocab_width(model) or 0)
     found: dict[int, torch.Tensor] = {}
     for block_positions, _, rows in iter_causal_lm_rows(
         model, ids, window=window, bos_token_id=bos_token_id, needed=wanted, progress=progress

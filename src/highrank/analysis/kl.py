@@ -527,7 +527,10 @@ def _hf_records(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "split": Path(args.text).name,  # what the summary's note names
                 "rows_from": "model",
                 **result,
-                "protocol": {**PROTOCOL, "contexts": f"the first n rows of {contexts}"},
+                "protocol": {
+                    **PROTOCOL,
+                    "contexts": f"the first n contexts of the text: {contexts}",
+                },
                 "numpy": np.__version__,
             }
         )
