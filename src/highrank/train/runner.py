@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from highrank.checkpoint import (
     load_resumable,
     load_weights,
 )
-from highrank.config import Config, ConfigError, config_from_dict, parse_override
+from highrank.config import Config, ConfigError, config_from_dict, load_config, parse_override
 from highrank.data import Corpus, load_corpus
 from highrank.model import build_model, count_parameters
 from highrank.runs import RunDir
@@ -47,6 +48,7 @@ RESUME_OVERRIDES = (
     "train.log_every",
     "train.checkpoint_every",
     "train.max_nonfinite_skips",
+    "train.checkpoint_minutes",
     "run.device",
     "data.dir",
     "data.cache_dir",
@@ -106,10 +108,7 @@ def _check_same_vocab(run: RunDir, corpus: Corpus, path: Path) -> None:
         )
 
 
-def _apply_overrides(
-    payload: Mapping[str, Any], path: Path, overrides: Sequence[str], allowed: Sequence[str]
-) -> Config:
-    """The checkpoint's config with ``overrides``, each of which must be in ``allowed``."""
+def _check_allowed(overrides: Sequence[str], allowed: Sequence[str]) -> None:
     for text in overrides:
         section, key, _ = parse_override(text)
         if f"{section}.{key}" not in allowed:
@@ -117,6 +116,19 @@ def _apply_overrides(
                 f"override {text!r}: {section}.{key} cannot change when continuing a run (it "
                 f"would change what was already computed); allowed here: {', '.join(allowed)}"
             )
+
+
+def _apply_config_overrides(path: Path, overrides: Sequence[str], allowed: Sequence[str]) -> Config:
+    """The run's config.toml with ``overrides``, each of which must be in ``allowed``."""
+    _check_allowed(overrides, allowed)
+    return _absolute_paths(load_config(path, overrides))
+
+
+def _apply_overrides(
+    payload: Mapping[str, Any], path: Path, overrides: Sequence[str], allowed: Sequence[str]
+) -> Config:
+    """The checkpoint's config with ``overrides``, each of which must be in ``allowed``."""
+    _check_allowed(overrides, allowed)
     if not overrides:
         return config_of(payload, path)
     config = config_from_dict(payload["config"], overrides, source=f"{path} (stored config)")
@@ -164,8 +176,18 @@ def train(
     model = build_model(config, len(corpus.vocab)).to(device)
     stage = train_stage(config)
     recipe = build_recipe(config, model, corpus, stage, device)
+    _note_restart(RunDir(Path(config.run.out_dir)))
     run = RunDir.create(config.run.out_dir, config, corpus.vocab, command)  # inputs all good
     return Trainer(config, run, stage, recipe, Progress(), options, len(corpus.vocab)).run()
+
+
+def _note_restart(run: RunDir) -> None:
+    if run.config_file.exists() and not run.has_checkpoint():
+        print(
+            f"note: {run.path} holds a run that stopped before its first checkpoint; "
+            "starting it again in place",
+            file=sys.stderr,
+        )
 
 
 def resume(
@@ -179,9 +201,14 @@ def resume(
 
     An unreadable ``last.pt`` falls back to ``last.prev.pt``, then ``best.pt`` (with a
     warning). ``overrides`` may only change :data:`RESUME_OVERRIDES` (e.g. raise
-    ``train.epochs``).
+    ``train.epochs``). A run that stopped before its first checkpoint starts again in place
+    from its config.toml (as if trained anew: same seed, same result).
     """
     run = RunDir.open(run_dir)
+    if not run.has_checkpoint():  # stopped before its first save: nothing to continue from
+        config = _apply_config_overrides(run.config_file, overrides, RESUME_OVERRIDES)
+        command = _command(command, ["highrank", "train", "--resume", str(run_dir)])
+        return train(config, options=options, command=command)
     payload, path = load_resumable(run.checkpoints)
     if payload["stage"] != "train":
         raise CheckpointError(f"{path} is a {payload['stage']} checkpoint, not a training one")
