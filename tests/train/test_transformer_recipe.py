@@ -16,6 +16,7 @@ from highrank.backbones.transformer import CausalTransformer
 from highrank.checkpoint import load_checkpoint
 from highrank.config import ConfigError, load_config
 from highrank.data import load_corpus
+from highrank.heads import HEADS
 from highrank.model import build_model, count_parameters
 from highrank.runs import read_metrics
 from highrank.train import TrainOptions, finetune, resume, train
@@ -255,3 +256,24 @@ def test_cli_train_eval_and_analyze_rank_on_a_tiny_transformer_run(corpus, tmp_p
     assert main(["analyze", "rank", str(out), "--bptt", "6", "--no-progress"]) == 0
     record = json.loads((out / "analysis" / "rank-test-best.json").read_text())
     assert record["head"] == "softmax" and record["press_rank"] <= 8 + 2  # d + 2 for softmax
+
+
+# ---- the recipes in configs/ ------------------------------------------------------------------
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("dataset", ["ptb", "wt2"])
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_a_transformer_recipe_per_head_states_its_parameter_count(dataset, head):
+    import re
+
+    from highrank.train import parameter_count
+
+    path = CONFIGS / dataset / f"transformer-{head}.toml"
+    config = load_config(path)
+    assert config.model.backbone == "transformer" and config.head.name == head
+    stated = re.search(r"Parameters: ([\d,]+) \(V = ([\d,]+);", path.read_text())
+    count, vocab = (int(group.replace(",", "")) for group in stated.groups())
+    assert vocab == {"ptb": 10_000, "wt2": 33_278}[dataset]
+    assert parameter_count(config, vocab) == count
