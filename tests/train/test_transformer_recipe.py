@@ -120,6 +120,12 @@ def test_config_errors_name_the_key(corpus, tmp_path, override, message):
         tiny_config(corpus, tmp_path / "run", override)
 
 
+def test_a_cosine_schedule_needs_updates_after_the_warmup(corpus, tmp_path):
+    config = tiny_config(corpus, tmp_path / "run", "train.warmup_steps=40")  # 2 x 17 updates
+    with pytest.raises(ConfigError, match="train.warmup_steps = 40 leaves no updates to decay"):
+        train(config, options=QUIET)
+
+
 def re_escape(text: str) -> str:
     import re
 

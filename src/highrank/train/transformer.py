@@ -31,7 +31,9 @@ The schedule of decoder-only Transformer LMs (GPT-2, Radford et al. 2019; minGPT
 The recipe's checkpoint state (``"training"``): ``optimizer`` (AdamW with its step counts and
 each group's ``peak_lr``) and ``order`` (this epoch's window order), with the ``windows``
 generator under ``rng``. The update number is the loop's step, so nothing else is kept, and
-resuming is bit-identical. There is no finetuning stage (that is AWD-LSTM's averaged SGD).
+resuming is bit-identical. A resume that raises train.epochs stretches the cosine curve from
+there on (its end moves), so it is no longer the curve of a run started with those epochs.
+There is no finetuning stage (that is AWD-LSTM's averaged SGD).
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ class TransformerRecipe:
         self.starts = window_starts(self.splits.train.size(0), t.bptt)
         self.updates_per_epoch = math.ceil(len(self.starts) / t.accumulate)
         self.total_updates = t.epochs * self.updates_per_epoch
+        if t.lr_schedule == "cosine" and self.total_updates <= t.warmup_steps:
+            raise ConfigError(
+                f"train.warmup_steps = {t.warmup_steps} leaves no updates to decay over: "
+                f"train.epochs = {t.epochs} x {self.updates_per_epoch} updates per epoch = "
+                f"{self.total_updates}; lower train.warmup_steps or raise train.epochs"
+            )
         groups = adamw_groups(model, t.lr, t.weight_decay)
         self.optimizer = torch.optim.AdamW(
             groups, lr=t.lr, betas=(ADAM_BETA1, t.adam_beta2), eps=ADAM_EPSILON
