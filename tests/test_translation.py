@@ -117,7 +117,12 @@ def trained(corpus, tmp_path_factory) -> Path:
     """A finished 2-epoch softmax run (shared by the decoding tests)."""
     folder = tmp_path_factory.mktemp("runs")
     out = folder / "softmax"
-    train(load_config(config_file(folder, corpus, out)), options=QUIET)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a module fixture runs before the per-test one-thread fixture
+    try:
+        train(load_config(config_file(folder, corpus, out)), options=QUIET)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
