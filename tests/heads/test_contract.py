@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -287,3 +289,57 @@ def test_chunked_loss_under_inference_mode(make_head):
         chunked = head.loss(hidden, target, chunk_size=3)
         plain = head.loss(hidden, target)
     torch.testing.assert_close(chunked, plain)
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_a_head_cast_to_bf16_still_gives_float32_normalised_output(make_head, name):
+    head = make_head(name, stochastic=True).to(torch.bfloat16)  # training: dropout masks on
+    hidden, target = _inputs((3, 8))
+    hidden = hidden.to(torch.bfloat16).requires_grad_(True)
+    log_p = head.log_prob(hidden)
+    assert log_p.dtype == torch.float32
+    torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(3, 8), atol=1e-5, rtol=0)
+    for chunk_size in (None, 5):  # whole batch, and the chunked (fused or generic) path
+        head.zero_grad()
+        loss = head.loss(hidden, target, chunk_size=chunk_size, label_smoothing=0.1)
+        assert loss.dtype == torch.float32 and torch.isfinite(loss)
+        loss.backward()
+        for param_name, param in head.named_parameters():
+            assert param.grad.dtype == torch.bfloat16, param_name
+            assert torch.isfinite(param.grad).all(), param_name
+    # Same values as the float32 head holding the same (bf16-rounded) numbers, up to bf16
+    # rounding of the intermediate activations.
+    head.eval()
+    wide = copy.deepcopy(head).float()
+    for chunk_size in (None, 5):
+        torch.testing.assert_close(
+            head.loss(hidden, target, chunk_size=chunk_size),
+            wide.loss(hidden.float(), target, chunk_size=chunk_size),
+            atol=0.05,
+            rtol=0.02,
+        )
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_integer_or_mismatched_hidden_dtype_is_one_clear_error(make_head, name):
+    head = make_head(name)
+    cls = type(head).__name__
+    with pytest.raises(TypeError, match=rf"{cls}: hidden has dtype torch.int64; expected float"):
+        head.log_prob(torch.ones(4, 12, dtype=torch.long))
+    with pytest.raises(TypeError, match=rf"{cls}: hidden has dtype torch.float64 but the head"):
+        head.loss(torch.randn(4, 12, dtype=torch.float64), torch.zeros(4, dtype=torch.long))
+    narrow = copy.deepcopy(head).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"torch.float32 but the head's parameters are torch.bf"):
+        narrow.log_prob(torch.randn(4, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts both sides: allowed
+        assert head.log_prob(torch.randn(4, 12, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_plif_with_a_nan_input_returns_nan_instead_of_failing(make_head):
+    head = make_head("plif")
+    hidden = torch.randn(3, 12)
+    hidden[1, 0] = float("nan")
+    log_p = head.log_prob(hidden)
+    assert log_p[1].isnan().all()
+    assert torch.isfinite(log_p[[0, 2]]).all()  # other rows untouched
+    assert head.loss(hidden, torch.zeros(3, dtype=torch.long)).isnan()

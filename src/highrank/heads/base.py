@@ -270,7 +270,24 @@ class OutputHead(nn.Module):
                 f"{type(self).__name__}: hidden has shape {tuple(hidden.shape)}; "
                 f"expected [..., d_in] with d_in={self.d_in}"
             )
+        self._check_hidden_dtype(hidden)
         return hidden.reshape(-1, self.d_in)
+
+    def _check_hidden_dtype(self, hidden: torch.Tensor) -> None:
+        """Floating-point hidden states of the head's dtype; under autocast any floating
+        dtype, since autocast casts both sides of every matmul."""
+        name, expected = type(self).__name__, self.weight.dtype
+        if not hidden.is_floating_point():
+            raise TypeError(
+                f"{name}: hidden has dtype {hidden.dtype}; expected floating-point hidden "
+                f"states of the head's dtype {expected} (token ids go to the embedding, not here)"
+            )
+        if hidden.dtype != expected and not torch.is_autocast_enabled(hidden.device.type):
+            raise TypeError(
+                f"{name}: hidden has dtype {hidden.dtype} but the head's parameters are "
+                f"{expected}; convert one to the other (hidden.to({expected}) or "
+                f"head.to({hidden.dtype})), or run under torch.autocast"
+            )
 
     def _flatten_target(
         self, hidden: torch.Tensor, target: torch.Tensor, ignore_index: int

@@ -36,10 +36,14 @@ def locked_dropout_mask(
 
 
 def apply_mask(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``x * mask`` with ``mask (N, width)`` matching ``x (N, ...)`` flattened; None is identity."""
+    """``x * mask`` with ``mask (N, width)`` matching ``x (N, ...)`` flattened; None is identity.
+
+    The result keeps x's dtype: a float32 mask must not turn a bf16 head's activations into
+    float32 (its next matmul would then mix dtypes); the product is rounded once, after the
+    scaling by 1 / (1 - p) in the mask's precision."""
     if mask is None:
         return x
-    return (x.reshape(mask.shape) * mask).reshape(x.shape)
+    return (x.reshape(mask.shape) * mask).to(x.dtype).reshape(x.shape)
 
 
 def log_mixture(log_prior: torch.Tensor, component_log_probs: torch.Tensor) -> torch.Tensor:

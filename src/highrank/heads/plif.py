@@ -97,9 +97,11 @@ def piecewise_linear(logits: torch.Tensor, rise: torch.Tensor, low: float, width
 
 def _locate(logits: torch.Tensor, low: float, width: float, n_pieces: int):
     """Piece index (no gradient) and position within the piece in [0, 1) (beyond the range:
-    below 0 or above 1, so the edge pieces extend linearly)."""
+    below 0 or above 1, so the edge pieces extend linearly). A NaN logit gets piece 0 and a
+    NaN position, so f(NaN) = NaN as for any other head (casting NaN to an index would give
+    a garbage index)."""
     position = (logits - low) / width  # in units of pieces
-    piece = position.floor().clamp_(0, n_pieces - 1)
+    piece = position.floor().nan_to_num_(nan=0.0).clamp_(0, n_pieces - 1)
     return piece.long(), position - piece
 
 
@@ -111,8 +113,9 @@ class _PiecewiseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, rise, low, width):
         # f at the left knot of every piece; summed in float64, as 100,000 float32 terms
-        # would drift visibly.
-        left_value = low + (torch.cumsum(rise.double(), 0) - rise.double()).to(rise.dtype)
+        # would drift visibly, and kept at least float32 (bf16 knots would be 0.06 apart at 20).
+        knot_dtype = torch.promote_types(rise.dtype, torch.float32)
+        left_value = low + (torch.cumsum(rise.double(), 0) - rise.double()).to(knot_dtype)
         index, offset = _locate(logits, low, width, rise.shape[0])
         ctx.save_for_backward(logits, rise)
         ctx.low, ctx.width = low, width
