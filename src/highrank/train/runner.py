@@ -283,7 +283,10 @@ def parameter_count(config: Config, vocab_size: int) -> int:
 
 
 def corpus_vocab_size(config: Config) -> int:
-    """Vocabulary size of the corpus at ``config.data.dir`` (read once, then cached)."""
+    """Vocabulary size of the corpus at ``config.data.dir`` (read once, then cached); for
+    ``seq2seq``, data.subword_vocab_size (SentencePiece learns exactly that many pieces)."""
+    if config.model.backbone == "seq2seq":
+        return config.data.subword_vocab_size
     return len(_corpus(config).vocab)
 
 
