@@ -167,3 +167,15 @@ def test_cli_says_when_an_interrupt_saved_nothing(corpus, tmp_path, capsys, monk
     assert main([*argv, f"--run.out_dir={tmp_path / 'run'}", *(f"--{o}" for o in TINY)]) == 130
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("highrank train: interrupted; nothing was saved now; continue from")
+
+
+def test_an_application_may_keep_its_own_signal_handlers(corpus, tmp_path):
+    seen = []
+    before = signal.signal(signal.SIGTERM, lambda number, frame: seen.append(number))
+    try:
+        options = TrainOptions(progress=False, callback=send_at(2, signal.SIGTERM))
+        options.catch_signals, options.max_steps = False, 4
+        result = train(tiny(corpus, tmp_path / "run"), options=options)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert seen == [signal.SIGTERM] and result.stop_reason == "max_steps" and result.steps == 4

@@ -20,9 +20,10 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class SignalCatcher:
     """``with SignalCatcher() as caught:`` ... ``caught.name`` is "SIGINT"/"SIGTERM" once one
-    arrived, else None."""
+    arrived, else None; ``enabled=False`` catches nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.signal: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -31,7 +32,7 @@ class SignalCatcher:
         return None if self.signal is None else signal.Signals(self.signal).name
 
     def __enter__(self) -> SignalCatcher:
-        if threading.current_thread() is threading.main_thread():
+        if self.enabled and threading.current_thread() is threading.main_thread():
             for number in SIGNALS:
                 self._previous[number] = signal.signal(number, self._catch)
         return self

@@ -60,7 +60,7 @@ class Trainer:
         self.progress, self.options, self.vocab_size = progress, options, vocab_size
         self.log = RunLog(run, stage.name, progress, options.progress)
         self.saves = Checkpoints(config, run, stage, recipe, progress, self.log.metrics, vocab_size)
-        self.signals = SignalCatcher()
+        self.signals = SignalCatcher(options.catch_signals)
         self._skip_reason = ""
 
     def run(self) -> TrainResult:

@@ -99,11 +99,15 @@ class TrainOptions:
         progress: show a tqdm bar per epoch.
         callback: called with a :class:`StepInfo` after every step (and after a checkpoint due
             at that step); an exception it raises ends the run as a crash would.
+        catch_signals: while the run goes on, SIGINT and SIGTERM stop it between two steps
+            with last.pt saved (:class:`Interrupted`); False leaves the process's own handlers
+            alone (an application that handles them itself).
     """
 
     max_steps: int | None = None
     progress: bool = True
     callback: Callable[[StepInfo], None] | None = None
+    catch_signals: bool = True
 
 
 @dataclass(frozen=True)
