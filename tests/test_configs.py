@@ -15,7 +15,11 @@ from highrank.train import parameter_count
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(CONFIGS.glob("*/*.toml"))
 VOCAB = {"ptb": 10_000, "wt2": 33_278}  # read from no file: the published sizes
-DATA_DIR = {"ptb": "../shared/data/ptb", "wt2": "../shared/data/wikitext-2"}
+DATA_DIR = {
+    "ptb": "../shared/data/ptb",
+    "wt2": "../shared/data/wikitext-2",
+    "multi30k": "../shared/data/multi30k",
+}
 
 # Published parameter counts (millions): Merity et al. 2018 (AWD-LSTM), Yang et al. 2018 (MoS),
 # Ganea et al. 2019 (LMS-PLIF), and the rank study (Parthiban et al. 2021, supplementary Tables
