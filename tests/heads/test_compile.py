@@ -59,9 +59,10 @@ def test_fullgraph_compile_of_log_prob_and_loss(make_head, name):
 
 
 def test_fullgraph_compile_in_training_mode(make_head):
-    # Dropout masks and gate noise are drawn inside the graph (Mixtape has every kind).
+    # Dropout masks and gate noise are drawn inside the graph (Mixtape has every kind), and
+    # the weight-normalised gate features are recomputed from their parametrisation.
     torch._dynamo.reset()
-    head = make_head("mixtape", stochastic=True)
+    head = make_head("mixtape", stochastic=True, gate_weight_norm=True)
     hidden, target = _inputs()
     step = torch.compile(_step, fullgraph=True, backend="aot_eager")
     outputs, grads = _run(step, head, hidden, target)

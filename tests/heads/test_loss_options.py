@@ -96,6 +96,20 @@ def test_every_path_matches_a_float64_reference(make_head, name, reduction, chun
         assert (result[0][target == IGNORE] == 0).all()
 
 
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_weight_normalised_mixtape_matches_a_float64_reference(make_head, chunk_size):
+    head = make_head("mixtape", gate_weight_norm=True).eval()
+    hidden, target = _inputs()
+    weights = torch.rand(30)
+    options = {"ignore_index": IGNORE, "label_smoothing": 0.1}
+    result = _run(head, hidden, target, weights, chunk_size=chunk_size, **options)
+    reference = _run_reference(
+        head, hidden, target, weights, reduction="mean", ignore_index=IGNORE, eps=0.1
+    )
+    _assert_matches_reference(result, reference)
+    assert "gate_features.parametrizations.weight.original1" in result[2]  # v is trained
+
+
 @pytest.mark.parametrize("name", HEAD_NAMES)
 def test_chunked_equals_unchunked_with_smoothing_and_ignored_targets(make_head, name):
     head = make_head(name).eval()

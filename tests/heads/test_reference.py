@@ -135,16 +135,17 @@ def test_sigmoid_tree_mix_is_the_prior_weighted_sum_even_for_saturated_gates():
     torch.testing.assert_close(sigmoid_tree_mix(pre.double(), values), expected)
 
 
-def _mixtape_reference(head, hidden):
-    """Mixtape's equations written out for every token, in float64 (no gate-sharing trick)."""
+def _mixtape_reference(head, hidden, gate_weight=None):
+    """Mixtape's equations written out for every token, in float64 (no gate-sharing trick).
+    ``gate_weight``: U as a float64 matrix (default: the head's)."""
     n, v, s = hidden.shape[0], head.vocab_size, head.n_frequent
+    if gate_weight is None:
+        gate_weight = head.gate_features.weight.double()
     with torch.no_grad():
         g = hidden.double()
         contexts = torch.tanh(g @ head.components.weight.double().T + head.components.bias.double())
         contexts = contexts.view(n, 4, -1)
-        features = torch.tanh(
-            g @ head.gate_features.weight.double().T + head.gate_features.bias.double()
-        )
+        features = torch.tanh(g @ gate_weight.T + head.gate_features.bias.double())
         features = features.view(n, 3, -1)
         shared = g @ head.context_gate.weight.double().T  # (N, 3)
         pre = shared.unsqueeze(1).expand(n, v, 3).clone()  # rare tokens: u_j . g
@@ -168,6 +169,64 @@ def test_mixtape_matches_its_equations_with_and_without_gate_sharing(frequent_fr
     torch.testing.assert_close(
         head.log_prob(hidden).double(), _mixtape_reference(head, hidden), atol=1e-5, rtol=1e-5
     )
+
+
+def _weight_normalised_mixtape():
+    head = build_head(
+        "mixtape", d_in=6, vocab_size=20, gate_dim=3, frequent_fraction=0.3, gate_weight_norm=True
+    )
+    with torch.no_grad():
+        head.token_gate_bias.normal_()
+    return head
+
+
+def test_mixtape_weight_norm_is_a_constant_scale_times_the_row_direction():
+    head = _weight_normalised_mixtape()
+    weight = head.gate_features.parametrizations.weight
+    scale, direction = weight.original0, weight.original1  # g (rows, 1), v (rows, d_in)
+    assert isinstance(direction, torch.nn.Parameter)
+    assert all(p is not scale for p in head.parameters())  # g is constant: a buffer
+    assert "gate_features.parametrizations.weight.original0" in head.state_dict()
+    expected = scale.double() * direction.double() / direction.double().norm(dim=1, keepdim=True)
+    torch.testing.assert_close(head.gate_features.weight.double(), expected)
+    hidden = 2 * torch.randn(9, 6)
+    torch.testing.assert_close(
+        head.log_prob(hidden).double(),
+        _mixtape_reference(head, hidden, gate_weight=expected.detach()),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_mixtape_weight_norm_keeps_every_row_norm_through_training():
+    heads = {"normalised": _weight_normalised_mixtape()}
+    torch.manual_seed(0)
+    heads["plain"] = build_head("mixtape", d_in=6, vocab_size=20, gate_dim=3, frequent_fraction=0.3)
+    hidden, target = 2 * torch.randn(40, 6), torch.randint(0, 20, (40,))
+    for kind, head in heads.items():
+        before = head.gate_features.weight.detach().clone()
+        optimizer = torch.optim.SGD(head.parameter_groups(lr=1.0), lr=1.0)
+        for _ in range(5):
+            optimizer.zero_grad()
+            head.loss(hidden, target).backward()
+            optimizer.step()
+        after = head.gate_features.weight.detach()
+        assert not torch.allclose(after, before)  # U was trained...
+        norms_kept = torch.allclose(after.norm(dim=1), before.norm(dim=1), atol=1e-6, rtol=1e-6)
+        assert norms_kept == (kind == "normalised")  # ...its row norms fixed only when normalised
+
+
+def test_mixtape_weight_norm_survives_a_state_dict_round_trip_and_a_dtype_cast():
+    head = _weight_normalised_mixtape()
+    loaded = _weight_normalised_mixtape()
+    loaded.load_state_dict(head.state_dict())
+    hidden = torch.randn(5, 6)
+    torch.testing.assert_close(loaded.log_prob(hidden), head.log_prob(hidden))
+    narrow = loaded.to(torch.bfloat16)
+    assert narrow.gate_features.parametrizations.weight.original0.dtype == torch.bfloat16
+    assert narrow.log_prob(hidden.bfloat16()).dtype == torch.float32
+    with pytest.raises(ValueError, match="gate_weight_norm must be true or false; got 1"):
+        build_head("mixtape", d_in=6, vocab_size=20, gate_weight_norm=1)
 
 
 def _plif(n_pieces=40, **knobs):

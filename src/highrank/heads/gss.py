@@ -1,10 +1,13 @@
-"""Generalized SigSoftmax, GSS(c, k) (Ganea et al., "Breaking the Softmax Bottleneck via
-Learnable Monotonic Pointwise Non-linearities", ICML 2019).
+"""Generalized SigSoftmax, GSS(c, k), introduced by the rank study (Parthiban, Mao & Inkpen,
+"On the Softmax Bottleneck of Recurrent Language Models", AAAI 2021; code:
+yottabytt/awd-lstm-lmkit). It generalises SigSoftmax (Kanai et al., NeurIPS 2018) as a fixed
+monotone pointwise function of the logits, the family whose learnable member, LMS-PLIF, is
+Ganea et al.'s (ICML 2019; see ``plif.py``).
 
 log p = log_softmax(f(z)) with the monotone pointwise function
     f(z) = k (z - c) + c - (k - 1) softplus(z - c),
 i.e. p(x | c) ∝ exp(z_x) · sigmoid(z_x - c)^(k - 1). k = 1 is Softmax and (c, k) = (0, 2) is
-SigSoftmax. The paper's choices: PTB (c, k) = (-1.5, 2.5) (the defaults), WT2 (-1.5, 3).
+SigSoftmax. The rank study's choices: PTB (c, k) = (-1.5, 2.5) (the defaults), WT2 (-1.5, 3).
 """
 
 from __future__ import annotations

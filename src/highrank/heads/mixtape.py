@@ -13,6 +13,17 @@ Vector gating (a prior per token) makes the logit matrix high-rank; the sigmoid 
 a K-way softmax per token; gate sharing gives the V - S rare tokens one prior per context, so
 their logits are a single matmul with the mixed context sum_k pi_k h_k and no K x V gate tensor
 is ever built for them. S = floor(frequent_fraction x V) over frequency-ordered ids.
+
+Regularisers of the paper (Sec. 3.4; Sec. 4.1 uses them for language modelling): Gaussian
+noise on the pre-activation priors (``gate_noise``), dropout on the gate features t_j
+(``gate_dropout``) and on the component contexts h_k (``component_dropout``), and weight
+normalisation of U (``gate_weight_norm``) "with a constant scale". Our reading of the last,
+for which no public code exists (the only public Mixtape, Mesh TensorFlow's
+``transformer/vocab_embeddings.py``, is the translation model and has no weight
+normalisation): every row u of U is reparametrised as g u / ||u|| (Salimans & Kingma 2016,
+``torch.nn.utils.parametrizations.weight_norm``) with the scale g held constant, not trained:
+each row keeps the norm it was initialised with, so the layer starts as the plain one and
+only the directions of U are learned.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
 
 from highrank.checks import check_dropout_time_dim, check_positive_int, check_probability, is_number
 from highrank.heads.base import OutputHead
@@ -41,6 +53,8 @@ class Mixtape(OutputHead):
         gate_noise: std of Gaussian noise added to the pre-activation priors in training.
         gate_dropout: dropout on the gate features t_j.
         component_dropout: dropout on the component contexts h_k.
+        gate_weight_norm: weight-normalise the rows of U (the gate-feature matrices U_j) with
+            a constant scale: each row's norm stays at its initial value (module docstring).
         dropout_time_dim: the time axis of ``hidden`` over which dropout masks are shared
             (locked dropout: 0 for AWD-LSTM's time-major ``(T, B, d)``, 1 for batch-first);
             None (default) draws an independent mask for every token.
@@ -59,6 +73,7 @@ class Mixtape(OutputHead):
         gate_noise: float = 0.0,
         gate_dropout: float = 0.0,
         component_dropout: float = 0.0,
+        gate_weight_norm: bool = False,
         dropout_time_dim: int | None = None,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
@@ -80,6 +95,11 @@ class Mixtape(OutputHead):
         self.token_gate = nn.Parameter(torch.empty(self.n_frequent, gate_dim))  # v_x
         self.token_gate_bias = nn.Parameter(torch.zeros(self.n_frequent, N_GATES))  # b_{x,j}
         nn.init.normal_(self.token_gate, std=gate_dim**-0.5)
+        if not isinstance(gate_weight_norm, bool):
+            raise ValueError(f"gate_weight_norm must be true or false; got {gate_weight_norm!r}")
+        self.gate_weight_norm = gate_weight_norm
+        if gate_weight_norm:
+            _weight_norm_with_constant_scale(self.gate_features)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (
@@ -131,5 +151,22 @@ class Mixtape(OutputHead):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, gate_dim={self.gate_dim}, n_frequent={self.n_frequent}, "
-            f"gate_noise={self.gate_noise}"
+            f"gate_noise={self.gate_noise}, gate_dropout={self.gate_dropout}, "
+            f"component_dropout={self.component_dropout}, "
+            f"gate_weight_norm={self.gate_weight_norm}"
         )
+
+
+def _weight_norm_with_constant_scale(linear: nn.Linear) -> None:
+    """Reparametrise ``linear.weight`` row by row as g v / ||v|| with g constant.
+
+    ``weight_norm`` (dim 0: one scale per output row) registers g as ``original0`` and v as
+    ``original1``, both Parameters, g initialised to the rows' norms. g becomes a buffer of
+    the same name: it keeps its value, moves with ``.to()`` and stays in the state dict
+    (``gate_features.parametrizations.weight.original0``), but no optimiser sees it.
+    """
+    weight_norm(linear, name="weight", dim=0)
+    parametrization = linear.parametrizations.weight
+    scale = parametrization.original0.detach().clone()  # (rows, 1)
+    del parametrization.original0
+    parametrization.register_buffer("original0", scale)

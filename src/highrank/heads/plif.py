@@ -9,7 +9,7 @@ with the edge slopes. theta_j = log(e - 1) + N(0, 1) at init, so the median slop
 logit is found without gradient; gradients reach z through the slope of its piece and theta
 through the slopes and knot values. The paper trains theta with its own learning rate
 (0.02), see ``parameter_groups``. With ``learn_slopes=False`` the random slopes stay fixed
-("frozen"), which the rank study found about as good.
+("frozen"), which the rank study (Parthiban, Mao & Inkpen, AAAI 2021) found about as good.
 """
 
 from __future__ import annotations
