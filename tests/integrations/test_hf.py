@@ -60,6 +60,43 @@ def test_loss_is_the_mean_nll_of_the_returned_log_probs(attached, token_batch, b
     torch.testing.assert_close(out.loss, manual_nll(log_probs, labels), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_chunked_loss_path_equals_the_unchunked_one(attached, token_batch, monkeypatch, head):
+    """Tiny batches fit in one chunk; forcing 4-token chunks must change nothing, gradients
+    included (the fused losses compute them chunk by chunk in the forward pass)."""
+    ids, labels = token_batch
+
+    def loss_and_grads(model):
+        model.zero_grad()
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model = attached("llama", head)
+    whole = loss_and_grads(model)
+    monkeypatch.setattr(hf, "loss_chunk_tokens", lambda head: 4)
+    chunked = loss_and_grads(model)
+    torch.testing.assert_close(chunked[0], whole[0], atol=1e-6, rtol=1e-6)
+    assert chunked[1].keys() == whole[1].keys()
+    for name, grad in whole[1].items():
+        torch.testing.assert_close(chunked[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_loss_chunks_hold_at_least_256_rows_of_logits():
+    """At LLM vocabularies the heads' "auto" chunks are a few dozen tokens; the integration
+    takes at least 256 rows of V logits per chunk (K rows per token for K components)."""
+    from highrank.heads import build_head
+
+    def chunk(name, **knobs):
+        return hf.loss_chunk_tokens(build_head(name, d_in=4, vocab_size=49_152, **knobs))
+
+    assert chunk("softmax") == 256  # auto would be 2**21 // 49,152 = 42
+    assert chunk("mos", n_components=4) == 64  # 64 tokens x 4 components
+    assert chunk("mixtape", gate_dim=2) == 256
+    small = build_head("softmax", d_in=4, vocab_size=100)
+    assert hf.loss_chunk_tokens(small) == small.auto_chunk_tokens()  # 20,971: the head's own
+
+
 def test_loss_matches_transformers_own_loss_for_softmax(token_batch):
     base = tiny_llama().eval()
     ids, labels = token_batch

@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
 
 import torch
 from torch import nn
@@ -83,6 +84,8 @@ from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
 
 # Knobs the model wires itself; a user value would contradict the base model or the layout.
 WIRED_KNOBS = ("tied_weight", "dropout_time_dim")
+# Fewest rows of V logits per chunk of the training loss (see loss_chunk_tokens).
+MIN_CHUNK_ROWS = 256
 # Keyword arguments of forward that belong to the loss, not to the body.
 LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 
@@ -228,19 +231,42 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             return hidden.sum() * 0.0  # nothing to score; keeps the graph for backward
         if bool(valid.all()):
             # (B, T, d) as it is: locked dropout masks stay one per sequence.
-            return self.head.loss(hidden, targets, reduction="sum")
+            return self._head_loss_sum(hidden, targets)
         if self.head.training and self.head.dropout_time_dim is not None:
             # Dropout locked over time needs each sequence's valid rows together: one call per
             # sequence, each (1, n_b, d), keeps one mask per sequence.
             return sum(
-                self.head.loss(hidden[b, keep][None], targets[b, keep][None], reduction="sum")
+                self._head_loss_sum(hidden[b, keep][None], targets[b, keep][None])
                 for b, keep in enumerate(valid)
                 if bool(keep.any())
             )
-        return self.head.loss(hidden[valid], targets[valid], reduction="sum")  # (N_valid, d)
+        return self._head_loss_sum(hidden[valid], targets[valid])  # (N_valid, d)
+
+    def _head_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.head.loss(
+            hidden, targets, reduction="sum", chunk_size=loss_chunk_tokens(self.head)
+        )
 
 
 # ---- building the head -------------------------------------------------------------------
+
+
+def loss_chunk_tokens(head: OutputHead) -> int:
+    """Tokens per chunk of the training loss: the head's own ``auto_chunk_tokens()``, but at
+    least ``MIN_CHUNK_ROWS`` rows of V logits (``MIN_CHUNK_ROWS / K`` tokens for K mixture
+    components).
+
+    Why: each chunk of the fused losses (softmax, MoS, MoC) adds a rank-(chunk rows) update
+    to the full V x d decoder gradient, a pass over V x d floats. The heads' "auto" chunks
+    (about 2**21 logits: 42 tokens at V = 49,152) make that pass dominate at LLM vocabulary
+    sizes: measured at V = 49,152, d = 576, 511 tokens, the softmax loss took 2.3x the time of
+    ``F.cross_entropy(F.linear(h, E))`` with them, 1.1x with 256-token chunks, and the same
+    with one chunk (benchmarks/hf_loss_cost.py). 256 rows of V logits (48 MiB at V = 49,152)
+    remain far below the (tokens x V) logits the base model's loss path builds.
+    """
+    rows_per_token = max(1, head.logits_per_token() // head.vocab_size)  # K
+    return max(head.auto_chunk_tokens(), math.ceil(MIN_CHUNK_ROWS / rows_per_token))
+
 
 
 def _build_head_for(config: HighrankConfig, body: PreTrainedModel) -> OutputHead:
