@@ -229,9 +229,10 @@ def test_the_loss_never_reads_a_value_on_the_host(make_head, name):
     head = make_head(name).to("meta")
     hidden = torch.randn(4, 6, 12, device="meta", requires_grad=True)
     target = torch.randint(0, 50, (4, 6), device="meta")
-    loss = head.loss(hidden, target, chunk_size=None, label_smoothing=0.1)
-    loss.backward()
-    assert loss.shape == () and hidden.grad.shape == hidden.shape
+    for chunk_size in (None, 5):  # whole, and chunked (fused or generic)
+        loss = head.loss(hidden, target, chunk_size=chunk_size, label_smoothing=0.1)
+        loss.backward()
+        assert loss.shape == () and hidden.grad.shape == hidden.shape
 
 
 def test_check_target_ids_validates_outside_the_hot_path(make_head):

@@ -118,6 +118,11 @@ class OutputHead(nn.Module):
         int, None (all at once) or "auto" (``auto_chunk_tokens()`` per chunk for scalar
         losses and for evaluation; per-token losses that need gradients are computed
         whole, since chunking them costs a recomputation: pass an int to bound their memory).
+
+        Nothing here reads a tensor's values on the host, so the loss never waits for an
+        accelerator and ``torch.compile(fullgraph=True)`` captures it whole; out-of-range
+        target ids are caught on the device (a ValueError naming them for CPU tensors in
+        eager mode; see ``check_target_ids``).
         """
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction={reduction!r}; expected one of {_REDUCTIONS}")

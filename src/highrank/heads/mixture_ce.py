@@ -50,8 +50,10 @@ def mixture_cross_entropy_sum(
         if latents.shape[1] != 1:
             raise ValueError(f"log_prior is required for K = {latents.shape[1]} components")
         log_prior = latents.new_zeros(latents.shape[:2])
-    options = (chunk_size, float(label_smoothing), ignore_index)
-    return _MixtureCrossEntropy.apply(latents, log_prior, weight, bias, target, options)
+    loss, *_ = _mixture_cross_entropy(
+        latents, log_prior, weight, bias, target, chunk_size, float(label_smoothing), ignore_index
+    )
+    return loss
 
 
 def _chunk_gradients(h, log_prior, weight, bias, target, kept, eps, buffer):
@@ -112,56 +114,77 @@ def _mixture_smoothing(shifted, log_prior):
     return -log_p.mean(dim=1), log_joint.sub_(log_p.unsqueeze(1)).exp_()
 
 
-class _MixtureCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, latents, log_prior, weight, bias, target, options):
-        # Float32 throughout (float64 for float64 inputs): the buffer is reused in place, and
-        # the gradients are exact rather than bf16 approximations.
-        with torch.autocast(latents.device.type, enabled=False):
-            return _MixtureCrossEntropy._forward(
-                ctx, latents, log_prior, weight, bias, target, *options
-            )
-
-    @staticmethod
-    def _forward(ctx, latents, log_prior, weight, bias, target, chunk_size, eps, ignore_index):
-        n, k, _ = latents.shape
-        compute_dtype = torch.promote_types(latents.dtype, torch.float32)
-        latents, log_prior = latents.to(compute_dtype), log_prior.to(compute_dtype)
-        weight_c, bias_c = weight.to(compute_dtype), bias.to(compute_dtype)
-        buffer = latents.new_empty(min(chunk_size, n) * k, weight.shape[0])
-        grad_latents = torch.empty_like(latents)
-        grad_log_prior = torch.empty_like(log_prior)
-        grad_weight = torch.zeros_like(weight_c)
-        grad_bias = torch.zeros_like(bias_c)
-        total = torch.zeros((), dtype=torch.float64, device=latents.device)
-        kept = (target != ignore_index).to(compute_dtype)  # (N,) 0 for ignored targets
-        target = torch.where(target != ignore_index, target, 0)  # any valid id: weighted 0
-        for part in chunk_slices(n, chunk_size):
-            nll, g_rows, g_prior, g_logits, rows = _chunk_gradients(
-                latents[part],
-                log_prior[part],
-                weight_c,
-                bias_c,
-                target[part],
-                kept[part],
-                eps,
-                buffer,
-            )
-            total += nll.double()
-            grad_latents[part], grad_log_prior[part] = g_rows, g_prior
-            grad_weight.addmm_(g_logits.t(), rows)  # (V, d) += (V, cK) @ (cK, d)
-            grad_bias += g_logits.sum(dim=0)
-        ctx.save_for_backward(grad_latents, grad_log_prior, grad_weight, grad_bias)
-        return total.to(compute_dtype)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_latents, grad_log_prior, grad_weight, grad_bias = ctx.saved_tensors
-        return (
-            grad_latents * grad_output if ctx.needs_input_grad[0] else None,
-            grad_log_prior * grad_output if ctx.needs_input_grad[1] else None,
-            grad_weight * grad_output if ctx.needs_input_grad[2] else None,
-            grad_bias * grad_output if ctx.needs_input_grad[3] else None,
-            None,
-            None,
+# The loss and its gradients are one custom operator: torch.compile treats it as a single
+# opaque node (its chunk loop would otherwise be unrolled and traced, chunk by chunk: minutes
+# of compilation for a few hundred chunks), and autograd's backward only scales the
+# gradients the operator returned by the incoming scalar.
+@torch.library.custom_op("highrank::mixture_cross_entropy", mutates_args=())
+def _mixture_cross_entropy(
+    latents: torch.Tensor,
+    log_prior: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    target: torch.Tensor,
+    chunk_size: int,
+    label_smoothing: float,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss sum, d/d latents, d/d log_prior, d/d weight, d/d bias), at least float32."""
+    # Float32 throughout (float64 for float64 inputs): the buffer is reused in place, and
+    # the gradients are exact rather than bf16 approximations.
+    with torch.autocast(latents.device.type, enabled=False):
+        return _loss_and_gradients(
+            latents, log_prior, weight, bias, target, chunk_size, label_smoothing, ignore_index
         )
+
+
+@_mixture_cross_entropy.register_fake
+def _(latents, log_prior, weight, bias, target, chunk_size, label_smoothing, ignore_index):
+    dtype = torch.promote_types(latents.dtype, torch.float32)
+    return (
+        latents.new_empty((), dtype=dtype),
+        latents.new_empty(latents.shape, dtype=dtype),
+        log_prior.new_empty(log_prior.shape, dtype=dtype),
+        weight.new_empty(weight.shape, dtype=dtype),
+        bias.new_empty(bias.shape, dtype=dtype),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+
+
+def _backward(ctx, grad_loss, *_unused_gradient_grads):
+    grads = ctx.saved_tensors  # latents, log_prior, weight, bias
+    needs = ctx.needs_input_grad[:4]
+    scaled = [grad * grad_loss if need else None for grad, need in zip(grads, needs, strict=True)]
+    return (*scaled, None, None, None, None)
+
+
+_mixture_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _loss_and_gradients(
+    latents, log_prior, weight, bias, target, chunk_size, eps, ignore_index
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k, _ = latents.shape
+    compute_dtype = torch.promote_types(latents.dtype, torch.float32)
+    latents, log_prior = latents.to(compute_dtype), log_prior.to(compute_dtype)
+    weight_c, bias_c = weight.to(compute_dtype), bias.to(compute_dtype)
+    buffer = latents.new_empty(max(1, min(chunk_size, n)) * k, weight.shape[0])
+    grad_latents = torch.empty_like(latents)
+    grad_log_prior = torch.empty_like(log_prior)
+    grad_weight = torch.zeros_like(weight_c)
+    grad_bias = torch.zeros_like(bias_c)
+    total = torch.zeros((), dtype=torch.float64, device=latents.device)
+    kept = (target != ignore_index).to(compute_dtype)  # (N,) 0 for ignored targets
+    target = torch.where(target != ignore_index, target, 0)  # any valid id: weighted 0
+    for part in chunk_slices(n, chunk_size):
+        nll, g_rows, g_prior, g_logits, rows = _chunk_gradients(
+            latents[part], log_prior[part], weight_c, bias_c, target[part], kept[part], eps, buffer
+        )
+        total += nll.double()
+        grad_latents[part], grad_log_prior[part] = g_rows, g_prior
+        grad_weight.addmm_(g_logits.t(), rows)  # (V, d) += (V, cK) @ (cK, d)
+        grad_bias += g_logits.sum(dim=0)
+    return total.to(compute_dtype), grad_latents, grad_log_prior, grad_weight, grad_bias
