@@ -1,0 +1,386 @@
+"""Multi30k en->de with softmax, MoS-9 and Mixtape: the shape of the Mixtape paper's Table 5.
+
+    python benchmarks/multi30k_table.py [--data ../shared/data] [--heads softmax,mos,mixtape]
+        [--epochs N] [--threads 1] [--memory-budget-mb 3072] [--tiny]
+        [--runs runs/multi30k-table] [--out benchmarks/results/multi30k-table]
+
+For every head (``configs/multi30k/transformer-<head>.toml``, the same budget for all:
+``--epochs``, default the configs'):
+
+1. **train** with ``highrank train`` in a subprocess (``OMP_NUM_THREADS=--threads``); a run that
+   stopped is continued with ``highrank train --resume`` (exactly), a finished one is kept;
+2. **BLEU** on test2016 with ``highrank translate RUN --split test`` (the config's beam 5,
+   length penalty 1.0), sacreBLEU signature recorded;
+3. **time per batch at the same batch size**: in one process, one model per head (same sizes,
+   the run's subwords), the same ``--timing-batches`` training batches (train.max_tokens tokens
+   each) fed to each model in turn, interleaved ``--repeats`` times; a step is forward,
+   backward and the AdamW update (label smoothing 0.1). Medians and ratios to softmax; the
+   output layer alone (``head.loss`` forward + backward on fixed hidden states) the same way;
+4. **per sentence at the same peak-memory budget**: for each head, fresh processes train on
+   ``B`` sentences (a fixed random sample of train pairs, padded) for ``--memory-steps`` steps
+   and report their peak RSS; ``B`` doubles from 8 until the peak exceeds
+   ``--memory-budget-mb``, then is bisected; the largest ``B`` that fits and its median time
+   per sentence are recorded.
+
+Each stage writes ``<out>/<stage>-<head>.json`` (or ``timing.json``) when done and is skipped
+when that file exists: rerunning continues, never redoes finished work. The table is
+``<out>/table.md`` and ``table.json``. ``--tiny`` shrinks everything (d 32, one layer, 1,000
+subwords, 30 steps, test sentences decoded greedily) so the whole pipeline runs in minutes; its
+numbers are only a check that the script works.
+
+Machine facts (CPU, threads, torch version) are recorded beside every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+HEADS = ("softmax", "mos", "mixtape")
+TINY = [
+    "--model.d_embed=32",
+    "--model.n_heads=2",
+    "--model.n_encoder_layers=1",
+    "--model.n_decoder_layers=1",
+    "--model.d_ff=64",
+    "--data.subword_vocab_size=1000",
+    "--train.max_tokens=1024",
+    "--train.warmup_steps=5",
+    "--train.eval_every=15",
+    "--train.lr_schedule=inverse-sqrt",
+    "--head.gate_dim=8",  # mixtape only (filtered for other heads)
+]
+TINY_STEPS = 30
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="data root")
+    p.add_argument("--heads", default=",".join(HEADS))
+    p.add_argument("--epochs", type=int, help="train.epochs for every head (default: configs')")
+    # 1: on the shared 2-vCPU machine (load ~13) 2 threads ran a step about 6x slower than 1.
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--memory-budget-mb", type=float, default=3072.0)
+    p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument("--timing-batches", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="a minutes-long check of the pipeline")
+    p.add_argument("--runs", default=str(REPO / "runs" / "multi30k-table"))
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "multi30k-table"))
+    p.add_argument("--probe-memory", metavar="HEAD", help=argparse.SUPPRESS)
+    p.add_argument("--sentences", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def machine(threads: int) -> dict:
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [
+        line.split(":", 1)[1].strip()
+        for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+        if line.startswith("model name")
+    ]
+    return {
+        "processor": names[0] if names else platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "note": "2-vCPU Xeon shared with other jobs unless said otherwise",
+    }
+
+
+def head_overrides(head: str, args) -> list[str]:
+    """Command-line overrides of a head's run (the same for every head but head-only knobs)."""
+    words = [f"--train.epochs={args.epochs}"] if args.epochs else []
+    if args.tiny:
+        words += [w for w in TINY if not w.startswith("--head.") or head == "mixtape"]
+    return words
+
+
+def run_env(threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def highrank(words: list[str], threads: int) -> None:
+    command = [sys.executable, "-m", "highrank", *words]
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, check=True, env=run_env(threads), cwd=REPO)
+
+
+def write_json(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ---- 1. training and 2. BLEU -------------------------------------------------------------------
+
+
+def train_head(head: str, args, run: Path, data_dir: Path) -> dict:
+    from highrank.checkpoint import load_checkpoint
+    from highrank.runs import read_metrics
+
+    config = REPO / "configs" / "multi30k" / f"transformer-{head}.toml"
+    steps = ["--max-steps", str(TINY_STEPS)] if args.tiny else []
+    last = run / "checkpoints" / "last.pt"
+    if last.is_file():
+        progress = load_checkpoint(last)["training"]["progress"]
+        if not progress["done"] and not (args.tiny and progress["step"] >= TINY_STEPS):
+            highrank(["train", "--resume", str(run), *steps, "--no-progress"], args.threads)
+    else:
+        words = [str(config), f"--run.out_dir={run}", f"--data.dir={data_dir}"]
+        highrank(["train", *words, *head_overrides(head, args), *steps, "--no-progress"],
+                 args.threads)  # fmt: skip
+    records = read_metrics(run / "metrics.jsonl")
+    evals = [r for r in records if r["kind"] in ("epoch", "eval")]
+    return {
+        "head": head,
+        "run": str(run),
+        "steps": max(r["step"] for r in records),
+        "train_seconds": round(sum(r["seconds"] for r in records if r["kind"] == "step"), 1),
+        "best_val_loss": min(r["val_loss"] for r in evals),
+        "best_val_ppl": min(r["val_ppl"] for r in evals),
+        "overrides": head_overrides(head, args),
+    }
+
+
+def bleu_head(head: str, args, run: Path) -> dict:
+    search = ["--greedy"] if args.tiny else []
+    out = run / "test-hypotheses.de"
+    highrank(["translate", str(run), "--split", "test", "--out", str(out), *search], args.threads)
+    records = sorted(run.glob("translate-test-best-*.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(records[-1].read_text())
+
+
+# ---- 3. time per batch at the same batch size ------------------------------------------------
+
+
+def load_models(heads, args, runs: Path):
+    """One model per head (its run's config), the run's subwords, the train pairs."""
+    from highrank.model import build_seq2seq
+    from highrank.runs import RunDir
+    from highrank.translation import saved_translation_data
+
+    models, data = {}, None
+    for head in heads:
+        run = RunDir.open(runs / head)
+        config = run.load_config()
+        data = data or saved_translation_data(run.path, config, ("train",))
+        models[head] = (build_seq2seq(config, data.vocab_sizes), config)
+    return models, data
+
+
+def training_step(model, optimizer, batch, label_smoothing=0.1) -> float:
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    loss = model.loss(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=label_smoothing)
+    loss.backward()
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def head_step(model, hidden, target, pad) -> float:
+    """The output layer alone: loss forward + backward on fixed hidden states."""
+    start = time.perf_counter()
+    hidden = hidden.detach().requires_grad_(True)
+    loss = model.head.loss(hidden, target, ignore_index=pad, label_smoothing=0.1)
+    loss.backward()
+    return time.perf_counter() - start
+
+
+def timing(heads, args, runs: Path) -> dict:
+    import torch
+
+    from highrank.bitext import TokenBatches
+    from highrank.train.schedule import build_adamw
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    models, data = load_models(heads, args, runs)
+    config = next(iter(models.values()))[1]
+    batches = TokenBatches(
+        data.pairs("train"), max_tokens=config.train.max_tokens, special=data.special,
+        shuffle=True, seed=0, epoch=1, max_len=config.model.max_len,
+    )[: args.timing_batches]  # fmt: skip
+    optimizers = {h: build_adamw(m, 1e-4, 0.0, (0.9, 0.98), 1e-9) for h, (m, _) in models.items()}
+    step = {h: [] for h in heads}
+    head_only = {h: [] for h in heads}
+    hidden = {}
+    for h, (model, _) in models.items():
+        model.train()
+        for i, batch in enumerate(batches):
+            with torch.no_grad():
+                hidden[h, i] = model(batch.src, batch.tgt_in)
+        training_step(model, optimizers[h], batches[0])  # warm-up, not timed
+    for _ in range(args.repeats):
+        for i, batch in enumerate(batches):
+            for h, (model, _) in models.items():  # interleaved: the machine's load hits all
+                step[h].append(training_step(model, optimizers[h], batch))
+                head_only[h].append(head_step(model, hidden[h, i], batch.tgt_out, data.special.pad))
+    result = {"batch_tokens": config.train.max_tokens, "batches": len(batches),
+              "sentences_per_batch": [len(b) for b in batches], "repeats": args.repeats,
+              "machine": machine(args.threads), "heads": {}}  # fmt: skip
+    for h in heads:
+        result["heads"][h] = {
+            "step_ms_median": 1000 * statistics.median(step[h]),
+            "head_ms_median": 1000 * statistics.median(head_only[h]),
+            "step_ratio": statistics.median(step[h]) / statistics.median(step[heads[0]]),
+            "head_ratio": statistics.median(head_only[h]) / statistics.median(head_only[heads[0]]),
+            "parameters": sum(p.numel() for p in models[h][0].parameters()),
+        }
+    return result
+
+
+# ---- 4. per sentence at the same peak-memory budget -------------------------------------------
+
+
+def probe_memory(head: str, sentences: int, args, runs: Path) -> None:
+    """(A fresh process.) Train ``sentences`` fixed pairs for a few steps; print peak RSS and
+    the median step time as JSON."""
+    import numpy as np
+    import torch
+
+    from highrank.bitext import collate
+    from highrank.train.schedule import build_adamw
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    models, data = load_models([head], args, runs)
+    model, config = models[head]
+    pairs = data.pairs("train")
+    lengths = np.maximum(pairs.src_lengths, pairs.tgt_lengths) + 1
+    keep = np.flatnonzero(lengths <= config.model.max_len)
+    chosen = np.random.default_rng(0).choice(keep, size=min(sentences, keep.size), replace=False)
+    batch = collate(pairs, chosen, data.special)
+    optimizer = build_adamw(model, 1e-4, 0.0, (0.9, 0.98), 1e-9)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    times = [training_step(model, optimizer, batch) for _ in range(args.memory_steps)]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"sentences": len(chosen), "padded_tokens": int(batch.tgt_out.numel()),
+                      "peak_rss_mb": peak, "before_steps_rss_mb": baseline,
+                      "step_s_median": statistics.median(times[1:] or times)}))  # fmt: skip
+
+
+def memory_head(head: str, args, runs: Path) -> dict:
+    def probe(b: int) -> dict:
+        words = [sys.executable, __file__, "--probe-memory", head, "--sentences", str(b),
+                 "--runs", str(runs), "--threads", str(args.threads),
+                 "--memory-steps", str(args.memory_steps)]  # fmt: skip
+        done = subprocess.run(words, capture_output=True, text=True, env=run_env(args.threads))
+        if done.returncode != 0:  # e.g. killed for memory: does not fit
+            return {"sentences": b, "peak_rss_mb": float("inf"), "error": done.stderr[-300:]}
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    budget, probes = args.memory_budget_mb, []
+    fits, fails, b = None, None, 8
+    while fails is None and b <= 65536:
+        result = probe(b)
+        probes.append(result)
+        if result["peak_rss_mb"] <= budget and result["sentences"] == b:
+            fits, b = result, b * 2
+        else:
+            fails = result
+    while (
+        fits is not None
+        and fails is not None
+        and fails["sentences"] - fits["sentences"] > max(4, fits["sentences"] // 8)
+    ):
+        middle = (fits["sentences"] + fails["sentences"]) // 2
+        result = probe(middle)
+        probes.append(result)
+        fits, fails = (result, fails) if result["peak_rss_mb"] <= budget else (fits, result)
+    best = fits or {}
+    return {
+        "head": head,
+        "budget_mb": budget,
+        "largest_batch_sentences": best.get("sentences"),
+        "peak_rss_mb": best.get("peak_rss_mb"),
+        "ms_per_sentence": 1000 * best["step_s_median"] / best["sentences"] if best else None,
+        "probes": probes,
+        "machine": machine(args.threads),
+    }
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+
+def table(heads, out: Path, args) -> None:
+    rows = []
+    timing_record = json.loads((out / "timing.json").read_text())
+    for head in heads:
+        train = json.loads((out / f"train-{head}.json").read_text())
+        bleu = json.loads((out / f"bleu-{head}.json").read_text())
+        memory = json.loads((out / f"memory-{head}.json").read_text())
+        t = timing_record["heads"][head]
+        rows.append({"head": head, "bleu": bleu["bleu"], "signature": bleu["signature"],
+                     "steps": train["steps"], "train_seconds": train["train_seconds"],
+                     "best_val_ppl": train["best_val_ppl"], **t,
+                     "largest_batch_sentences": memory["largest_batch_sentences"],
+                     "ms_per_sentence": memory["ms_per_sentence"]})  # fmt: skip
+    base = rows[0]["ms_per_sentence"]
+    lines = [
+        f"Multi30k en->de test2016; {timing_record['machine']}; memory budget "
+        f"{args.memory_budget_mb:g} MB peak RSS; batch {timing_record['batch_tokens']} tokens",
+        "",
+        "| head | test BLEU | steps | train s | valid ppl | ms/batch (ratio) | head ms/batch "
+        "(ratio) | largest batch in budget | ms/sentence (ratio) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        per = r["ms_per_sentence"]
+        ratio = f"{per / base:.2f}" if per and base else "-"
+        lines.append(
+            f"| {r['head']} | {r['bleu']:.2f} | {r['steps']} | {r['train_seconds']:.0f} | "
+            f"{r['best_val_ppl']:.2f} | {r['step_ms_median']:.0f} ({r['step_ratio']:.2f}) | "
+            f"{r['head_ms_median']:.0f} ({r['head_ratio']:.2f}) | {r['largest_batch_sentences']} "
+            f"| {per if per is None else f'{per:.1f}'} ({ratio}) |"
+        )
+    lines += ["", f"sacreBLEU signature: {rows[0]['signature']}"]
+    (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_json(out / "table.json", {"rows": rows, "tiny": args.tiny})
+    print("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    runs, out = Path(args.runs), Path(args.out)
+    heads = tuple(h.strip() for h in args.heads.split(",") if h.strip())
+    if args.probe_memory:
+        probe_memory(args.probe_memory, args.sentences, args, runs)
+        return 0
+    data_dir = Path(args.data) / "multi30k"
+    if not (data_dir / "train.en").is_file():
+        print(f"skipped: no Multi30k at {data_dir} (expected train.en, train.de, ...); "
+              "pass --data", file=sys.stderr)  # fmt: skip
+        return 0
+    for head in heads:
+        if not (out / f"train-{head}.json").is_file():
+            write_json(out / f"train-{head}.json", train_head(head, args, runs / head, data_dir))
+        if not (out / f"bleu-{head}.json").is_file():
+            write_json(out / f"bleu-{head}.json", bleu_head(head, args, runs / head))
+    if not (out / "timing.json").is_file():
+        write_json(out / "timing.json", timing(heads, args, runs))
+    for head in heads:
+        if not (out / f"memory-{head}.json").is_file():
+            write_json(out / f"memory-{head}.json", memory_head(head, args, runs))
+    table(heads, out, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
