@@ -340,7 +340,8 @@ def run_label(record: dict[str, Any]) -> str:
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
-    """One row per run: contexts x vocabulary, Press rank, effective ranks, s_max, seconds."""
+    """One row per run: contexts x vocabulary, Press rank, effective ranks, s_max, seconds
+    (loading a --hf model, writing the matrix, its rank)."""
     epsilons = [str(eps) for eps in EFFECTIVE_RANK_EPSILONS]
     headers = [
         "run",
@@ -357,7 +358,7 @@ def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> s
             r["press_rank"],
             *[r["effective_rank"][e] for e in epsilons],
             r["s_max"],
-            r["matrix_seconds"] + r["rank_seconds"],
+            r.get("load_seconds", 0.0) + r["matrix_seconds"] + r["rank_seconds"],
         ]
         for r in records
     ]
