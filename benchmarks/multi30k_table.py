@@ -69,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="data root")
     p.add_argument("--heads", default=",".join(HEADS))
     p.add_argument("--epochs", type=int, help="train.epochs for every head (default: configs')")
-    # 1: on the shared 2-vCPU machine (load ~13) 2 threads ran a step about 6x slower than 1.
+    # 1: on the shared 2-vCPU machine (load ~13) 2 threads ran a first step 5x slower than 1
+    # (benchmarks/results/multi30k-step-time).
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--memory-budget-mb", type=float, default=3072.0)
     p.add_argument("--memory-steps", type=int, default=3)
