@@ -452,6 +452,9 @@ def test_cli_train_needs_exactly_one_of_config_and_resume(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train"])
     assert exit_info.value.code == 2
+    assert "nothing to train" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "x.toml", "--resume", str(tmp_path)])
     assert "either CONFIG" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a run directory" in capsys.readouterr().err

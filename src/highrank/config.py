@@ -842,11 +842,50 @@ def validate_config(config: Config, origins: Mapping[str, str] | None = None) ->
                 f"{_origin(origins, dotted)}: {dotted} = {_show(value)} is out of range; "
                 f"expected {expected}"
             )
+    _validate_head_values(config, origins)
     _validate_switch_epoch(config, origins)
     if config.model.backbone == "seq2seq":
         _validate_seq2seq(config, origins)
     if config.model.backbone == "transformer":
         _validate_transformer(config, origins)
+
+
+def _validate_head_values(config: Config, origins: Mapping[str, str]) -> None:
+    """The head's own checks of its knobs' values (n_components > 0, dropouts in [0, 1),
+    PLIF low < high, ...), run now by building the head on the ``meta`` device (nothing is
+    allocated; the vocabulary is not known yet, so a placeholder size stands in), and reported
+    as a ConfigError naming the key, its value and where it was set."""
+    name, knobs = config.head.name, dict(config.head.knobs)
+    error = _head_error(name, knobs, config.model.d_embed)
+    if error is None:
+        return
+    defaults = _configurable_knobs(name)
+    alone = [k for k in knobs if _head_error(name, {k: knobs[k]}, config.model.d_embed)]
+    culprits = alone[:1] or [k for k in knobs if knobs[k] != defaults.get(k)] or list(knobs)
+    shown = ", ".join(f"head.{k} = {_show(knobs[k])}" for k in culprits)
+    where = _origin(origins, f"head.{culprits[0]}") if culprits else "default"
+    verb = "is" if len(culprits) == 1 else "are"
+    raise ConfigError(f"{where}: {shown} {verb} out of range; {error}")
+
+
+_PLACEHOLDER_VOCAB = 10_000  # the knobs' checks do not depend on the vocabulary size
+
+
+def _head_error(name: str, knobs: Mapping[str, Any], d_embed: int) -> str | None:
+    """The head constructor's complaint about ``knobs`` (None when it accepts them). Boolean
+    knobs are type-checked already and left at False: weight normalisation's first use costs
+    seconds of imports."""
+    import torch
+
+    from highrank.heads import build_head
+
+    knobs = {k: (False if isinstance(v, bool) else v) for k, v in knobs.items()}
+    try:
+        with torch.device("meta"):
+            build_head(name, d_in=d_embed, vocab_size=_PLACEHOLDER_VOCAB, d_embed=d_embed, **knobs)
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return None
 
 
 def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:

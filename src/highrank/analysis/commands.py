@@ -58,7 +58,7 @@ def analyze_arguments(parser: argparse.ArgumentParser) -> None:
     """``highrank analyze KIND ...``: one sub-subcommand per entry of :data:`ANALYSES`."""
     kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
     for kind, (module, help_text) in ANALYSES.items():
-        sub = kinds.add_parser(kind, help=help_text, description=help_text)
+        sub = kinds.add_parser(kind, help=help_text, description=help_text, allow_abbrev=False)
         _module(module).add_arguments(sub)
         sub.set_defaults(analysis_module=module)
 

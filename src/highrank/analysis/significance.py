@@ -298,7 +298,7 @@ def split_groups(
             "directories separated by one --: highrank compare RUN_A1 RUN_A2 ... -- RUN_B1 ..."
         )
     cut = tokens.index(SEPARATOR)
-    parser = argparse.ArgumentParser(prog="highrank compare", add_help=False)
+    parser = argparse.ArgumentParser(prog="highrank compare", add_help=False, allow_abbrev=False)
     _add_options(parser)
     groups = []
     for side in (tokens[:cut], tokens[cut + 1 :]):

@@ -92,13 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one subparser per entry of ``VERBS``."""
     parser = argparse.ArgumentParser(
         prog="highrank",
+        allow_abbrev=False,  # --head.n_component=3 must not silently mean n_components
         description="Output layers that break the softmax bottleneck, and the instruments "
         "that measure it.",
     )
     parser.add_argument("--version", action="version", version=f"highrank {__version__}")
     subparsers = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     for verb in VERBS:
-        sub = subparsers.add_parser(verb.name, help=verb.help, description=verb.help)
+        sub = subparsers.add_parser(
+            verb.name, help=verb.help, description=verb.help, allow_abbrev=False
+        )
         verb.add_arguments(sub)
         sub.set_defaults(run=verb.run, parser=sub)
     return parser
@@ -127,6 +130,12 @@ def _reject_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, u
             verb_parser.error(
                 f"unknown config key {name!r}{hint} (`highrank config show` lists every key)"
             )
+    options = [o for action in verb_parser._actions for o in action.option_strings]
+    for argument in unknown:
+        name = argument.split("=", 1)[0]
+        close = difflib.get_close_matches(name, options, n=3) if name.startswith("--") else []
+        if close:  # abbreviations are refused (allow_abbrev=False): say what was meant
+            verb_parser.error(f"unrecognized option {name!r}; did you mean {', '.join(close)}?")
     verb_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 

@@ -76,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
     from highrank import train as training
     from highrank.config import load_config
 
-    if (args.config is None) == (args.resume is None):
+    if args.config is None and args.resume is None:
+        args.parser.error(
+            "nothing to train: give a config file (a new run, e.g. highrank train "
+            "configs/ptb/awd-lstm-softmax.toml) or --resume RUN_DIR (continue a run)"
+        )
+    if args.config is not None and args.resume is not None:
         args.parser.error("give either CONFIG (a new run) or --resume RUN_DIR, not both")
     command = ["highrank", "train", *([args.config] if args.config else [])]
     command += [*(["--resume", args.resume] if args.resume else []), *flags(args)]
