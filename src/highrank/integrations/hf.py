@@ -257,12 +257,11 @@ def loss_chunk_tokens(head: OutputHead) -> int:
     components).
 
     Why: each chunk of the fused losses (softmax, MoS, MoC) adds a rank-(chunk rows) update
-    to the full V x d decoder gradient, a pass over V x d floats. The heads' "auto" chunks
-    (about 2**21 logits: 42 tokens at V = 49,152) make that pass dominate at LLM vocabulary
-    sizes: measured at V = 49,152, d = 576, 511 tokens, the softmax loss took 2.3x the time of
-    ``F.cross_entropy(F.linear(h, E))`` with them, 1.1x with 256-token chunks, and the same
-    with one chunk (benchmarks/hf_loss_cost.py). 256 rows of V logits (48 MiB at V = 49,152)
-    remain far below the (tokens x V) logits the base model's loss path builds.
+    to the full V x d decoder gradient, a pass over V x d floats. With the heads' "auto"
+    chunks (about 2**21 logits: 42 tokens at V = 49,152) those passes dominate at LLM
+    vocabulary sizes, and the loss was slower than the base model's own; 256 rows remove
+    that (measured in benchmarks/results/hf-loss-cost/) while 256 rows of V logits (48 MiB
+    at V = 49,152) stay far below the (tokens x V) logits the base model's loss builds.
     """
     rows_per_token = max(1, head.logits_per_token() // head.vocab_size)  # K
     return max(head.auto_chunk_tokens(), math.ceil(MIN_CHUNK_ROWS / rows_per_token))
