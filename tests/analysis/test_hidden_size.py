@@ -195,3 +195,41 @@ def test_the_command_line_takes_matrices_and_records_and_names_bad_input(tmp_pat
     (tmp_path / "notes.txt").write_text("x")
     assert main(["analyze", "hidden-size", str(tmp_path / "notes.txt")]) == 2
     assert "expected a run directory, a .npy" in capsys.readouterr().err
+
+
+def test_a_hugging_face_model_gives_its_hidden_size_plus_one(tmp_path, monkeypatch):
+    transformers = pytest.importorskip(
+        "transformers", reason="the hf extra (transformers) is not installed"
+    )
+    pytest.importorskip("tokenizers", reason="the hf extra (tokenizers) is not installed")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    words = ["[UNK]", *"the a of cat dog sat on mat ran far near house".split()]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    # GPT-2: lm_head tied to the embedding, no bias: a knee at n_embd + 1 = 5 of 13 values.
+    # Two changes to the random init make all n_embd directions visible in float32: the
+    # final LayerNorm centres its output, so with its initial shift beta = 0 the hidden
+    # states span only n_embd - 1 dimensions; and embeddings of std 0.02 give logits so
+    # small that the last direction lies below float32's Press threshold (both measured:
+    # knee 4). A trained model has neither.
+    config = transformers.GPT2Config(vocab_size=len(words), n_embd=4, n_layer=1, n_head=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.transformer.ln_f.bias.normal_()
+        model.transformer.wte.weight.normal_()
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    rng = np.random.default_rng(0)
+    (tmp_path / "text.txt").write_text(" ".join(rng.choice(words[1:], size=120)) + "\n")
+    out = tmp_path / "out"
+    argv = ["analyze", "hidden-size", "--hf", str(tmp_path / "model"), "--text"]
+    text = [str(tmp_path / "text.txt"), "--window", "40"]
+    assert main([*argv, *text, "--out", str(out), "--expect", "4", "--no-progress"]) == 0
+    record = json.loads(next(out.glob("hidden-size-*.json")).read_text())
+    assert record["knee"] == 5 and record["low_rank_knee"] and record["matches_expected"]
+    assert record["shape"] == [119, 13] and next(out.glob("rank-*.json")).is_file()
+    assert main(["analyze", "hidden-size", "--hf", str(tmp_path / "model")]) == 2

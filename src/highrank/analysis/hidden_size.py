@@ -309,14 +309,15 @@ def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from highrank.analysis.hf_contexts import add_hf_arguments
     from highrank.cli import positive_int
 
     parser.add_argument(
         "inputs",
-        nargs="+",
+        nargs="*",
         metavar="RUN_DIR|MATRIX.npy|RANK.json",
         help="runs of `highrank train` (their rank record is reused or computed), log-prob "
-        "matrices (.npy, contexts x vocabulary) or rank records (.json)",
+        "matrices (.npy, contexts x vocabulary) or rank records (.json); or --hf MODEL",
     )
     parser.add_argument(
         "--min-gap",
@@ -331,24 +332,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     runs.add_argument("--which", default="best", help="checkpoint (best)")
     runs.add_argument("--split", choices=("train", "valid", "test"), default="test")
     runs.add_argument("--data-dir", help="corpus folder (default: each run's data.dir)")
-    runs.add_argument("--max-contexts", type=positive_int, help="only the first N contexts")
+    runs.add_argument(
+        "--max-contexts", type=positive_int, help="only the first N contexts (runs and --hf)"
+    )
     gram = parser.add_argument_group("matrices on disk and runs")
     gram.add_argument("--backend", choices=GRAM_BACKENDS, default="auto", help="(auto)")
     gram.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
     gram.add_argument("--block-rows", type=positive_int, default=2048, help="(2048)")
-    parser.add_argument("--out", help="also write hidden-size.json and hidden-size.md here")
+    add_hf_arguments(parser)  # --hf MODEL --text FILE: `highrank analyze rank --hf`, then the knee
+    parser.add_argument(
+        "--out", help="also write hidden-size.json and hidden-size.md here (with --hf: all)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     records = []
     try:
-        for source in args.inputs:
-            record = _estimate(Path(source), args)
+        _check_sources(args)
+        for source in args.hf or args.inputs:
+            record = _estimate_hf(source, args) if args.hf else _estimate(Path(source), args)
             if args.expect is not None:
                 record["expected_hidden_size"] = args.expect
                 record["matches_expected"] = matches_hidden_size(record, args.expect)
-            written = write_json(_record_path(Path(source), record), record)
+            written = write_json(_record_path(Path(source), record, args), record)
             print(f"wrote {written}")
             records.append(record)
     except (ValueError, FileNotFoundError) as error:  # bad input, incl. the Gram memory plan
@@ -363,6 +370,37 @@ def run(args: argparse.Namespace) -> int:
         write_text_atomic(out / "hidden-size.md", summary_table(records, markdown=True))
         print(f"wrote {out / 'hidden-size.json'}, {out / 'hidden-size.md'}")
     return 0
+
+
+def _check_sources(args: argparse.Namespace) -> None:
+    if bool(args.hf) == bool(args.inputs):
+        raise HiddenSizeError("give RUN_DIR|MATRIX.npy|RANK.json... or --hf MODEL, not both")
+    if args.hf and not (args.text and args.out):
+        raise HiddenSizeError("--hf needs --text FILE (the contexts) and --out DIR (the records)")
+    if args.text and not args.hf:
+        raise HiddenSizeError("--text goes with --hf MODEL")
+
+
+def _estimate_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`highrank analyze rank --hf MODEL` (its record and singular values go to --out), then
+    the knee of those singular values."""
+    from highrank.analysis.rank_cli import analyze_hf
+
+    rank = analyze_hf(
+        model,
+        args.text,
+        args.out,
+        window=args.window,
+        bos=args.bos,
+        max_contexts=args.max_contexts,
+        batch_windows=args.batch_windows,
+        backend=args.backend,
+        device=args.device,
+        block_rows=args.block_rows,
+        progress=not args.no_progress,
+    )
+    result = estimate_from_rank_record(Path(args.out) / f"rank-{rank['tag']}.json")
+    return {**result, "model": str(model), "hf_tag": rank["tag"]}
 
 
 def _estimate(source: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -390,9 +428,11 @@ def _estimate(source: Path, args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _record_path(source: Path, record: dict[str, Any]) -> Path:
-    """``RUN_DIR/analysis/hidden-size-TAG.json`` for a run; ``hidden-size-<stem>.json``
-    beside a matrix or record."""
+def _record_path(source: Path, record: dict[str, Any], args: argparse.Namespace) -> Path:
+    """``RUN_DIR/analysis/hidden-size-TAG.json`` for a run, ``--out/hidden-size-TAG.json``
+    for a Hugging Face model, ``hidden-size-<stem>.json`` beside a matrix or record."""
+    if "hf_tag" in record:
+        return Path(args.out) / f"hidden-size-{record['hf_tag']}.json"
     if "tag" in record:
         from highrank.analysis.output import run_record_path
 
