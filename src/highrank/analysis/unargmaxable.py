@@ -13,8 +13,8 @@ strictly inside the hull (or on a face) can at best tie.
 **The domain.** ``radius=R`` (default 100, the bound of Grivas et al.'s code): the box
 ``|h_k| <= R``, hidden states of bounded size, as a trained model produces (an LSTM's output
 lies in ``[-1, 1]^d``, so R = 1 is exact for AWD-LSTM runs without a projection).
-``radius=None``: all of R^d ("unbounded": is there *any* hidden state?); the LP then caps the
-margin (below) at 1, which changes nothing about its sign.
+``radius=None``: all of R^d ("unbounded": is there *any* hidden state?); the LP is then
+homogenised (below), which changes nothing about the answer.
 
 **How, per token, cheapest first** (every "argmaxable" comes with a witness h, checked):
 
@@ -27,12 +27,16 @@ margin (below) at 1, which changes nothing about its sign.
 3. *Braid reflection* (Grivas et al.'s approximate algorithm): while some j beats i at h,
    reflect h across the hyperplane (w_i - w_j) . h + b_i - b_j = 0 (then back into the box).
 4. *Linear program* (SciPy's HiGHS, ``scipy.optimize.linprog(method="highs")``), the
-   Chebyshev-centre form of Grivas et al.: maximise r over (h, r) subject to
+   Chebyshev-centre form of Grivas et al.: maximise r over (h, s, r) subject to
 
-       (w_j - w_i) . h / n_j + r <= (b_i - b_j) / n_j,   n_j = ||w_j - w_i||,   h in D,
+       (w_j - w_i) . h / n_j + (b_j - b_i) s / n_j + r <= 0,   n_j = ||w_j - w_i||,
 
-   so r is the radius of the largest ball around h in which i still wins (a distance in
-   hidden-state units). Token i is argmaxable iff r* > 0. Solved with **cutting planes**:
+   with s = 1 and h in the box, so that r is the radius of the largest ball around h in
+   which i still wins (a distance in hidden-state units). On R^d the problem is homogenised
+   instead: h in the unit cube and s in [0, 1] (h / s is then a witness, and s = 0 means i
+   wins far out along h, where the bias no longer counts), which keeps the LP bounded and
+   well scaled (free h with a capped r took HiGHS 270 s per SmolLM2 token; measured).
+   Token i is argmaxable iff r* > 0. Solved with **cutting planes**:
    start from the 256 strongest competitors at the last candidate point, add the 256 most
    violated constraints of all V - 1 after each solve, stop when the solution's h is a
    verified witness or when r* <= ``LP_RADIUS_TOLERANCE`` (1e-6): a subset of constraints is
@@ -375,28 +379,39 @@ def lp_token(
         return _settle(layer, token, np.zeros(layer.dim), radius, np.inf, 0)
     scores = (layer.w64 @ start + layer.b64)[candidates]
     active = candidates[np.argsort(scores)[::-1][:LP_FIRST_ROWS]]
-    bounds = [(-radius, radius) if radius is not None else (None, None)] * layer.dim
-    bounds.append((None, None) if radius is not None else (None, 1.0))  # r (capped if R^d)
-    objective = np.zeros(layer.dim + 1)
+    # Variables (h, s, r); s multiplies the bias: s = 1 in a box, s in [0, 1] with h in the
+    # unit cube for R^d (the homogenised problem, module step 4).
+    box = (-radius, radius) if radius is not None else (-1.0, 1.0)
+    bounds = [box] * layer.dim + [(1.0, 1.0) if radius is not None else (0.0, 1.0), (None, None)]
+    objective = np.zeros(layer.dim + 2)
     objective[-1] = -1.0  # maximise r
     point, best = start, math.nan
     for round_ in range(1, LP_MAX_ROUNDS + 1):
         scale = norms[active, None]
-        matrix = np.hstack([(layer.w64[active] - w_i) / scale, np.ones((len(active), 1))])
-        rhs = (b_i - layer.b64[active]) / norms[active]
-        result = linprog(objective, A_ub=matrix, b_ub=rhs, bounds=bounds, method="highs")
+        matrix = np.hstack(
+            [
+                (layer.w64[active] - w_i) / scale,
+                (layer.b64[active, None] - b_i) / scale,
+                np.ones((len(active), 1)),
+            ]
+        )
+        result = linprog(
+            objective, A_ub=matrix, b_ub=np.zeros(len(active)), bounds=bounds, method="highs"
+        )
         if result.status != 0:
             return LPOutcome(UNDECIDED, best, round_, point, f"HiGHS: {result.message}")
-        point, best = result.x[:-1], float(result.x[-1])
-        if radius is not None:  # HiGHS may overshoot a bound by its tolerance (1e-7)
-            point = np.clip(point, -radius, radius)
+        # HiGHS may overshoot a bound by its tolerance (1e-7): back into the box.
+        h, weight_of_bias = np.clip(result.x[:-2], *box), float(np.clip(result.x[-2], 0, 1))
+        best = float(result.x[-1])
+        point = h
         if best <= LP_RADIUS_TOLERANCE:
             return LPOutcome(LP_BOUND, best, round_, point)
-        ok, _ = verify_witnesses(layer, np.array([token]), point[None, :], radius)
-        if ok[0]:
-            return LPOutcome(LP_WITNESS, best, round_, point)
-        # Normalised violation of every constraint: ((z_j + b_j) - (z_i + b_i)) / n_j + r.
-        logits = layer.w64 @ point + layer.b64  # (V,)
+        for candidate in _lp_witnesses(h, weight_of_bias, radius):
+            ok, _ = verify_witnesses(layer, np.array([token]), candidate[None, :], radius)
+            if ok[0]:
+                return LPOutcome(LP_WITNESS, best, round_, candidate)
+        # Normalised violation of every constraint: ((z_j + s b_j) - (z_i + s b_i)) / n_j + r.
+        logits = layer.w64 @ h + weight_of_bias * layer.b64  # (V,)
         violation = (logits[candidates] - logits[token]) / norms[candidates] + best
         violated = np.flatnonzero(violation > LP_FEASIBILITY)
         violated = violated[np.argsort(violation[violated])[::-1][:LP_ADDED_ROWS]]
@@ -405,6 +420,16 @@ def lp_token(
             return LPOutcome(UNDECIDED, best, round_, point, "optimum found but not verified")
         active = np.concatenate([active, new])
     return LPOutcome(UNDECIDED, best, LP_MAX_ROUNDS, point, "too many cutting-plane rounds")
+
+
+def _lp_witnesses(h: np.ndarray, s: float, radius: float | None) -> list[np.ndarray]:
+    """Hidden states to verify from an LP solution: h itself in a box; on R^d, h / s (the
+    homogenised solution's point) and, where s is (near) 0 (i wins only far out, where the
+    bias no longer matters), h scaled by 10^2 .. 10^8."""
+    if radius is not None:
+        return [h]
+    scaled = [h * 10.0**k for k in range(2, 9, 2)]
+    return ([h / s] if s > 0 else []) + scaled
 
 
 def _settle(layer, token, point, radius, r, rounds) -> LPOutcome:
