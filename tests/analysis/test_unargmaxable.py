@@ -143,11 +143,12 @@ def _area(points: np.ndarray) -> float:
         return 0.0
 
 
+@pytest.mark.parametrize("patience", [10, 0])  # 0: no reflections, the LP decides more
 @pytest.mark.parametrize("seed", range(6))
-def test_the_lp_matches_an_exact_hull_test_on_the_plane(seed):
+def test_the_lp_matches_an_exact_hull_test_on_the_plane(seed, patience):
     rng = np.random.default_rng(seed)
     weight, bias = rng.standard_normal((14, 2)), rng.standard_normal(14)
-    report = find_unargmaxable(weight, bias, radius=None, keep_witnesses=True)
+    report = find_unargmaxable(weight, bias, radius=None, patience=patience, keep_witnesses=True)
     assert set(np.flatnonzero(report.argmaxable)) == hull_argmaxable(weight, bias)
     assert len(report.undecided) == 0
     for token in np.flatnonzero(report.argmaxable):  # unbounded: witnesses may be large
@@ -158,7 +159,8 @@ def test_the_lp_matches_an_exact_hull_test_on_the_plane(seed):
 def test_the_lp_matches_vertex_enumeration_in_a_box(seed, radius):
     rng = np.random.default_rng(seed + 10)
     weight, bias = rng.standard_normal((12, 2)), rng.standard_normal(12)
-    report = find_unargmaxable(weight, bias, radius=radius)
+    report = find_unargmaxable(weight, bias, radius=radius, patience=0)
+    assert report.counts()["lp-witness"] > 0  # the LP's own witnesses are checked too
     expected = box_argmaxable(weight, bias, radius)
     assert 0 < len(expected) < 12  # the box matters: some tokens need a larger h
     assert set(np.flatnonzero(report.argmaxable)) == expected
