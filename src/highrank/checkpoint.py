@@ -7,6 +7,8 @@ and None, so ``torch.load(path, weights_only=True)`` reads it (no pickled classe
       "format": "highrank-checkpoint", "version": 1,
       "kind": "last" | "best" | "finetune-last" | "finetuned",
       "stage": "train" | "finetune",
+      "run_id": str,                           # the run directory's id (environment.json);
+                                               # absent in checkpoints of older runs
       "config": {section: {key: value}},       # highrank.config.config_to_dict (None = unset)
       "vocab_size": int,
       "model": {name: tensor},                 # the weights to evaluate: the ASGD averages
@@ -23,6 +25,7 @@ and None, so ``torch.load(path, weights_only=True)`` reads it (no pickled classe
         "progress": {...},                     # epoch, position in the epoch, step,
                                                # best validation loss, skip and metric counters
         "metrics_offset": int,                 # bytes of metrics.jsonl written at this point
+        "metrics_lines": int,                  # this stage's lines of it (newer checkpoints)
       },
     }
 
@@ -123,6 +126,13 @@ def save_checkpoint(
         if keep_previous and path.is_file() and zipfile.is_zipfile(path):
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:  # disk full, quota, I/O error (torch: RuntimeError)
+        Path(tmp).unlink(missing_ok=True)
+        reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+        raise CheckpointError(
+            f"cannot write checkpoint {path}: {reason}; nothing was replaced (the previous "
+            "checkpoint is intact): free space, then resume from it"
+        ) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -209,6 +219,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     A missing, truncated, corrupted or foreign file is a :class:`CheckpointError` naming it.
     """
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(
+            f"checkpoint {path} is a directory, not a checkpoint file; move it out of the way"
+        )
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -375,8 +389,24 @@ def config_of(payload: Mapping[str, Any], path: str | os.PathLike) -> Config:
     return config_from_dict(payload["config"], source=f"{path} (stored config)")
 
 
+def missing_best_hint(run_dir: str | os.PathLike) -> str:
+    """What every verb (eval, dynamic-eval, finetune, analyze) says when ``run_dir`` has no
+    ``best.pt``: one helper, one wording."""
+    path = Path(run_dir) / CHECKPOINT_DIR / CHECKPOINT_FILES["best"]
+    if (Path(run_dir) / CHECKPOINT_DIR / CHECKPOINT_FILES["last"]).is_file():
+        return (
+            f"checkpoint {path} does not exist: best.pt is written at the end of an epoch, and "
+            f"this run stopped before one (e.g. --max-steps); pass --which last, or train "
+            f"further with `highrank train --resume {run_dir}`"
+        )
+    return f"checkpoint {path} does not exist: the run has saved no checkpoint yet"
+
+
 def load_run(
-    run_dir: str | os.PathLike, which: str = "best", *, device: str | torch.device = "cpu"
+    run_dir: str | os.PathLike,
+    which: str = "best",
+    *,
+    device: str | torch.device = "cpu",
 ) -> tuple[LanguageModel, Config, Vocab]:
     """``(model, config, vocab)`` of a run directory, for evaluation.
 
@@ -393,11 +423,8 @@ def load_run(
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
     path = checkpoint_path(run_dir, which)
-    if which == "best" and not path.is_file() and checkpoint_path(run_dir, "last").is_file():
-        raise CheckpointError(
-            f"checkpoint {path} does not exist: best.pt is written at the end of an epoch, and "
-            "this run stopped before one (e.g. --max-steps); use --which last"
-        )
+    if which == "best" and not path.is_file():
+        raise CheckpointError(missing_best_hint(run_dir))
     if which == "finetuned" and not path.is_file():
         raise CheckpointError(
             f"checkpoint {path} does not exist: run `highrank finetune {run_dir}` first, or "
@@ -465,6 +492,7 @@ __all__ = [
     "load_run",
     "load_run_corpus",
     "load_weights",
+    "missing_best_hint",
     "previous_path",
     "restore_rng",
     "save_checkpoint",

@@ -314,7 +314,13 @@ def _read_split_bytes(directory: Path, split: str) -> bytes:
             f"test.txt (PTB / WikiText-2 layout); {directory} holds: "
             f"{', '.join(present) if present else 'nothing'}"
         )
-    return path.read_bytes()
+    try:
+        return path.read_bytes()
+    except OSError as error:  # permissions, an I/O error of the disk
+        raise CorpusError(
+            f"cannot read split file {path}: {error.strerror or error}; expected a readable "
+            "text file (check its permissions)"
+        ) from None
 
 
 def _decode_utf8(path: Path, data: bytes) -> str:

@@ -8,7 +8,9 @@ Layout of ``config.run.out_dir``::
     vocab.json          the vocabulary (highrank.data.Vocab.save), id order
     metrics.jsonl       one JSON object per line: "kind": "step" every train.log_every steps,
                         "kind": "epoch" after each epoch's validation, "kind": "eval" after a
-                        mid-epoch one (see highrank.train.reporting)
+                        mid-epoch one (see highrank.train.reporting); never a half line (a
+                        failed write is cut off; a resume keeps whole lines only)
+    .lock               held (flock) while a train / resume / finetune runs: highrank.locks
     checkpoints/        last.pt (+ last.prev.pt), best.pt, finetune-last.pt, finetuned.pt
     tensorboard/        the same scalars, when the optional ``tensorboard`` package imports
 """
@@ -22,6 +24,9 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
+import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +80,27 @@ class RunDir:
         """Whether ``checkpoints/`` holds any ``.pt`` file (a run that saved something)."""
         return self.checkpoints.is_dir() and any(self.checkpoints.glob("*.pt"))
 
+    @property
+    def run_id(self) -> str | None:
+        """The id written at creation (environment.json's ``run_id``; None for runs from
+        before ids): every checkpoint of the run carries it, so resume can refuse another's."""
+        try:
+            record = json.loads(self.path.joinpath(ENVIRONMENT_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return record.get("run_id") if isinstance(record, dict) else None
+
+    def remove_temporaries(self) -> list[Path]:
+        """Delete what killed writes left behind: checkpoint temporaries
+        (``checkpoints/.<name>.pt.*.tmp``) and atomic-write temporaries of the run's own files
+        (``.<name>.*.tmp``). Only call it holding the run's lock (a live writer's temporary
+        would go too). Returns the paths removed."""
+        patterns = [(self.checkpoints, ".*.pt.*.tmp"), (self.path, ".*.tmp")]
+        removed = [p for folder, pattern in patterns for p in folder.glob(pattern) if p.is_file()]
+        for path in removed:
+            path.unlink(missing_ok=True)
+        return removed
+
     @classmethod
     def create(
         cls, path: str | os.PathLike, config: Config, vocab: Vocab, command: Sequence[str]
@@ -96,8 +122,9 @@ class RunDir:
         run.metrics_file.unlink(missing_ok=True)
         save_config(config, run.config_file)
         run.append_command(command)
+        facts = {"run_id": uuid.uuid4().hex, **environment()}
         run.path.joinpath(ENVIRONMENT_FILE).write_text(
-            json.dumps(environment(), indent=2) + "\n", encoding="utf-8"
+            json.dumps(facts, indent=2) + "\n", encoding="utf-8"
         )
         vocab.save(run.vocab_file)
         return run
@@ -175,8 +202,10 @@ def _git(arguments: list[str], directory: Path, timeout: float) -> str:
 class MetricsLog:
     """Append-only ``metrics.jsonl``: one JSON object per line, flushed at once.
 
-    :meth:`offset` is the file's size; a resumed run :meth:`truncate` s back to the offset
-    its checkpoint recorded, so lines written after that checkpoint are not repeated.
+    A write that fails part-way (disk full) is cut back to the last whole line before the
+    error goes on. :meth:`offset` is the file's size and :meth:`lines` the number of lines of
+    a stage; a resumed stage :meth:`rewind` s to what its checkpoint recorded, so lines it
+    wrote after that checkpoint are not repeated while every other stage's lines stay.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -184,21 +213,141 @@ class MetricsLog:
         self.path.touch(exist_ok=True)  # present from the start, even before the first line
 
     def write(self, record: Mapping[str, Any]) -> None:
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, allow_nan=True) + "\n")
+        line = (json.dumps(record, allow_nan=True) + "\n").encode("utf-8")
+        with self.path.open("ab") as handle:
+            size = handle.tell()
+            try:
+                _append(handle, line)
+            except OSError as error:
+                handle.truncate(size)  # never leave half a line
+                raise RunDirError(
+                    f"cannot write {self.path} ({error.strerror or error}); the line was not "
+                    "written and the run stopped: free space, then resume from the last "
+                    "checkpoint"
+                ) from None
 
     def offset(self) -> int:
         return self.path.stat().st_size if self.path.exists() else 0
 
+    def lines(self, stage: str) -> int:
+        """Whole lines of ``stage`` (a line without "stage" is a training one)."""
+        return sum(1 for record in _parse_lines(self._read()) if _stage(record) == stage)
+
     def truncate(self, offset: int) -> None:
-        if self.path.exists() and self.path.stat().st_size > offset:
-            with self.path.open("r+b") as handle:
-                handle.truncate(offset)
+        """Drop what follows byte ``offset``, cut back to a line boundary."""
+        self.rewind(offset, None, None)
+
+    def rewind(self, offset: int, stage: str | None, lines: int | None) -> None:
+        """Drop the lines ``stage`` wrote after its checkpoint: beyond its first ``lines``
+        lines when the checkpoint counted them, else (older checkpoints) beyond byte
+        ``offset``. Other stages' lines and whole lines before the cut stay; a torn last line
+        goes. Rewritten atomically, and only when something changes."""
+        data = self._read()
+        kept, seen = [], 0
+        position = 0
+        for raw in data.splitlines(keepends=True):
+            position += len(raw)
+            record = _parse_line(raw)
+            if record is None:  # torn (unterminated or unparseable) line
+                continue
+            mine = stage is None or _stage(record) == stage
+            if mine:
+                seen += 1
+                beyond = seen > lines if lines is not None else position > offset
+                if beyond:
+                    continue
+            kept.append(raw)
+        text = b"".join(kept)
+        if text != data:
+            _replace_bytes(self.path, text)
+
+    def _read(self) -> bytes:
+        return self.path.read_bytes() if self.path.exists() else b""
+
+
+def _append(handle, line: bytes) -> None:
+    handle.write(line)
+    handle.flush()
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """A :class:`RunDirError` (before anything is written) when ``path`` cannot hold a run:
+    it is a file, or ``checkpoints/``, one of its ``.pt`` entries or ``metrics.jsonl`` is not
+    what it should be."""
+    run = RunDir(Path(path))
+    if run.path.exists() and not run.path.is_dir():
+        raise RunDirError(
+            f"run.out_dir = {str(run.path)!r} is a file; expected a directory (new, or holding "
+            "a run); choose another --run.out_dir"
+        )
+    for parent in run.path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise RunDirError(f"{parent} is a file, so run directory {run.path} cannot be made")
+    if run.checkpoints.exists() and not run.checkpoints.is_dir():
+        raise RunDirError(f"{run.checkpoints} is a file; expected the checkpoints folder")
+    if run.checkpoints.is_dir():
+        for entry in run.checkpoints.glob("*.pt"):
+            if not entry.is_file():
+                raise RunDirError(
+                    f"{entry} is a directory, not a checkpoint file; move it out of the way"
+                )
+    if run.metrics_file.exists() and not run.metrics_file.is_file():
+        raise RunDirError(f"{run.metrics_file} is not a file; move it out of the way")
+
+
+def _stage(record: Mapping[str, Any]) -> str:
+    return record.get("stage") or "train"
+
+
+def _parse_line(raw: bytes) -> dict[str, Any] | None:
+    if not raw.endswith(b"\n"):
+        return None
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _parse_lines(data: bytes) -> list[dict[str, Any]]:
+    records = (_parse_line(raw) for raw in data.splitlines(keepends=True))
+    return [r for r in records if r is not None]
+
+
+def _replace_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in its folder, then rename."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (only those of ``kind`` when given)."""
-    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    """The records of a ``metrics.jsonl`` (only those of ``kind`` when given).
+
+    A torn last line (a run killed while writing it, before this version cut such lines) is
+    skipped with a warning; a broken line elsewhere is a :class:`RunDirError` naming it.
+    """
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                warnings.warn(f"{path}, line {number}: skipped a torn last line", stacklevel=2)
+                continue
+            raise RunDirError(
+                f"{path}, line {number}: not a JSON record ({line[:60]!r}); the file is damaged"
+            ) from None
+        records.append(record)
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 
@@ -251,6 +400,7 @@ __all__ = [
     "RunDir",
     "RunDirError",
     "TensorBoardLog",
+    "check_writable",
     "environment",
     "git_commit",
     "read_metrics",

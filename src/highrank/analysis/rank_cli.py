@@ -318,8 +318,10 @@ def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -
 def _file_fingerprint(path: Path) -> dict[str, Any]:
     """Name, size and modification time: a rewritten checkpoint no longer matches."""
     if not path.is_file():
-        from highrank.checkpoint import CheckpointError
+        from highrank.checkpoint import CheckpointError, missing_best_hint
 
+        if path.name == "best.pt":  # the same hint as every verb
+            raise CheckpointError(missing_best_hint(path.parent.parent))
         raise CheckpointError(f"checkpoint {path} does not exist")
     stat = path.stat()
     return {"file": path.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}

@@ -108,10 +108,11 @@ def input_errors() -> tuple[type[Exception], ...]:
     from highrank.checkpoint import CheckpointError
     from highrank.config import ConfigError
     from highrank.data import CorpusError
+    from highrank.locks import LockedError
     from highrank.runs import RunDirError
     from highrank.subwords import SubwordError
 
-    return ConfigError, CorpusError, CheckpointError, RunDirError, SubwordError
+    return ConfigError, CorpusError, CheckpointError, RunDirError, SubwordError, LockedError
 
 
 # What a user does after Ctrl-C, per verb.

@@ -215,7 +215,8 @@ def restore(
 ) -> Trainer:
     """A trainer in exactly the state of a checkpoint's ``training`` dict; ``recipe`` is a
     fresh one on the checkpoint's weights. The RNGs are restored last (building the model drew
-    from the global one) and metrics lines written after the checkpoint are dropped."""
+    from the global one) and the metrics lines this stage wrote after the checkpoint are dropped
+    (other stages' lines stay: resuming training keeps a finetuning's records)."""
     recipe.load_state_dict(training)
     progress = Progress.from_dict(training["progress"])
     if progress.done and progress.stop_reason == "epochs" and progress.epoch <= stage.epochs:
@@ -223,7 +224,8 @@ def restore(
     restore_rng(training["rng"])
     for name, generator in recipe.generators().items():
         generator.set_state(training["rng"][name])
-    MetricsLog(run.metrics_file).truncate(training["metrics_offset"])
+    lines = training.get("metrics_lines")  # absent in checkpoints written before it existed
+    MetricsLog(run.metrics_file).rewind(training["metrics_offset"], stage.name, lines)
     return Trainer(config, run, stage, recipe, progress, options, vocab_size)
 
 

@@ -21,11 +21,20 @@ from highrank.checkpoint import (
     load_checkpoint,
     load_resumable,
     load_weights,
+    missing_best_hint,
 )
-from highrank.config import Config, ConfigError, config_from_dict, load_config, parse_override
+from highrank.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    parse_override,
+)
 from highrank.data import Corpus, load_corpus
+from highrank.locks import run_lock
 from highrank.model import build_model, count_parameters
-from highrank.runs import RunDir
+from highrank.runs import RunDir, check_writable
 from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import Recipe, Stage
@@ -168,10 +177,20 @@ def train(
     options = options or TrainOptions()
     config = _absolute_paths(config)
     command = _command(command, ["highrank", "train"])
-    if config.model.backbone == "seq2seq":  # parallel text and subwords, not a word corpus
-        return start_translation(config, train_stage(config), options, command)
+    check_writable(config.run.out_dir)
     device = resolve_device(config.run.device)
+    with run_lock(config.run.out_dir):  # held until the run ends: one writer per directory
+        RunDir(Path(config.run.out_dir)).remove_temporaries()
+        if config.model.backbone == "seq2seq":  # parallel text and subwords, not a word corpus
+            return start_translation(config, train_stage(config), options, command)
+        return _train_words(config, device, options, command)
+
+
+def _train_words(
+    config: Config, device: torch.device, options: TrainOptions, command: list[str]
+) -> TrainResult:
     corpus = _corpus(config)
+    check_model_fits(config, len(corpus.vocab), device)
     seed_everything(config.train.seed)
     model = build_model(config, len(corpus.vocab)).to(device)
     stage = train_stage(config)
@@ -204,18 +223,53 @@ def resume(
     ``train.epochs``). A run that stopped before its first checkpoint starts again in place
     from its config.toml (as if trained anew: same seed, same result).
     """
+    run = _open_locked_run(run_dir)
+    with run_lock(run.path):
+        run.remove_temporaries()
+        if not run.has_checkpoint():  # stopped before its first save: nothing to continue from
+            config = _apply_config_overrides(run.config_file, overrides, RESUME_OVERRIDES)
+            command = _command(command, ["highrank", "train", "--resume", str(run_dir)])
+            return train(config, options=options, command=command)
+        payload, path = load_resumable(run.checkpoints)
+        check_own_checkpoint(run, payload, path)
+        if payload["stage"] != "train":
+            raise CheckpointError(f"{path} is a {payload['stage']} checkpoint, not a training one")
+        config = _apply_overrides(payload, path, overrides, RESUME_OVERRIDES)
+        trainer = _continue(
+            run, train_stage(config), payload, path, config, options or TrainOptions()
+        )
+        run.append_command(_command(command, ["highrank", "train", "--resume", str(run_dir)]))
+        return trainer.run()
+
+
+def _open_locked_run(run_dir: str | os.PathLike) -> RunDir:
+    """An existing run directory that can be written (:func:`check_writable`)."""
     run = RunDir.open(run_dir)
-    if not run.has_checkpoint():  # stopped before its first save: nothing to continue from
-        config = _apply_config_overrides(run.config_file, overrides, RESUME_OVERRIDES)
-        command = _command(command, ["highrank", "train", "--resume", str(run_dir)])
-        return train(config, options=options, command=command)
-    payload, path = load_resumable(run.checkpoints)
-    if payload["stage"] != "train":
-        raise CheckpointError(f"{path} is a {payload['stage']} checkpoint, not a training one")
-    config = _apply_overrides(payload, path, overrides, RESUME_OVERRIDES)
-    run.append_command(_command(command, ["highrank", "train", "--resume", str(run_dir)]))
-    options = options or TrainOptions()
-    return _continue(run, train_stage(config), payload, path, config, options).run()
+    check_writable(run.path)
+    return run
+
+
+def check_own_checkpoint(run: RunDir, payload: Mapping[str, Any], path: Path) -> None:
+    """Refuse a checkpoint of another run: its ``run_id`` differs from the run directory's,
+    or (checkpoints without an id) its model differs from the one config.toml describes."""
+    ours, theirs = run.run_id, payload.get("run_id")
+    if ours is not None and theirs is not None and ours != theirs:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to another run (run id {theirs}, this run's is {ours} "
+            f"in {run.path / 'environment.json'}); put this run's own checkpoint back, or "
+            "resume the run it came from"
+        )
+    try:
+        stored, own = config_of(payload, path), run.load_config()
+    except ConfigError:
+        return  # an old config the schema no longer reads: the weights check still applies
+    for section in ("model", "head"):
+        if config_to_dict(stored)[section] != config_to_dict(own)[section]:
+            raise CheckpointError(
+                f"checkpoint {path} holds a different [{section}] from {run.config_file} "
+                f"({config_to_dict(stored)[section]} vs {config_to_dict(own)[section]}): it "
+                "belongs to another run"
+            )
 
 
 def finetune(
@@ -231,18 +285,21 @@ def finetune(
     improves on the best so far; stops by the non-monotone rule (n = train.nonmono) or after
     ``finetune.epochs``. ``resume=True`` continues an interrupted finetuning exactly.
     """
-    run = RunDir.open(run_dir)
+    run = _open_locked_run(run_dir)
     default = ["highrank", "finetune", str(run_dir), *(["--resume"] if resume else [])]
     options = options or TrainOptions()
-    if resume:
-        names = ("finetune-last.pt", "finetune-last.prev.pt")
-        payload, path = load_resumable(run.checkpoints, names)
-        config = _apply_overrides(payload, path, overrides, FINETUNE_RESUME_OVERRIDES)
+    with run_lock(run.path):
+        run.remove_temporaries()
+        if resume:
+            names = ("finetune-last.pt", "finetune-last.prev.pt")
+            payload, path = load_resumable(run.checkpoints, names)
+            check_own_checkpoint(run, payload, path)
+            config = _apply_overrides(payload, path, overrides, FINETUNE_RESUME_OVERRIDES)
+            trainer = _continue(run, finetune_stage(config), payload, path, config, options)
+        else:
+            trainer = _start_finetune(run, overrides, options)
         run.append_command(_command(command, default))
-        return _continue(run, finetune_stage(config), payload, path, config, options).run()
-    trainer = _start_finetune(run, overrides, options)
-    run.append_command(_command(command, default))
-    return trainer.run()
+        return trainer.run()
 
 
 def _start_finetune(run: RunDir, overrides: Sequence[str], options: TrainOptions) -> Trainer:
@@ -254,7 +311,10 @@ def _start_finetune(run: RunDir, overrides: Sequence[str], options: TrainOptions
             f"`highrank finetune {run.path} --resume`"
         )
     best = run.checkpoint("best")
+    if not best.is_file():
+        raise CheckpointError(missing_best_hint(run.path))
     payload = load_checkpoint(best)
+    check_own_checkpoint(run, payload, best)
     config = _apply_overrides(payload, best, overrides, FINETUNE_OVERRIDES)
     stage = finetune_stage(config)
     if stage.epochs == 0:
@@ -273,12 +333,53 @@ def _start_finetune(run: RunDir, overrides: Sequence[str], options: TrainOptions
 
 # ---- facts about a config ---------------------------------------------------------------------
 
+# Float32 copies of the parameters training holds at least: weights, gradients, and one of
+# optimizer state (ASGD's averages; Adam holds two): activations come on top.
+TRAINING_COPIES = 3
+
+
+def check_model_fits(config: Config, vocab_size: int, device: torch.device) -> int:
+    """The parameter count, counted on the ``meta`` device; a ConfigError with the numbers when
+    ``TRAINING_COPIES`` float32 copies of it exceed the memory available on ``device``."""
+    count = parameter_count(config, vocab_size)
+    needed = TRAINING_COPIES * 4 * count
+    available = available_memory(device)
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"the model has {count:,} parameters (model.d_embed = {config.model.d_embed}, "
+            f"vocabulary {vocab_size:,}): training needs at least {needed / 2**30:,.1f} GiB "
+            f"({TRAINING_COPIES} float32 copies: weights, gradients, optimizer state), but "
+            f"{available / 2**30:,.1f} GiB is available on {device}; make the model smaller"
+        )
+    return count
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` (MemAvailable for the CPU), None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
 
 def parameter_count(config: Config, vocab_size: int) -> int:
     """Trainable parameters of the model ``config`` describes, built on the ``meta`` device
     (nothing allocated)."""
+    from highrank import model as models  # not this module's name: tests wrap that one
+
     with torch.device("meta"):
-        model = build_model(config, vocab_size)
+        model = models.build_model(config, vocab_size)
     return count_parameters(model)
 
 
@@ -296,6 +397,8 @@ __all__ = [
     "RECIPES",
     "RESUME_OVERRIDES",
     "build_recipe",
+    "check_model_fits",
+    "check_own_checkpoint",
     "corpus_vocab_size",
     "finetune",
     "finetune_stage",

@@ -21,9 +21,11 @@ from highrank.train.recipe import Recipe, Stage
 from highrank.train.state import Progress
 
 
-def training_state(recipe: Recipe, progress: Progress, metrics_offset: int) -> dict[str, Any]:
+def training_state(
+    recipe: Recipe, progress: Progress, metrics_offset: int, metrics_lines: int | None = None
+) -> dict[str, Any]:
     """A checkpoint's ``"training"``: what :func:`highrank.train.loop.restore` needs to
-    continue exactly."""
+    continue exactly (``metrics_lines``: this stage's lines of metrics.jsonl so far)."""
     rng = capture_rng()
     rng.update({name: g.get_state() for name, g in recipe.generators().items()})
     return {
@@ -32,6 +34,7 @@ def training_state(recipe: Recipe, progress: Progress, metrics_offset: int) -> d
         "rng": rng,
         "progress": dataclasses.asdict(progress),
         "metrics_offset": metrics_offset,
+        **({} if metrics_lines is None else {"metrics_lines": metrics_lines}),
     }
 
 
@@ -50,6 +53,7 @@ class Checkpoints:
     def __post_init__(self) -> None:
         self._last_saved: tuple[int, int, int] | None = None
         self._saved_at = time.monotonic()
+        self._run_id = self.run.run_id
 
     @property
     def last_path(self) -> Path:
@@ -81,15 +85,17 @@ class Checkpoints:
 
     def payload(self, kind: str) -> dict[str, Any]:
         """The checkpoint contents (see :mod:`highrank.checkpoint`)."""
+        metrics = (self.metrics.offset(), self.metrics.lines(self.stage.name))
         return {
             "format": FORMAT,
             "version": VERSION,
             "kind": kind,
             "stage": self.stage.name,
+            **({} if self._run_id is None else {"run_id": self._run_id}),
             "config": config_to_dict(self.config),
             "vocab_size": self.vocab_size,
             "model": self.recipe.evaluation_state_dict(),
-            "training": training_state(self.recipe, self.progress, self.metrics.offset()),
+            "training": training_state(self.recipe, self.progress, *metrics),
         }
 
 

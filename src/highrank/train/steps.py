@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from highrank.config import ConfigError
+
 
 def backward_or_skip(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
     """``loss.backward()`` when ``loss`` is finite and ``""``; otherwise the gradients are
@@ -49,7 +51,20 @@ def resolve_device(name: str) -> torch.device:
     """``run.device``: ``"auto"`` is CUDA when available, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count or (device.index or 0) >= count:
+            build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only"
+            raise ConfigError(
+                f"run.device = {name!r}, but this torch {torch.__version__} ({build}) sees "
+                f"{count} CUDA device(s); use --run.device=cpu or auto"
+            )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(
+            f"run.device = {name!r}, but MPS is not available here; use --run.device=cpu or auto"
+        )
+    return device
 
 
 __all__ = ["backward_or_skip", "clip_or_skip", "resolve_device", "seed_everything"]
