@@ -122,3 +122,31 @@ def test_a_bad_backend_fails_before_the_matrix_is_written(run_copy):
         if (run_copy / "analysis").exists()
         else True
     )
+
+
+def test_concurrent_analyses_of_one_record_do_not_collide(run_copy, capsys):
+    """A second `analyze rank` of the same run and record while one runs is refused in one
+    line naming the first one's pid (the matrix and Gram temporaries have fixed names); an
+    analysis of another record of the run is not held up."""
+    import subprocess
+    import sys
+
+    folder = run_copy / "analysis"
+    folder.mkdir(exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; from highrank.locks import exclusive\n"
+         f"with exclusive({str(folder / 'rank-test-best.lock')!r}, 'x'):\n"
+         " print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["analyze", "rank", str(run_copy), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"in use by pid {holder.pid}" in err[0]
+        assert not (folder / "rank-test-best.json").exists()
+        assert main(["analyze", "rank", str(run_copy), "--split", "valid", "--no-progress"]) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["analyze", "rank", str(run_copy), "--no-progress"]) == 0

@@ -70,6 +70,7 @@ from highrank.analysis.rank import (
 from highrank.analysis.spectrum import plot_spectrum
 from highrank.checkpoint import checkpoint_path
 from highrank.cli import positive_int
+from highrank.locks import LockedError, exclusive
 
 
 def analyze_run(
@@ -105,28 +106,31 @@ def analyze_run(
         "checkpoint_file": _file_fingerprint(checkpoint_path(run_dir, which)),
         "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
     }
-    began = time.perf_counter()
-    head = _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress)
-    matrix_seconds = time.perf_counter() - began
-    record = {
-        "run_dir": str(run_dir),
-        "head": head,
-        "checkpoint": which,  # as the other analyses' records name it
-        **settings,
-        "matrix_seconds": round(matrix_seconds, 2),
-    }
-    options = {"backend": backend, "device": device, "block_rows": block_rows}
-    return _rank_of_matrix(
-        matrix_path,
-        folder,
-        tag,
-        record,
-        run_record_path(run_dir, "rank", tag),
-        keep_matrix=keep_matrix,
-        checkpoint_seconds=checkpoint_seconds,
-        progress=progress,
-        **options,
-    )
+    folder.mkdir(parents=True, exist_ok=True)
+    # One process per record: the matrix, its temporary and the Gram state have fixed names.
+    with exclusive(folder / f"rank-{tag}.lock", f"the rank record {tag} of {run_dir}"):
+        began = time.perf_counter()
+        head = _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress)
+        matrix_seconds = time.perf_counter() - began
+        record = {
+            "run_dir": str(run_dir),
+            "head": head,
+            "checkpoint": which,  # as the other analyses' records name it
+            **settings,
+            "matrix_seconds": round(matrix_seconds, 2),
+        }
+        options = {"backend": backend, "device": device, "block_rows": block_rows}
+        return _rank_of_matrix(
+            matrix_path,
+            folder,
+            tag,
+            record,
+            run_record_path(run_dir, "rank", tag),
+            keep_matrix=keep_matrix,
+            checkpoint_seconds=checkpoint_seconds,
+            progress=progress,
+            **options,
+        )
 
 
 def _rank_of_matrix(
@@ -434,7 +438,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         records, written = _hf_records(args) if hf_mode(args) else _run_records(args)
-    except (HFInputError, GramMemoryError, DiskSpaceError) as error:
+    except (HFInputError, GramMemoryError, DiskSpaceError, LockedError) as error:
         print(f"highrank analyze rank: error: {error}", file=sys.stderr)
         return 2
     for path in written:
