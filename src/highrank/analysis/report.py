@@ -153,16 +153,41 @@ def _overview(runs: list[dict[str, Any]]) -> str:
     ]
     missing = [r["name"] for r in runs if _eval_value(r, "eval-test") is None]
     note = _hint(missing, "highrank eval RUN_DIR --split test") if missing else ""
-    return "<h2>Runs</h2>\n" + _html_table(headers, rows) + note
+    return "<h2>Runs</h2>\n" + _html_table(headers, rows) + _sources(runs) + note
+
+
+# The checkpoint whose figure a report shows: the finetuned one when it was evaluated.
+PREFERRED_CHECKPOINTS = ("finetuned", "best", "last")
+
+
+def preferred_eval(run: dict[str, Any], prefix: str) -> tuple[str, dict[str, Any]] | None:
+    """``(name, record)`` of the figure to show for ``prefix`` (``eval-test``): a record of
+    the full split of the run's own corpus (``<prefix>-<which>.json``; records of other data
+    or of ``--max-tokens`` carry a suffix and are never the figure), finetuned first."""
+    for which in PREFERRED_CHECKPOINTS:
+        name = f"{prefix}-{which}"
+        record = run["evals"].get(name)
+        if record is not None and record.get("default_data", True):
+            return name, record
+    return None
 
 
 def _eval_value(run: dict[str, Any], prefix: str) -> float | None:
-    """Perplexity of the first eval record named ``prefix-*`` (best checkpoint first)."""
-    names = sorted(
-        (n for n in run["evals"] if n.startswith(prefix + "-")),
-        key=lambda n: (not n.endswith("-best"), n),
-    )
-    return run["evals"][names[0]].get("perplexity") if names else None
+    found = preferred_eval(run, prefix)
+    return found[1].get("perplexity") if found else None
+
+
+def _sources(runs: list[dict[str, Any]]) -> str:
+    """One line per figure shown: which checkpoint and data it came from."""
+    from highrank.evaluate_records import describe
+
+    lines = []
+    for run in runs:
+        for prefix, label in (("eval-test", "test"), ("dynamic-eval-test", "dynamic-eval test")):
+            found = preferred_eval(run, prefix)
+            if found:
+                lines.append(f"{run['name']} {label} ppl: {describe(found[1])}")
+    return "<p class='note'>" + "<br>".join(map(html.escape, lines)) + "</p>\n" if lines else ""
 
 
 def _training_curves(runs: list[dict[str, Any]], out: Path) -> str:

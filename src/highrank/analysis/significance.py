@@ -152,16 +152,37 @@ def rank_path(run_dir: str | Path, tag: str) -> Path:
     return run_record_path(run_dir, "rank", tag)
 
 
+def resolve_which(run_dir: str | Path, split: str, which: str) -> str:
+    """``which``, or for ``"auto"`` the finetuned checkpoint when the run has its eval record,
+    else ``best`` (the order ``highrank report`` prefers too)."""
+    if which != "auto":
+        return which
+    return "finetuned" if eval_path(run_dir, split, "finetuned").is_file() else "best"
+
+
 def read_perplexity(run_dir: str | Path, split: str, which: str) -> float:
     """The ``"perplexity"`` of a run's eval record; a missing record names the command that
     writes it."""
+    return read_eval(run_dir, split, which)["perplexity"]
+
+
+def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
+    """A run's eval record (full split of its own corpus) with its perplexity checked and
+    ``"source"`` saying which checkpoint and data it came from."""
+    from highrank.evaluate_records import describe
+
+    which = resolve_which(run_dir, split, which)
     path = eval_path(run_dir, split, which)
     if not path.is_file():
         raise CompareError(
             f"run {run_dir} has no {path.name}: evaluate it first with "
             f"`highrank eval {run_dir} --split {split} --which {which}`"
         )
-    return _number(_read_record(path), "perplexity", path, float)
+    record = _read_record(path)
+    if record.get("default_data") is False:
+        raise CompareError(f"{path} is not of the full split of the run's corpus; re-evaluate")
+    record["perplexity"] = _number(record, "perplexity", path, float)
+    return {**record, "which": which, "source": describe({**record, "split": split})}
 
 
 def read_press_rank(run_dir: str | Path, tag: str) -> int | None:
@@ -205,7 +226,9 @@ def compare_runs(
     every run has a rank record (``rank-<rank_tag>.json``, default ``<split>-<which>``), the
     Pearson correlation of Press rank and perplexity over all runs of both groups."""
     (name_a, runs_a), (name_b, runs_b) = groups.items()
-    ppl = {name: [read_perplexity(r, split, which) for r in runs] for name, runs in groups.items()}
+    evals = {name: [read_eval(r, split, which) for r in runs] for name, runs in groups.items()}
+    ppl = {name: [e["perplexity"] for e in records] for name, records in evals.items()}
+    tags = [record_tag(split, e["which"]) for name in groups for e in evals[name]]
     test = compare_groups(ppl[name_a], ppl[name_b], welch=welch)
     better = name_a if test.mean_a < test.mean_b else name_b
     return {
@@ -214,24 +237,31 @@ def compare_runs(
         "test": "Welch's t-test" if welch else "Student's t-test (pooled variance)",
         "alpha": alpha,
         "groups": {
-            name: {"runs": [str(r) for r in runs], "perplexities": ppl[name]}
+            name: {
+                "runs": [str(r) for r in runs],
+                "perplexities": ppl[name],
+                "sources": [e["source"] for e in evals[name]],
+            }
             for name, runs in groups.items()
         },
         **test.as_dict(),
         "significant": test.p < alpha,
         "lower_perplexity": better,
         "rank_vs_perplexity": rank_correlation(
-            [*runs_a, *runs_b], [*ppl[name_a], *ppl[name_b]], rank_tag or record_tag(split, which)
+            [*runs_a, *runs_b], [*ppl[name_a], *ppl[name_b]], rank_tag or tags
         ),
     }
 
 
 def rank_correlation(
-    runs: Sequence[str], perplexities: Sequence[float], tag: str
+    runs: Sequence[str], perplexities: Sequence[float], tag: str | Sequence[str]
 ) -> dict[str, Any]:
-    """Pearson of press_rank (records ``rank-<tag>.json``) vs perplexity over ``runs``,
-    pooled over both groups (each run is one point), or ``{"skipped": why}``."""
-    ranks = [read_press_rank(run, tag) for run in runs]
+    """Pearson of press_rank (records ``rank-<tag>.json``; one tag, or one per run) vs
+    perplexity over ``runs``, pooled over both groups (each run is one point), or
+    ``{"skipped": why}``."""
+    tags = [tag] * len(runs) if isinstance(tag, str) else list(tag)
+    ranks = [read_press_rank(run, t) for run, t in zip(runs, tags, strict=True)]
+    tag = tags[0] if len(set(tags)) == 1 else "TAG"
     missing = [str(run) for run, rank in zip(runs, ranks, strict=True) if rank is None]
     if missing:
         return {
@@ -255,7 +285,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--split", choices=["valid", "test"], default="test", help="(test)")
     parser.add_argument(
-        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
+        "--which",
+        default="auto",
+        help="checkpoint: best, last, finetuned or a .pt path; auto (default): each run's "
+        "finetuned record when it has one, else best",
     )
     parser.add_argument("--welch", action="store_true", help="Welch's t-test (unequal variances)")
     parser.add_argument(
@@ -348,6 +381,9 @@ def report(record: dict[str, Any], *, markdown: bool = False) -> str:
     headers = ["group", "runs", f"mean {record['split']} ppl", "std"]
     table = text_table(headers, rows, markdown=markdown)
     lines = [_test_line(record), _rank_line(record["rank_vs_perplexity"])]
+    for name, group in record["groups"].items():
+        for run, source in zip(group["runs"], group.get("sources", []), strict=False):
+            lines.append(f"{name}: {run}: {source}")
     title = "# Comparison of two groups of runs\n\n" if markdown else ""
     return title + table + "\n" + "\n".join(lines) + "\n"
 

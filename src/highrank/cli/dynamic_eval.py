@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from highrank.cli.common import guarded, positive_int
-from highrank.cli.evaluate import add_eval_options, load_for_eval, report_eval
+from highrank.cli.evaluate import add_eval_options, load_for_eval, report_eval, split_ids
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         }
         result = dynamic_evaluate(
             model,
-            corpus.split(args.split),
+            split_ids(args, corpus),
             stats,
             **knobs,
             batch_size=settings.batch_size,
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             "bptt": settings.bptt,
             "max_stats_batches": args.max_stats_batches,
         }
-        report_eval(args, "dynamic-eval", result, extra)
+        report_eval(args, "dynamic-eval", result, extra, corpus)
         return 0
 
     return guarded("dynamic-eval", job)

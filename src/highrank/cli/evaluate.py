@@ -12,13 +12,20 @@ from highrank.cli.translate import add_search_options, translate
 
 
 def add_eval_options(parser: argparse.ArgumentParser) -> None:
-    """RUN_DIR, --split, --which, --data-dir, --no-progress."""
+    """RUN_DIR, --split, --which, --data-dir, --max-tokens, --no-progress."""
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `highrank train`")
     parser.add_argument("--split", choices=["valid", "test"], default="test", help="(test)")
     parser.add_argument(
         "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
     )
     parser.add_argument("--data-dir", help="corpus folder (default: the run's data.dir)")
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        metavar="N",
+        help="score only the first N tokens of the split (a quick look; recorded under its "
+        "own name, never as the split's figure)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -29,21 +36,32 @@ def load_for_eval(args: argparse.Namespace):
     return load_run_corpus(args.run_dir, args.which, data_dir=args.data_dir)
 
 
-def report_eval(args: argparse.Namespace, kind: str, result, extra: dict) -> None:
-    """Write ``RUN_DIR/<kind>-<split>-<which>.json`` and print its one-line summary."""
-    import json
-    from pathlib import Path
+def split_ids(args: argparse.Namespace, corpus):
+    """The split's token ids, the first ``--max-tokens`` of them when given."""
+    ids = corpus.split(args.split)
+    return ids if args.max_tokens is None else ids[: args.max_tokens]
 
+
+def report_eval(args: argparse.Namespace, kind: str, result, extra: dict, corpus=None) -> None:
+    """Write the record (:func:`record_name`) and print its one-line summary.
+
+    The record names the checkpoint (file and sha256), the data directory, the split, the
+    tokens scored and a sha256 of the split's file, so a figure can always be traced back.
+    """
+    from highrank.analysis.output import write_json
+    from highrank.evaluate_records import data_facts, record_path
+
+    data = data_facts(args, corpus)
     record = {
         "split": args.split,
         "checkpoint": args.which,
+        **data,
         "loss": result.loss,
         "perplexity": result.perplexity,
         "tokens": result.tokens,
         **extra,
     }
-    path = Path(args.run_dir) / f"{kind}-{args.split}-{Path(args.which).stem}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    path = write_json(record_path(args.run_dir, kind, args.split, args.which, data), record)
     print(
         f"{kind} {args.split}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
         f"over {result.tokens:,} tokens; wrote {path}"
@@ -84,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size = args.batch_size or default_batch[args.split]
         result = evaluate_perplexity(
             model,
-            corpus.split(args.split),
+            split_ids(args, corpus),
             batch_size=batch_size,
             bptt=args.bptt,
             progress=not args.no_progress,
@@ -93,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.token_nll:
             print(f"wrote {write_token_nll(args.token_nll, result, corpus.vocab)}")
-        report_eval(args, "eval", result, {"batch_size": batch_size, "bptt": args.bptt})
+        extra = {"batch_size": batch_size, "bptt": args.bptt}
+        report_eval(args, "eval", result, extra, corpus)
         return 0
 
     return guarded("eval", job)

@@ -276,6 +276,7 @@ def finetune(
     run_dir: str | os.PathLike,
     *,
     resume: bool = False,
+    which: str = "best",
     overrides: Sequence[str] = (),
     options: TrainOptions | None = None,
     command: Sequence[str] | None = None,
@@ -284,6 +285,8 @@ def finetune(
     with ``finetune.lr``; ``finetuned.pt`` holds the averaged weights whenever validation
     improves on the best so far; stops by the non-monotone rule (n = train.nonmono) or after
     ``finetune.epochs``. ``resume=True`` continues an interrupted finetuning exactly.
+    ``which="last"`` starts from ``last.pt``'s evaluation weights instead (a run stopped
+    before its first epoch end has no best.pt).
     """
     run = _open_locked_run(run_dir)
     default = ["highrank", "finetune", str(run_dir), *(["--resume"] if resume else [])]
@@ -297,21 +300,25 @@ def finetune(
             config = _apply_overrides(payload, path, overrides, FINETUNE_RESUME_OVERRIDES)
             trainer = _continue(run, finetune_stage(config), payload, path, config, options)
         else:
-            trainer = _start_finetune(run, overrides, options)
+            trainer = _start_finetune(run, overrides, options, which)
         run.append_command(_command(command, default))
         return trainer.run()
 
 
-def _start_finetune(run: RunDir, overrides: Sequence[str], options: TrainOptions) -> Trainer:
-    """A finetuning trainer on best.pt's evaluation weights with a fresh recipe."""
+def _start_finetune(
+    run: RunDir, overrides: Sequence[str], options: TrainOptions, which: str = "best"
+) -> Trainer:
+    """A finetuning trainer on ``which``'s (best.pt's) evaluation weights, a fresh recipe."""
     started = run.checkpoint("finetune-last")
     if started.exists():
         raise CheckpointError(
             f"{run.path} was already finetuned ({started} exists); continue it with "
             f"`highrank finetune {run.path} --resume`"
         )
-    best = run.checkpoint("best")
-    if not best.is_file():
+    if which not in ("best", "last"):
+        raise CheckpointError(f"finetune --which {which!r}: expected best or last")
+    best = run.checkpoint(which)
+    if which == "best" and not best.is_file():
         raise CheckpointError(missing_best_hint(run.path))
     payload = load_checkpoint(best)
     check_own_checkpoint(run, payload, best)

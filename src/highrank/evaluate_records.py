@@ -1,0 +1,76 @@
+"""Where ``highrank eval`` / ``dynamic-eval`` keep a figure, and what it was computed from.
+
+A record ``RUN_DIR/<kind>-<split>-<which>.json`` (``eval-test-best.json``) holds the figure of
+the *full split of the run's own corpus* (its ``data.dir``). A figure of anything else gets its
+own name, so it can never replace that one: another data directory adds
+``-data<8 hex of the split's sha256>``, ``--max-tokens N`` adds ``-first<N>``
+(``eval-test-best-data1a2b3c4d-first2000.json``). Every record names the checkpoint (file and
+sha256), the data directory, the split file and its sha256, and whether it is the full split
+of the run's corpus (``"default_data"``), which ``highrank report`` and ``compare`` rely on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from highrank.checkpoint import checkpoint_path
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, read in 1 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for piece in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def data_facts(args: argparse.Namespace, corpus) -> dict[str, Any]:
+    """What a record says about its inputs (see the module docstring)."""
+    from highrank.config import load_config
+
+    checkpoint = checkpoint_path(args.run_dir, args.which)
+    own_dir = Path(load_config(Path(args.run_dir) / "config.toml").data.dir).resolve()
+    data_dir = Path(corpus.directory).resolve()
+    split_file = corpus.path(args.split)
+    return {
+        "checkpoint_file": str(checkpoint.resolve()),
+        "checkpoint_sha256": file_sha256(checkpoint),
+        "data_dir": str(data_dir),
+        "split_file": str(split_file.resolve()),
+        "data_sha256": file_sha256(split_file),
+        "max_tokens": args.max_tokens,
+        "default_data": data_dir == own_dir and args.max_tokens is None,
+        "own_data_dir": data_dir == own_dir,
+    }
+
+
+def record_path(
+    run_dir: str | os.PathLike, kind: str, split: str, which: str, facts: dict[str, Any]
+) -> Path:
+    """``RUN_DIR/<kind>-<split>-<which>[-data<hash>][-first<N>].json``."""
+    name = f"{kind}-{split}-{Path(which).stem}"
+    if not facts["own_data_dir"]:
+        name += f"-data{facts['data_sha256'][:8]}"
+    if facts["max_tokens"] is not None:
+        name += f"-first{facts['max_tokens']}"
+    return Path(run_dir) / f"{name}.json"
+
+
+def describe(record: dict[str, Any]) -> str:
+    """``best.pt on /data/ptb test.txt (82,430 tokens)``: where a figure came from."""
+    checkpoint = Path(record.get("checkpoint_file") or record.get("checkpoint", "?")).name
+    if not checkpoint.endswith(".pt"):
+        checkpoint += ".pt"
+    data = record.get("data_dir") or "the run's corpus (not recorded)"
+    tokens = record.get("tokens")
+    count = f" ({tokens:,} tokens)" if isinstance(tokens, int) else ""
+    first = f", first {record['max_tokens']:,} tokens only" if record.get("max_tokens") else ""
+    return f"{checkpoint} on {data} {record.get('split', '?')}{count}{first}"
+
+
+__all__ = ["data_facts", "describe", "file_sha256", "record_path"]
