@@ -283,9 +283,9 @@ def markdown(record: dict) -> str:
         f"interleaved rounds after {s['warmup']} warm-up; memory: peak RSS growth of one step, "
         "fresh process per path.",
         "",
-        "| level | base ms | highrank ms | time ratio | base peak MiB | highrank peak MiB "
-        "| memory ratio |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| level | base ms | highrank ms | time ratio | median of round ratios | base peak MiB "
+        "| highrank peak MiB | memory ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for level, row in record["levels"].items():
         if "memory_ratio" not in row:
@@ -293,7 +293,8 @@ def markdown(record: dict) -> str:
         memory = row["memory"]
         lines.append(
             f"| {level} | {row['base_ms']:.0f} | {row['highrank_ms']:.0f} | "
-            f"{row['time_ratio']:.2f} | {memory['base']['peak_mb']:.0f} | "
+            f"{row['time_ratio']:.2f} | {row['median_of_run_ratios']:.2f} | "
+            f"{memory['base']['peak_mb']:.0f} | "
             f"{memory['highrank-softmax']['peak_mb']:.0f} | {row['memory_ratio']:.2f} |"
         )
     lines += ["", f"Command: `{record['command']}`"]
