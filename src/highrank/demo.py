@@ -342,10 +342,10 @@ def _progress_bar(settings: DemoSettings, enabled: bool):
     if not enabled:
         yield None
         return
-    from tqdm.auto import tqdm
+    from highrank.progress import progress_bar
 
     total = settings.steps * len(settings.heads)
-    with tqdm(total=total, desc="demo", unit="step", dynamic_ncols=True) as bar:
+    with progress_bar(total=total, desc="demo", unit="step", dynamic_ncols=True) as bar:
         yield bar
 
 

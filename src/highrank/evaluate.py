@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from highrank.data import Vocab, batchify, iter_batches
 from highrank.model import LanguageModel
+from highrank.progress import progress_bar
 
 # Krause et al. (2017) hyperparameters as used for AWD-LSTM-MoS (Yang et al., 2018, Sec. 3);
 # the keys are the keyword arguments of dynamic_evaluate (and the [dynamic_eval] config keys).
@@ -435,12 +435,12 @@ def _segments(
     source: torch.Tensor, bptt: int, progress: bool, desc: str, limit: int | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(input, target)`` segments of ``source`` in order (at most ``limit``), with a
-    tqdm bar when ``progress``."""
+    progress bar when ``progress`` (:mod:`highrank.progress`)."""
     total = math.ceil((source.shape[0] - 1) / bptt)
     if limit is not None:
         total = min(total, limit)
     segments = iter_batches(source, bptt)
-    with tqdm(total=total, desc=desc, unit="seg", disable=not progress) as bar:
+    with progress_bar(total=total, desc=desc, unit="seg", disable=not progress) as bar:
         for _ in range(total):
             yield next(segments)
             bar.update()

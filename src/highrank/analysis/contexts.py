@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from highrank.checkpoint import load_run_corpus
 from highrank.config import Config
 from highrank.data import Vocab, batchify, iter_batches
 from highrank.model import LanguageModel
+from highrank.progress import progress_bar
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,7 +122,7 @@ def iter_contexts(
     try:
         state = model.init_state(batch_size)
         done = 0
-        with tqdm(total=total, desc="contexts", unit="ctx", disable=not progress) as bar:
+        with progress_bar(total=total, desc="contexts", unit="ctx", disable=not progress) as bar:
             for index, (tokens, target) in enumerate(iter_batches(source, bptt)):
                 row = index * bptt  # the segment's first row
                 hidden, state, _ = model.backbone(tokens.to(device), state)  # (L, B, d)

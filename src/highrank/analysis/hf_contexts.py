@@ -51,9 +51,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from highrank.analysis.logprob_matrix import ContextRows, write_context_matrix
+from highrank.progress import progress_bar
 
 DEFAULT_MAX_WINDOW = 1024
 # Logits entries of one batch of windows: 256 MB of float32 logits, about 6 times that at the
@@ -327,7 +327,7 @@ def iter_causal_lm_rows(
     model.eval()
     try:
         total = sum(end - start for start, end in spans)
-        with tqdm(total=total, desc="contexts", unit="ctx", disable=not progress) as bar:
+        with progress_bar(total=total, desc="contexts", unit="ctx", disable=not progress) as bar:
             for batch in _batches(iter(spans), batch_windows):
                 rows = _window_log_probs(model, ids, batch, bos_token_id, device)  # (B, L, V)
                 for (start, end), window_rows in zip(batch, rows, strict=True):

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+
+from highrank.progress import progress_bar
 
 EFFECTIVE_RANK_EPSILONS = (1e-3, 1e-4, 1e-5)
 
@@ -391,7 +392,7 @@ def _accumulate_column_gram(
     gram = _GramUpdate(cols, backend, device, saved)
     del saved  # the update owns (a copy of) it now
     last_save = time.monotonic()
-    bar = tqdm(
+    bar = progress_bar(
         total=rows,
         initial=start,
         desc="Gram matrix",
@@ -492,7 +493,7 @@ def _accumulate_row_gram(
     del saved  # the update owns (a copy of) it now
     last_save = time.monotonic()
     work = sum(rows - first for first in range(start, rows, block_rows))  # rows paired
-    bar = tqdm(total=work, desc="Gram matrix A A^T", unit="row", disable=not progress)
+    bar = progress_bar(total=work, desc="Gram matrix A A^T", unit="row", disable=not progress)
     with bar:
         for first, panel in iter_row_blocks(path, block_rows, start):
             _check_finite_block(panel, path, first)

@@ -18,6 +18,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from highrank.progress import progress_bar
 from highrank.runs import MetricsLog, RunDir, TensorBoardLog
 from highrank.train.recipe import EpochSize, Verdict
 from highrank.train.state import Meter, Progress
@@ -80,9 +81,10 @@ class RunLog:
     def close(self) -> None:
         self.tensorboard.close()
 
-    def bar(self, size: EpochSize) -> tqdm:
-        """A bar over the epoch's tokens, starting at the progress position."""
-        return tqdm(
+    def bar(self, size: EpochSize):
+        """A bar over the epoch's tokens, starting at the progress position (a line now and
+        then when stderr is not a terminal: :mod:`highrank.progress`)."""
+        return progress_bar(
             total=size.positions * size.tokens_per_position,
             initial=self.progress.position * size.tokens_per_position,
             desc=f"{self.stage} epoch {self.progress.epoch}",
@@ -94,7 +96,7 @@ class RunLog:
             disable=not self.show_bar,
         )
 
-    def show(self, bar: tqdm, tokens: int) -> None:
+    def show(self, bar, tokens: int) -> None:
         if bar.disable:
             return
         meter = self.progress.epoch_meter

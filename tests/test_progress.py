@@ -1,0 +1,60 @@
+"""Progress output: a tqdm bar on a terminal, a plain line now and then in a log file."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from highrank.progress import LineProgress, progress_bar
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_tqdm_and_a_file_gets_lines():
+    assert isinstance(progress_bar(total=3, desc="x", file=Terminal()), tqdm)
+    assert isinstance(progress_bar(total=3, desc="x", file=io.StringIO()), LineProgress)
+    assert progress_bar(total=3, desc="x", file=io.StringIO(), disable=True).disable
+
+
+def test_lines_come_once_per_interval_and_at_the_end(monkeypatch):
+    clock = iter(range(0, 10_000, 10))  # every call to monotonic advances 10 s
+    monkeypatch.setattr("highrank.progress.time.monotonic", lambda: next(clock))
+    out = io.StringIO()
+    with LineProgress(100, "eval", "seg", file=out, seconds=25) as bar:
+        for _ in range(10):
+            bar.update(10)
+            bar.set_postfix({"loss": "1.0"})
+    lines = out.getvalue().splitlines()
+    assert 1 < len(lines) < 10  # not one per update
+    assert lines[-1].startswith("eval: 100/100 seg (100%), ") and lines[-1].endswith("loss=1.0")
+    assert "\r" not in out.getvalue()
+
+
+def test_train_and_eval_logs_to_a_file_hold_lines_not_bars(tmp_path, capsys, monkeypatch):
+    from highrank.cli import main
+    from tests.train.test_interrupts import TINY
+
+    monkeypatch.setenv("HIGHRANK_PROGRESS_SECONDS", "0")  # a line per update: easy to see
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = " ".join(f"w{i % 17}" for i in range(40))
+    for split in ("train", "valid", "test"):
+        (corpus / f"{split}.txt").write_text((words + "\n") * 20)
+    config = tmp_path / "c.toml"
+    config.write_text("# defaults\n")
+    out = tmp_path / "run"
+    overrides = [f"--{o}" for o in TINY]
+    assert main(["train", str(config), f"--data.dir={corpus}", f"--run.out_dir={out}",
+                 *overrides]) == 0  # fmt: skip
+    log = capsys.readouterr().err  # captured: not a terminal
+    assert "\r" not in log
+    assert any(line.startswith("train epoch 1: ") and " tok/s" in line for line in log.splitlines())
+    assert main(["eval", str(out)]) == 0
+    log = capsys.readouterr().err
+    assert "\r" not in log and "eval: " in log
+    assert Path(out / "eval-test-best.json").is_file()
