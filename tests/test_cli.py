@@ -166,4 +166,4 @@ def test_missing_run_dir_and_missing_best_checkpoint_say_what_to_do(tmp_path, ca
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "last.pt").write_bytes(b"")
     assert main(["eval", str(tmp_path / "run")]) == 2
-    assert "stopped before one (e.g. --max-steps); use --which last" in capsys.readouterr().err
+    assert "stopped before one (e.g. --max-steps); pass --which last" in capsys.readouterr().err
