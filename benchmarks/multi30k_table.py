@@ -98,7 +98,7 @@ def machine(threads: int) -> dict:
         "cpu_count": os.cpu_count(),
         "threads": threads,
         "torch": torch.__version__,
-        "note": "2-vCPU Xeon shared with other jobs unless said otherwise",
+        "note": "a machine shared with other jobs unless said otherwise",
     }
 
 
