@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 HEADS = ("softmax", "mos", "mixtape")
+STAGES = ("train", "bleu", "timing", "memory", "table")
 TINY = [
     "--model.d_embed=32",
     "--model.n_heads=2",
@@ -77,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timing-batches", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="a minutes-long check of the pipeline")
+    p.add_argument(
+        "--stages",
+        default=",".join(STAGES),
+        help="run only these stages (e.g. train,bleu for the heads done so far)",
+    )
     p.add_argument("--runs", default=str(REPO / "runs" / "multi30k-table"))
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "multi30k-table"))
     p.add_argument("--probe-memory", metavar="HEAD", help=argparse.SUPPRESS)
@@ -381,17 +387,19 @@ def main(argv=None) -> int:
         print(f"skipped: no Multi30k at {data_dir} (expected train.en, train.de, ...); "
               "pass --data", file=sys.stderr)  # fmt: skip
         return 0
+    stages = {s.strip() for s in args.stages.split(",")}
     for head in heads:
-        if not (out / f"train-{head}.json").is_file():
+        if "train" in stages and not (out / f"train-{head}.json").is_file():
             write_json(out / f"train-{head}.json", train_head(head, args, runs / head, data_dir))
-        if not (out / f"bleu-{head}.json").is_file():
+        if "bleu" in stages and not (out / f"bleu-{head}.json").is_file():
             write_json(out / f"bleu-{head}.json", bleu_head(head, args, runs / head))
-    if not (out / "timing.json").is_file():
+    if "timing" in stages and not (out / "timing.json").is_file():
         write_json(out / "timing.json", timing(heads, args, runs))
     for head in heads:
-        if not (out / f"memory-{head}.json").is_file():
+        if "memory" in stages and not (out / f"memory-{head}.json").is_file():
             write_json(out / f"memory-{head}.json", memory_head(head, args, runs))
-    table(heads, out, args)
+    if "table" in stages:
+        table(heads, out, args)
     return 0
 
 
