@@ -15,7 +15,7 @@ vocabulary. BLEU (:mod:`highrank.bleu`) is sacreBLEU's on the raw target lines o
 
 Records (:func:`write_translation`): ``RUN_DIR/translate-<split>-<checkpoint>-<search>.json``
 (BLEU, signature, settings, time) and the hypotheses, one per line, beside it as ``.txt`` (or
-where ``--out`` says), both written atomically. ``<search>`` is ``greedy`` or e.g.
+where ``--out`` says), both written atomically. ``<search>`` is e.g. ``greedy-len1.5x+10`` or
 ``beam5-lp1-len1.5x+10``.
 
 Needs the optional extra ``mt`` (sentencepiece, sacrebleu) when used; importing it does not.
@@ -189,7 +189,7 @@ class Search:
 
     @property
     def name(self) -> str:
-        """``greedy`` or ``beam5-lp1-len1.5x+10``: part of the record's file name."""
+        """``greedy-len1.5x+10`` or ``beam5-lp1-len1.5x+10``: part of the record's file name."""
         length = f"len{self.max_len_a:g}x+{self.max_len_b}"
         if self.greedy:
             return f"greedy-{length}"
