@@ -24,6 +24,8 @@ more ``(c, K, V)`` buffer per chunk, computed in log space.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from highrank.heads.chunking import chunk_slices
@@ -50,10 +52,11 @@ def mixture_cross_entropy_sum(
         if latents.shape[1] != 1:
             raise ValueError(f"log_prior is required for K = {latents.shape[1]} components")
         log_prior = latents.new_zeros(latents.shape[:2])
-    loss, *_ = _mixture_cross_entropy(
-        latents, log_prior, weight, bias, target, chunk_size, float(label_smoothing), ignore_index
-    )
-    return loss
+    options = (chunk_size, float(label_smoothing), ignore_index)
+    if torch.compiler.is_compiling():
+        loss, *_ = _mixture_cross_entropy(latents, log_prior, weight, bias, target, *options)
+        return loss
+    return _MixtureCrossEntropy.apply(latents, log_prior, weight, bias, target, options)
 
 
 def _chunk_gradients(h, log_prior, weight, bias, target, kept, eps, buffer):
@@ -114,10 +117,26 @@ def _mixture_smoothing(shifted, log_prior):
     return -log_p.mean(dim=1), log_joint.sub_(log_p.unsqueeze(1)).exp_()
 
 
-# The loss and its gradients are one custom operator: torch.compile treats it as a single
-# opaque node (its chunk loop would otherwise be unrolled and traced, chunk by chunk: minutes
-# of compilation for a few hundred chunks), and autograd's backward only scales the
-# gradients the operator returned by the incoming scalar.
+class _MixtureCrossEntropy(torch.autograd.Function):
+    """Eager mode: the loss with its gradients computed in forward; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, latents, log_prior, weight, bias, target, options):
+        with _autocast_off(latents.device.type):
+            loss, *grads = _loss_and_gradients(latents, log_prior, weight, bias, target, *options)
+        ctx.save_for_backward(*grads)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return (*_scaled_gradients(ctx, grad_loss), None, None)
+
+
+# Under torch.compile the same computation is one custom operator, which the compiler keeps as
+# a single opaque node; it would otherwise unroll and trace the chunk loop chunk by chunk
+# (MoS at V = 10,000 and 700 tokens: 54 chunks, 12 minutes of compilation). Eager mode keeps
+# the autograd.Function above: an operator's first call costs about 80 MiB of one-time
+# allocations on CPU, which a single-step memory measurement would count.
 @torch.library.custom_op("highrank::mixture_cross_entropy", mutates_args=())
 def _mixture_cross_entropy(
     latents: torch.Tensor,
@@ -130,9 +149,7 @@ def _mixture_cross_entropy(
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss sum, d/d latents, d/d log_prior, d/d weight, d/d bias), at least float32."""
-    # Float32 throughout (float64 for float64 inputs): the buffer is reused in place, and
-    # the gradients are exact rather than bf16 approximations.
-    with torch.autocast(latents.device.type, enabled=False):
+    with _autocast_off(latents.device.type):
         return _loss_and_gradients(
             latents, log_prior, weight, bias, target, chunk_size, label_smoothing, ignore_index
         )
@@ -155,10 +172,21 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, *_unused_gradient_grads):
-    grads = ctx.saved_tensors  # latents, log_prior, weight, bias
-    needs = ctx.needs_input_grad[:4]
-    scaled = [grad * grad_loss if need else None for grad, need in zip(grads, needs, strict=True)]
-    return (*scaled, None, None, None, None)
+    return (*_scaled_gradients(ctx, grad_loss), None, None, None, None)
+
+
+def _scaled_gradients(ctx, grad_loss) -> list[torch.Tensor | None]:
+    """The saved gradients for latents, log_prior, weight and bias, times d out / d loss."""
+    grads, needs = ctx.saved_tensors, ctx.needs_input_grad[:4]
+    return [grad * grad_loss if need else None for grad, need in zip(grads, needs, strict=True)]
+
+
+def _autocast_off(device_type: str):
+    """Float32 throughout (float64 for float64 inputs): the buffer is reused in place, and
+    the gradients are exact rather than bf16 approximations."""
+    if not torch.amp.is_autocast_available(device_type):  # e.g. "meta"
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 _mixture_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
