@@ -17,13 +17,13 @@ is ever built for them. S = floor(frequent_fraction x V) over frequency-ordered 
 Regularisers of the paper (Sec. 3.4; Sec. 4.1 uses them for language modelling): Gaussian
 noise on the pre-activation priors (``gate_noise``), dropout on the gate features t_j
 (``gate_dropout``) and on the component contexts h_k (``component_dropout``), and weight
-normalisation of U (``gate_weight_norm``) "with a constant scale". Our reading of the last,
-for which no public code exists (the only public Mixtape, Mesh TensorFlow's
+normalisation of U (``gate_weight_norm``) "with a constant scale". Our reading of the last
+(the only public Mixtape implementation, ``Mixtape`` in Mesh TensorFlow's
 ``transformer/vocab_embeddings.py``, is the translation model and has no weight
-normalisation): every row u of U is reparametrised as g u / ||u|| (Salimans & Kingma 2016,
-``torch.nn.utils.parametrizations.weight_norm``) with the scale g held constant, not trained:
-each row keeps the norm it was initialised with, so the layer starts as the plain one and
-only the directions of U are learned.
+normalisation to compare with): every row u of U is reparametrised as g u / ||u||
+(Salimans & Kingma 2016, ``torch.nn.utils.parametrizations.weight_norm``) with the scale g
+held constant, not trained: each row keeps the norm it was initialised with, so the layer
+starts as the plain one and only the directions of U are learned.
 """
 
 from __future__ import annotations
