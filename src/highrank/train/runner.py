@@ -354,7 +354,9 @@ def check_model_fits(config: Config, vocab_size: int, device: torch.device) -> i
     if available is not None and needed > available:
         raise ConfigError(
             f"the model has {count:,} parameters (model.d_embed = {config.model.d_embed}, "
-            f"vocabulary {vocab_size:,}): training needs at least {needed / 2**30:,.1f} GiB "
+            f"model.d_hidden = {config.model.d_hidden}, model.n_layers = "
+            f"{config.model.n_layers}, vocabulary {vocab_size:,}): training needs at least "
+            f"{needed / 2**30:,.1f} GiB "
             f"({TRAINING_COPIES} float32 copies: weights, gradients, optimizer state), but "
             f"{available / 2**30:,.1f} GiB is available on {device}; make the model smaller"
         )
