@@ -35,6 +35,14 @@ def test_lines_come_once_per_interval_and_at_the_end(monkeypatch):
     assert "\r" not in out.getvalue()
 
 
+def test_lines_keep_the_tqdm_methods_callers_use():
+    out = io.StringIO()
+    with LineProgress(2, "first", "step", file=out) as bar:
+        bar.set_description("softmax")  # the demo names each head this way
+        bar.update(2)
+    assert out.getvalue().startswith("softmax: 2/2 step (100%)")
+
+
 def test_train_and_eval_logs_to_a_file_hold_lines_not_bars(tmp_path, capsys, monkeypatch):
     from highrank.cli import main
     from tests.train.test_interrupts import TINY

@@ -85,6 +85,10 @@ class LineProgress:
         if time.monotonic() - self._last_time >= self.seconds:
             self._print()
 
+    def set_description(self, desc: str, refresh: bool = False) -> None:
+        """tqdm's: name what the following lines count (the demo names each head)."""
+        self.desc = desc
+
     def set_postfix(
         self, values: Mapping[str, Any] | None = None, refresh: bool = False, **more: Any
     ) -> None:
