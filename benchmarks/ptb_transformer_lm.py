@@ -86,8 +86,15 @@ def train(args, experiment: str, head: str, run: Path) -> None:
     else:
         config = f"{spec['configs']}/transformer-{head}.toml"
         data = Path(args.data) / "ptb"
-        highrank(args, "train", config, f"--run.out_dir={run}", f"--data.dir={data}",
-                 *spec["overrides"], "--no-progress")
+        highrank(
+            args,
+            "train",
+            config,
+            f"--run.out_dir={run}",
+            f"--data.dir={data}",
+            *spec["overrides"],
+            "--no-progress",
+        )
     done.write_text("")
 
 
@@ -108,8 +115,17 @@ def evaluate(args, run: Path) -> dict:
 def rank(args, run: Path) -> dict:
     path = run / "analysis" / f"rank-test-best-first{args.rank_contexts}.json"
     if not path.is_file():
-        highrank(args, "analyze", "rank", str(run), "--split", "test",
-                 "--max-contexts", str(args.rank_contexts), "--no-progress")
+        highrank(
+            args,
+            "analyze",
+            "rank",
+            str(run),
+            "--split",
+            "test",
+            "--max-contexts",
+            str(args.rank_contexts),
+            "--no-progress",
+        )
     return record(path)
 
 

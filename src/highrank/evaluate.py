@@ -77,6 +77,36 @@ class EvalResult:
 # ---- static evaluation --------------------------------------------------------------------
 
 
+AWD_LSTM_EVAL_BPTT = 70  # AWD-LSTM / MoS evaluation segments (the state is carried across)
+
+
+def default_bptt(config) -> int:
+    """The segment length evaluation and analysis use when none is given.
+
+    A Transformer run (``model.backbone = "transformer"``) carries no state between windows, so
+    its own training window ``train.bptt`` is the protocol it was trained for (and its learned
+    positions cover no more); an AWD-LSTM run carries its state, and the papers score it in
+    segments of 70 whatever it was trained with.
+    """
+    if config.model.backbone == "transformer":
+        return config.train.bptt
+    return AWD_LSTM_EVAL_BPTT
+
+
+def refuse_transformer_dynamic_eval(config) -> None:
+    """Dynamic evaluation (segments of 5, state carried) is defined for recurrent models: a
+    Transformer window would see only its own 5 tokens, so the figure would mean nothing."""
+    from highrank.runs import RunDirError
+
+    if config.model.backbone != "awd-lstm":
+        raise RunDirError(
+            f'dynamic evaluation needs a recurrent run (model.backbone = "awd-lstm"); this run '
+            f"is a {config.model.backbone!r} model, whose windows carry no state between the "
+            f"segments of {config.dynamic_eval.bptt} tokens that dynamic evaluation scores; "
+            f"use `highrank eval` instead"
+        )
+
+
 def evaluate_perplexity(
     model: LanguageModel,
     ids: TokenIds,

@@ -245,16 +245,24 @@ def test_a_transformer_run_has_no_finetuning_stage(corpus, tmp_path):
 # ---- the verbs on a Transformer run -----------------------------------------------------------
 
 
-def test_cli_train_eval_and_analyze_rank_on_a_tiny_transformer_run(corpus, tmp_path, capsys):
-    import json
-
+def train_tiny_run(corpus: Path, tmp_path: Path, *extra: str) -> Path:
     from highrank.cli import main
 
     out = tmp_path / "run"
     config = tmp_path / "tiny.toml"
     config.write_text('[model]\nbackbone = "transformer"\n')
     overrides = [f"--{o}" for o in TINY[1:]] + [f"--data.dir={corpus}", f"--run.out_dir={out}"]
-    assert main(["train", str(config), *overrides, "--train.epochs=1", "--no-progress"]) == 0
+    words = ["train", str(config), *overrides, *extra, "--train.epochs=1", "--no-progress"]
+    assert main(words) == 0
+    return out
+
+
+def test_cli_train_eval_and_analyze_rank_on_a_tiny_transformer_run(corpus, tmp_path, capsys):
+    import json
+
+    from highrank.cli import main
+
+    out = train_tiny_run(corpus, tmp_path)
     capsys.readouterr()
     assert main(["eval", str(out), "--split", "test", "--bptt", "6", "--no-progress"]) == 0
     printed = capsys.readouterr().out
@@ -262,6 +270,53 @@ def test_cli_train_eval_and_analyze_rank_on_a_tiny_transformer_run(corpus, tmp_p
     assert main(["analyze", "rank", str(out), "--bptt", "6", "--no-progress"]) == 0
     record = json.loads((out / "analysis" / "rank-test-best.json").read_text())
     assert record["head"] == "softmax" and record["press_rank"] <= 8 + 2  # d + 2 for softmax
+
+
+def test_eval_and_the_analyses_read_a_transformer_run_in_its_own_windows(corpus, tmp_path, capsys):
+    """With no --bptt, eval, rank, kl and topk use the run's train.bptt (6 here: its learned
+    positions cover no more, so the AWD-LSTM default of 70 would be refused)."""
+    import json
+
+    from highrank.cli import main
+
+    out = train_tiny_run(corpus, tmp_path)
+    assert main(["eval", str(out), "--split", "test", "--no-progress"]) == 0
+    assert json.loads((out / "eval-test-best.json").read_text())["bptt"] == 6
+    assert main(["analyze", "rank", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "analysis" / "rank-test-best.json").read_text())["bptt"] == 6
+    assert main(["analyze", "kl", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "analysis" / "kl-test-best.json").read_text())["bptt"] == 6
+    assert main(["analyze", "topk", str(out), "--random", "3", "--no-progress"]) == 0
+    assert (
+        json.loads((out / "analysis" / "topk-test-best.json").read_text())["runs"][0]["bptt"] == 6
+    )
+    capsys.readouterr()
+
+
+def test_dynamic_eval_refuses_a_transformer_run_in_one_line(corpus, tmp_path, capsys):
+    from highrank.cli import main
+
+    out = train_tiny_run(corpus, tmp_path)
+    capsys.readouterr()
+    assert main(["dynamic-eval", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "needs a recurrent run" in err and "'transformer'" in err
+    assert not list(out.glob("dynamic-eval*.json"))
+
+
+def test_eval_of_a_character_run_records_bits_per_character(corpus, tmp_path, capsys):
+    import json
+    import math
+
+    from highrank.cli import main
+
+    out = train_tiny_run(corpus, tmp_path, "--data.mode=char")
+    capsys.readouterr()
+    assert main(["eval", str(out), "--split", "valid", "--no-progress"]) == 0
+    record = json.loads((out / "eval-valid-best.json").read_text())
+    assert record["bits_per_char"] == pytest.approx(record["loss"] / math.log(2), rel=1e-12)
+    assert f"{record['bits_per_char']:.4f} bits per character" in capsys.readouterr().out
 
 
 # ---- the recipes in configs/ ------------------------------------------------------------------
@@ -283,3 +338,20 @@ def test_a_transformer_recipe_per_head_states_its_parameter_count(dataset, head)
     count, vocab = (int(group.replace(",", "")) for group in stated.groups())
     assert vocab == {"ptb": 10_000, "wt2": 33_278}[dataset]
     assert parameter_count(config, vocab) == count
+
+
+def test_the_character_recipes_have_equal_parameter_counts_as_stated():
+    """configs/ptb-char: softmax and MoS within 0.1% of each other (V = 50, ptb.char)."""
+    import re
+
+    from highrank.train import parameter_count
+
+    counts = {}
+    for head in ("softmax", "mos"):
+        path = CONFIGS / "ptb-char" / f"transformer-{head}.toml"
+        config = load_config(path)
+        assert config.data.mode == "char" and config.head.name == head
+        counts[head] = parameter_count(config, 50)
+        stated = re.search(r"Parameters: ([\d,]+) \(", path.read_text()).group(1)
+        assert counts[head] == int(stated.replace(",", ""))
+    assert abs(counts["mos"] - counts["softmax"]) <= 0.001 * counts["softmax"]

@@ -59,6 +59,14 @@ class RunSplit:
     split: str
     source: str  # the split's file, for messages
 
+    @property
+    def bptt(self) -> int:
+        """The run's segment length (:func:`highrank.evaluate.default_bptt`: a Transformer's
+        training window, 70 for AWD-LSTM)."""
+        from highrank.evaluate import default_bptt
+
+        return default_bptt(self.config)
+
 
 def load_run_split(
     run_dir: str | os.PathLike,

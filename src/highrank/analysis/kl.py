@@ -351,11 +351,13 @@ def run_pairwise_kl(
         n_pairs=n_pairs,
         seed=seed,
         max_contexts=max_contexts,
+        bptt=run_split.bptt,
         progress=progress,
         name=run_split.source,
     )
     return {
         "run_dir": str(run_split.run_dir),
+        "bptt": run_split.bptt,
         "head": run_split.config.head.name,
         "split": run_split.split,
         "source": run_split.source,

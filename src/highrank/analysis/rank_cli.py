@@ -81,7 +81,7 @@ def analyze_run(
     data_dir: str | None = None,
     kind: str = "log_prob",
     batch_size: int = 1,
-    bptt: int = 70,
+    bptt: int | None = None,
     max_contexts: int | None = None,
     keep_matrix: bool = False,
     backend: str = "auto",
@@ -90,9 +90,13 @@ def analyze_run(
     checkpoint_seconds: float = 600.0,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Write (or reuse) the run's matrix, compute its rank, save and return the record."""
+    """Write (or reuse) the run's matrix, compute its rank, save and return the record.
+
+    ``bptt`` None: the run's own segment length (:func:`highrank.evaluate.default_bptt`)."""
     run_dir = Path(run_dir)
     resolve_backend(backend, device)  # a bad pair fails now, not after the matrix is written
+    if bptt is None:
+        bptt = _run_bptt(run_dir)
     tag = record_tag(split, which, kind=kind, max_contexts=max_contexts)
     folder = run_dir / ANALYSIS_DIR
     matrix_path = folder / f"logprob-{tag}.npy"
@@ -292,6 +296,20 @@ def _ensure_hf_matrix(
     return record, seconds
 
 
+def _run_bptt(run_dir: Path) -> int:
+    """The segment length the run's saved config implies (read without loading the model)."""
+    from highrank.config import load_config
+    from highrank.evaluate import default_bptt
+    from highrank.runs import RunDirError
+
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise RunDirError(
+            f"{run_dir} holds no config.toml; expected a run directory of `highrank train`"
+        )
+    return default_bptt(load_config(path))
+
+
 def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -> str:
     """Reuse ``matrix_path`` when it was written by this function with ``settings`` (same
     split, checkpoint file, reading options); write it otherwise. Returns the head's name."""
@@ -408,7 +426,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="columns the split is read in (1: stream order, as the papers)",
     )
-    parser.add_argument("--bptt", type=positive_int, default=70, help="segment length (70)")
+    parser.add_argument(
+        "--bptt",
+        type=positive_int,
+        help="segment length (default: a Transformer run's train.bptt, its training window; "
+        "70 for AWD-LSTM runs)",
+    )
     parser.add_argument(
         "--keep-matrix",
         action="store_true",

@@ -181,14 +181,19 @@ def topk_records(
     names: Sequence[str] | None = None,
     k: int = 5,
     context_words: int = 8,
-    bptt: int = DEFAULT_BPTT,
+    bptt: int | Sequence[int] = DEFAULT_BPTT,
     progress: bool = False,
 ) -> list[dict[str, Any]]:
     """One plain record per position: the context's last words, the reference token, and
-    each model's top ``k`` (models share ``vocab``; ``names`` label them)."""
+    each model's top ``k`` (models share ``vocab``; ``names`` label them). ``bptt``: one
+    segment length for every model, or one per model (each run read as it was trained)."""
     check_k(k, len(vocab))
     positions = check_positions(positions, count_contexts(ids.numel()))
-    rows = [rows_at(m, ids, positions, bptt=bptt, progress=progress) for m in models]
+    bptts = [bptt] * len(models) if isinstance(bptt, int) else list(bptt)
+    rows = [
+        rows_at(m, ids, positions, bptt=b, progress=progress)
+        for m, b in zip(models, bptts, strict=True)
+    ]
     names = list(names) if names is not None else [f"model {i + 1}" for i in range(len(models))]
     return context_records(
         rows, ids, vocab, positions, names=names, k=k, context_words=context_words
@@ -369,6 +374,7 @@ def _record(args: argparse.Namespace) -> dict[str, Any]:
         names=names,
         k=args.k,
         context_words=args.context_words,
+        bptt=[split.bptt for split in splits],
         progress=not args.no_progress,
     )
     for record, margin in zip(records, margins or [], strict=False):
@@ -378,7 +384,12 @@ def _record(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint": args.which,
         "source": splits[0].source,
         "runs": [
-            {"name": name, "run_dir": str(split.run_dir), "head": split.config.head.name}
+            {
+                "name": name,
+                "run_dir": str(split.run_dir),
+                "head": split.config.head.name,
+                "bptt": split.bptt,
+            }
             for name, split in zip(names, splits, strict=True)
         ],
         "n_contexts": n_contexts,
@@ -393,7 +404,11 @@ def _select(args: argparse.Namespace, splits: list[RunSplit], n_contexts: int):
 
     def targets(split: RunSplit) -> np.ndarray:
         return target_log_probs(
-            split.model, split.ids, max_contexts=n_contexts, progress=not args.no_progress
+            split.model,
+            split.ids,
+            max_contexts=n_contexts,
+            bptt=split.bptt,
+            progress=not args.no_progress,
         )
 
     names = [str(split.run_dir) for split in splits[:2]]

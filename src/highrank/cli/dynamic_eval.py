@@ -20,10 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.evaluate import dynamic_evaluate, gradient_statistics
+    from highrank.evaluate import (
+        dynamic_evaluate,
+        gradient_statistics,
+        refuse_transformer_dynamic_eval,
+    )
 
     def job() -> int:
         model, config, corpus = load_for_eval(args)
+        refuse_transformer_dynamic_eval(config)
         settings = config.dynamic_eval
         stats = gradient_statistics(
             model,

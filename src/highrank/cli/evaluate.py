@@ -47,11 +47,15 @@ def report_eval(args: argparse.Namespace, kind: str, result, extra: dict, corpus
 
     The record names the checkpoint (file and sha256), the data directory, the split, the
     tokens scored and a sha256 of the split's file, so a figure can always be traced back.
+    A character-level run's record also holds its bits per character.
     """
     from highrank.analysis.output import write_json
+    from highrank.chars import bits_per_char
     from highrank.evaluate_records import data_facts, record_path
 
     data = data_facts(args, corpus)
+    if corpus is not None and corpus.mode == "char":  # <eos> counted: it stands for a newline
+        extra = {**extra, "bits_per_char": bits_per_char(result.loss, 1)}
     record = {
         "split": args.split,
         "checkpoint": args.which,
@@ -62,8 +66,9 @@ def report_eval(args: argparse.Namespace, kind: str, result, extra: dict, corpus
         **extra,
     }
     path = write_json(record_path(args.run_dir, kind, args.split, args.which, data), record)
+    bpc = f", {extra['bits_per_char']:.4f} bits per character" if "bits_per_char" in extra else ""
     print(
-        f"{kind} {args.split}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
+        f"{kind} {args.split}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f}{bpc} "
         f"over {result.tokens:,} tokens; wrote {path}"
     )
 
@@ -76,7 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="columns (default: the run's eval_batch_size (10) for valid, test_batch_size (1) "
         "for test)",
     )
-    parser.add_argument("--bptt", type=positive_int, default=70, help="segment length (70)")
+    parser.add_argument(
+        "--bptt",
+        type=positive_int,
+        help="segment length (default: a Transformer run's train.bptt, its training window; "
+        "70 for AWD-LSTM runs)",
+    )
     parser.add_argument("--token-nll", help="also write per-token NLL to this .tsv or .npy file")
     parser.add_argument(
         "--bleu",
@@ -88,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.evaluate import evaluate_perplexity, write_token_nll
+    from highrank.evaluate import default_bptt, evaluate_perplexity, write_token_nll
 
     if args.bleu or _is_translation_run(args.run_dir):
         return guarded("eval", lambda: translate(args))
@@ -100,18 +110,19 @@ def run(args: argparse.Namespace) -> int:
             "test": config.train.test_batch_size,
         }
         batch_size = args.batch_size or default_batch[args.split]
+        bptt = args.bptt or default_bptt(config)
         result = evaluate_perplexity(
             model,
             split_ids(args, corpus),
             batch_size=batch_size,
-            bptt=args.bptt,
+            bptt=bptt,
             progress=not args.no_progress,
             return_token_nll=bool(args.token_nll),
             name=str(corpus.path(args.split)),
         )
         if args.token_nll:
             print(f"wrote {write_token_nll(args.token_nll, result, corpus.vocab)}")
-        extra = {"batch_size": batch_size, "bptt": args.bptt}
+        extra = {"batch_size": batch_size, "bptt": bptt}
         report_eval(args, "eval", result, extra, corpus)
         return 0
 
