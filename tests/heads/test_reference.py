@@ -241,6 +241,26 @@ def test_plif_is_the_identity_when_every_slope_is_one():
     torch.testing.assert_close(head.transform(z), z)
 
 
+def _lmkit_plif(logits, slopes, T):
+    """Ganea et al.'s PlifSmax.func as shipped in yottabytt/awd-lstm-lmkit (float64 here):
+    anchored at f(-T) = 0."""
+    K = slopes.numel()
+    delta = 2.0 * T / K
+    indices = torch.clamp(((logits + T) / delta).long(), max=K - 1, min=0)
+    cumsum = torch.cumsum(slopes, -1) - slopes
+    knots = -T + delta * indices.double()
+    return (logits - knots) * slopes[indices] + delta * cumsum[indices]
+
+
+def test_plif_is_the_reference_function_shifted_by_low():
+    """Documented difference: ours is anchored at f(low) = low, the reference at f(low) = 0."""
+    head = _plif().double()
+    z = torch.linspace(-5, 5, 1001, dtype=torch.float64)  # inside and beyond [-2, 2]
+    slopes = head.slopes().detach()
+    expected = _lmkit_plif(z, slopes, T=2.0) + head.low
+    torch.testing.assert_close(head.transform(z).detach(), expected, rtol=0, atol=1e-12)
+
+
 def test_plif_is_strictly_increasing_continuous_and_linear_beyond_its_range():
     head = _plif()
     z = torch.linspace(-4, 4, 4001)

@@ -10,6 +10,15 @@ logit is found without gradient; gradients reach z through the slope of its piec
 through the slopes and knot values. The paper trains theta with its own learning rate
 (0.02), see ``parameter_groups``. With ``learn_slopes=False`` the random slopes stay fixed
 ("frozen"), which the rank study (Parthiban, Mao & Inkpen, AAAI 2021) found about as good.
+
+Anchor. f is fixed by its slopes up to a constant; here f(low) = low, so that f is the
+identity when every slope is 1 and the transformed logits stay near 0, where float32 is
+densest. Ganea et al.'s code (as shipped in yottabytt/awd-lstm-lmkit, ``PlifSmax.func``)
+anchors f(-T) = 0 instead, i.e. its f is ours minus ``low``. The probabilities are the same
+(log_softmax ignores a constant); the matrices of transformed logits (``highrank analyze rank
+--kind logits``) differ by the constant matrix -low * 1 1^T, so their ranks may differ by at
+most 1 (a rank-one term) and their singular values slightly. Log-probability matrices, the
+papers' object, are identical.
 """
 
 from __future__ import annotations
@@ -90,7 +99,8 @@ class PiecewiseLinearSoftmax(PointwiseSoftmax):
 
 def piecewise_linear(logits: torch.Tensor, rise: torch.Tensor, low: float, width: float):
     """The continuous piecewise-linear f with pieces of ``width`` from ``low``, piece j rising
-    by ``rise[j]``, anchored at f(low) = low, applied to every logit; linear beyond the range
+    by ``rise[j]``, anchored at f(low) = low (module docstring: the reference's f(low) = 0),
+    applied to every logit; linear beyond the range
     with the edge slopes."""
     return _PiecewiseLinear.apply(logits, rise, low, width)
 
