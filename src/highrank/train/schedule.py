@@ -27,7 +27,12 @@ SCHEDULES = ("inverse-sqrt", "cosine")
 
 def adamw_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: parameters with two or more dimensions decayed, the rest not; each
-    shared Parameter (a tied embedding) once."""
+    shared Parameter (a tied embedding) once.
+
+    The seq2seq recipe's policy: embeddings are decayed. The Transformer LM recipe
+    (:func:`highrank.train.transformer.adamw_groups`) decays only ``nn.Linear`` weights, as
+    nanoGPT does. The two are kept apart deliberately for now: the optimizer's groups are part
+    of a checkpoint, and the recorded Multi30k runs must stay resumable."""
     decay, no_decay = [], []
     for param in model.parameters():  # parameters() yields a shared tensor once
         if param.requires_grad:
