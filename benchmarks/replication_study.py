@@ -103,11 +103,13 @@ def config_path(head: str) -> Path:
 
 
 def plan(args: argparse.Namespace) -> list[Run]:
+    """Seed-major (every head's seed 1, then every head's seed 2, ...), so that a study cut
+    short still holds a run of every head."""
     runs = []
     for head in args.heads:
         extra = args.extra_seeds if head in ("softmax", "mos") else 0
         runs += [Run(head, seed) for seed in range(1, args.seeds + extra + 1)]
-    return runs
+    return sorted(runs, key=lambda run: (run.seed, args.heads.index(run.head)))
 
 
 def run_dir(args: argparse.Namespace, run: Run) -> Path:

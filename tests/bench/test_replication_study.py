@@ -45,8 +45,8 @@ def test_plan_counts_seeds_and_a_finished_stage_is_not_redone(study, tmp_path, c
          "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
     )
     runs = study.plan(args)
-    assert [r.name for r in runs] == ["softmax-seed1", "softmax-seed2", "softmax-seed3",
-                                      "gss-seed1", "gss-seed2"]
+    assert [r.name for r in runs] == ["softmax-seed1", "gss-seed1", "softmax-seed2",
+                                      "gss-seed2", "softmax-seed3"]  # seed-major
     assert len(study.remaining(args, runs)) == 4 * 5
     done = tmp_path / "runs" / "gss-seed1"
     done.mkdir(parents=True)
