@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from highrank import train as training
     from highrank.config import load_config
+    from highrank.train import distributed
 
     if args.config is None and args.resume is None:
         args.parser.error(
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             config = load_config(args.config, args.overrides)
             result = training.train(config, options=options, command=command)
-        print(result_line(result))
+        if distributed.is_writer():  # under torchrun: process 0 speaks for all
+            print(result_line(result))
         return 0
 
     return guarded("train", job)

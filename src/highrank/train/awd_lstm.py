@@ -27,6 +27,11 @@ The recipe's checkpoint state (``"training"``): ``optimizer`` (SGD, or ASGD with
 ``ax``), ``phase`` ("sgd" | "asgd"), ``trigger`` (NT-ASGD history / ET-ASGD epoch count),
 ``hidden`` (``[[h, c], ...]``, each ``(1, B, H_layer)``) and the ``bptt`` generator under
 ``rng``.
+
+Under torchrun (:mod:`highrank.train.distributed`) each process trains its share of the B
+columns with its own hidden state, every process draws the same window lengths, the
+gradients, step NLL and validation loss are averaged over the processes (so NT-ASGD decides
+alike everywhere and the averaged weights stay identical), and ``hidden`` is saved whole.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from highrank.optim import (
     scaled_lr,
     switch_to_asgd,
 )
+from highrank.train.distributed import average, distribute, gather_columns, shard_columns
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.state import Progress
 from highrank.train.steps import backward_or_skip, clip_or_skip
@@ -88,19 +94,21 @@ def optimization_step(
     chunk_size: int | None | str,
     clip: float,
     lr_scale: float,
+    forward: torch.nn.Module | None = None,
 ) -> StepOutcome:
     """One training step on a window ``(L, B)``: forward (:func:`training_loss`), backward,
     clip the gradient norm of ``params`` to ``clip`` (0: no clipping), optimizer step with
     every group's lr scaled by ``lr_scale``. A non-finite loss or gradient norm skips the step
-    (no update, gradients zeroed) and says why."""
+    (no update, gradients zeroed) and says why. Under torchrun (``forward`` the DDP wrapper)
+    the gradients and the NLL are averaged over the processes."""
     optimizer.zero_grad(set_to_none=True)
-    loss, nll, new_state = training_loss(model, tokens, target, state, chunk_size)
+    loss, nll, new_state = training_loss(forward or model, tokens, target, state, chunk_size)
     reason = backward_or_skip(loss, optimizer) or clip_or_skip(optimizer, params, clip)
     if reason:
         return StepOutcome(None, state, reason)
     with scaled_lr(optimizer, lr_scale):
         optimizer.step()
-    return StepOutcome(nll.detach().item(), model.backbone.detach_state(new_state), "")
+    return StepOutcome(average(nll), model.backbone.detach_state(new_state), "")
 
 
 @torch.no_grad()
@@ -152,10 +160,21 @@ class Splits(NamedTuple):
 
 
 def load_splits(config: Config, corpus: Corpus, device: torch.device) -> Splits:
-    """The corpus's train / validation batches (train.batch_size, train.eval_batch_size)."""
-    train = corpus.batchify("train", config.train.batch_size).to(device)
-    valid = corpus.batchify("valid", config.train.eval_batch_size).to(device)
-    return Splits(train, valid)
+    """The corpus's train / validation batches (train.batch_size, train.eval_batch_size);
+    under torchrun this process's share of their columns (:mod:`highrank.train.distributed`:
+    the training batch must divide by the number of processes)."""
+    train = corpus.batchify("train", config.train.batch_size)
+    valid = corpus.batchify("valid", config.train.eval_batch_size)
+    train = shard_columns(train, "train.batch_size")
+    valid = shard_columns(valid, "train.eval_batch_size", strict=False)
+    return Splits(train.to(device), valid.to(device))
+
+
+def validation_loss(model: LanguageModel, config: Config, valid: torch.Tensor) -> float:
+    """:func:`evaluate_loss` of the validation columns ``valid``, averaged over the processes
+    under torchrun when each holds a share of them (the same columns everywhere otherwise)."""
+    loss = evaluate_loss(model, valid, config.train.bptt, chunk_size=head_chunk_size(config))
+    return average(loss) if valid.size(1) != config.train.eval_batch_size else loss
 
 
 # ---- the recipe -------------------------------------------------------------------------------
@@ -184,6 +203,7 @@ class AWDLSTMRecipe:
         self.trigger = self._trigger()
         self.bptt_rng = bptt_generator(config.train.seed)
         self.hidden = model.init_state(self.splits.train.size(1))
+        self.forward = distribute(model, config.train.seed)  # DDP under torchrun
 
     def _trigger(self) -> SwitchTrigger:
         t = self.config.train
@@ -236,6 +256,7 @@ class AWDLSTMRecipe:
             chunk_size=head_chunk_size(self.config),
             clip=train.clip,
             lr_scale=tokens.size(0) / train.bptt,
+            forward=self.forward,
         )
         if outcome.nll is not None:
             self.hidden = outcome.state
@@ -261,12 +282,7 @@ class AWDLSTMRecipe:
     def validate(self) -> float:
         """Validation loss of the weights to evaluate (the averages once on ASGD)."""
         with averaged_parameters(self.optimizer):
-            return evaluate_loss(
-                self.model,
-                self.splits.valid,
-                self.config.train.bptt,
-                chunk_size=head_chunk_size(self.config),
-            )
+            return validation_loss(self.model, self.config, self.splits.valid)
 
     def after_validation(self, val_loss: float, progress: Progress) -> Verdict:
         """The switch policy: maybe switch to averaged SGD, or (finetuning) stop."""
@@ -292,7 +308,7 @@ class AWDLSTMRecipe:
             "optimizer": self.optimizer.state_dict(),
             "phase": self.phase,
             "trigger": self.trigger.state_dict(),
-            "hidden": [[h, c] for h, c in self.hidden],
+            "hidden": [[gather_columns(h), gather_columns(c)] for h, c in self.hidden],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -301,7 +317,10 @@ class AWDLSTMRecipe:
         self.optimizer.load_state_dict(state["optimizer"])
         self.trigger.load_state_dict(state["trigger"])
         device = self.splits.train.device
-        self.hidden = [(h.to(device), c.to(device)) for h, c in state["hidden"]]
+        self.hidden = [
+            (shard_columns(h, "hidden").to(device), shard_columns(c, "hidden").to(device))
+            for h, c in state["hidden"]
+        ]
 
     def generators(self) -> dict[str, torch.Generator]:
         return {"bptt": self.bptt_rng}
@@ -318,4 +337,5 @@ __all__ = [
     "load_splits",
     "optimization_step",
     "training_loss",
+    "validation_loss",
 ]

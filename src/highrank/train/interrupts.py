@@ -5,7 +5,10 @@ records the signal; the loop looks at it between steps (where the state is whole
 point as a ``--max-steps`` stop), saves the last checkpoint there and raises
 :class:`~highrank.train.state.Interrupted` naming the file. The first signal also puts the
 previous handlers back, so a second Ctrl-C interrupts at once (inside a long step or a
-validation) without saving: the last periodic checkpoint is then what remains. Handlers can
+validation) without saving: the last periodic checkpoint is then what remains. Under torchrun
+(``once=False``) every process keeps catching: a Ctrl-C reaches each twice (from the terminal
+and from torchrun), and the processes agree on the step to stop at
+(:mod:`highrank.train.distributed`). Handlers can
 only be set in the main thread; elsewhere signals keep their usual effect.
 """
 
@@ -20,10 +23,11 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class SignalCatcher:
     """``with SignalCatcher() as caught:`` ... ``caught.name`` is "SIGINT"/"SIGTERM" once one
-    arrived, else None; ``enabled=False`` catches nothing."""
+    arrived, else None; ``enabled=False`` catches nothing; ``once=False`` keeps catching
+    after the first signal (torchrun's processes, which receive a Ctrl-C twice)."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, once: bool = True) -> None:
+        self.enabled, self.once = enabled, once
         self.signal: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -39,7 +43,8 @@ class SignalCatcher:
 
     def _catch(self, number: int, frame: FrameType | None) -> None:
         self.signal = number
-        self._restore()  # a second signal acts as usual
+        if self.once:
+            self._restore()  # a second signal acts as usual
 
     def _restore(self) -> None:
         for number, handler in self._previous.items():

@@ -21,6 +21,7 @@ What the loop guarantees whatever the recipe:
 from __future__ import annotations
 
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ from typing import Any
 from highrank.checkpoint import restore_rng
 from highrank.config import Config
 from highrank.runs import MetricsLog, RunDir
+from highrank.train import distributed
 from highrank.train.interrupts import SignalCatcher
 from highrank.train.recipe import Recipe, Stage, StepBatch
-from highrank.train.reporting import RunLog
 from highrank.train.saving import Checkpoints
 from highrank.train.state import (
     Interrupted,
@@ -58,9 +59,11 @@ class Trainer:
     ) -> None:
         self.config, self.run_dir, self.stage, self.recipe = config, run, stage, recipe
         self.progress, self.options, self.vocab_size = progress, options, vocab_size
-        self.log = RunLog(run, stage.name, progress, options.progress)
+        self.log = distributed.run_log(run, stage.name, progress, options.progress)
         self.saves = Checkpoints(config, run, stage, recipe, progress, self.log.metrics, vocab_size)
-        self.signals = SignalCatcher(options.catch_signals)
+        # Under torchrun a Ctrl-C reaches each process twice (terminal, then torchrun): only
+        # the next step boundary acts on either.
+        self.signals = SignalCatcher(options.catch_signals, once=not distributed.active())
         self._skip_reason = ""
 
     def run(self) -> TrainResult:
@@ -96,10 +99,12 @@ class Trainer:
 
     def _stop_here(self) -> bool:
         """Between two steps: save and raise on a signal; save and stop at --max-steps."""
-        p, limit, caught = self.progress, self.options.max_steps, self.signals
-        if caught.signal is not None:
+        p, limit = self.progress, self.options.max_steps
+        number = distributed.any_rank(self.signals.signal)  # a signal to any process stops all
+        if number is not None:
             p.stop_reason = "interrupted"
-            raise Interrupted(caught.name, 128 + caught.signal, self.saves.save_last(), p.step)
+            name = signal.Signals(number).name
+            raise Interrupted(name, 128 + number, self.saves.save_last(), p.step)
         if limit is not None and p.step >= limit:
             p.stop_reason = "max_steps"
             self.saves.save_last()
@@ -216,16 +221,22 @@ def restore(
     """A trainer in exactly the state of a checkpoint's ``training`` dict; ``recipe`` is a
     fresh one on the checkpoint's weights. The RNGs are restored last (building the model drew
     from the global one) and the metrics lines this stage wrote after the checkpoint are dropped
-    (other stages' lines stay: resuming training keeps a finetuning's records)."""
+    (other stages' lines stay: resuming training keeps a finetuning's records). With several
+    processes each restores its own RNG states (:mod:`highrank.train.distributed`)."""
     recipe.load_state_dict(training)
     progress = Progress.from_dict(training["progress"])
     if progress.done and progress.stop_reason == "epochs" and progress.epoch <= stage.epochs:
         progress.done, progress.stop_reason = False, ""  # the epoch limit was raised
-    restore_rng(training["rng"])
+    saved_world = training.get("world_size", 1)  # absent before torchrun runs existed
+    distributed.note_world_size(saved_world, f"the {stage.name} checkpoint")
+    own = distributed.rank_rng(training["rng"], saved_world)
+    if own is not None:  # None: a process the checkpoint had no state for keeps its own
+        restore_rng(own)
     for name, generator in recipe.generators().items():
         generator.set_state(training["rng"][name])
     lines = training.get("metrics_lines")  # absent in checkpoints written before it existed
-    MetricsLog(run.metrics_file).rewind(training["metrics_offset"], stage.name, lines)
+    if distributed.is_writer():
+        MetricsLog(run.metrics_file).rewind(training["metrics_offset"], stage.name, lines)
     return Trainer(config, run, stage, recipe, progress, options, vocab_size)
 
 

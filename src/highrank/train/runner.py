@@ -35,6 +35,7 @@ from highrank.data import Corpus, load_corpus
 from highrank.locks import run_lock
 from highrank.model import build_model, count_parameters
 from highrank.runs import RunDir, check_writable
+from highrank.train import distributed
 from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import Recipe, Stage
@@ -175,12 +176,14 @@ def train(
     ``command`` is written to command.txt (default: ``highrank train``).
     """
     options = options or TrainOptions()
+    distributed.init_from_env()  # under torchrun: join the other processes
     config = _absolute_paths(config)
     command = _command(command, ["highrank", "train"])
     check_writable(config.run.out_dir)
     device = resolve_device(config.run.device)
-    with run_lock(config.run.out_dir):  # held until the run ends: one writer per directory
-        RunDir(Path(config.run.out_dir)).remove_temporaries()
+    # held until the run ends: one writer per directory (process 0 under torchrun)
+    with _lock(config.run.out_dir):
+        _on_writer(RunDir(Path(config.run.out_dir)).remove_temporaries)
         if config.model.backbone == "seq2seq":  # parallel text and subwords, not a word corpus
             return start_translation(config, train_stage(config), options, command)
         return _train_words(config, device, options, command)
@@ -195,9 +198,22 @@ def _train_words(
     model = build_model(config, len(corpus.vocab)).to(device)
     stage = train_stage(config)
     recipe = build_recipe(config, model, corpus, stage, device)
-    _note_restart(RunDir(Path(config.run.out_dir)))
-    run = RunDir.create(config.run.out_dir, config, corpus.vocab, command)  # inputs all good
+    _on_writer(lambda: _note_restart(RunDir(Path(config.run.out_dir))))
+    run = distributed.on_writer(  # inputs all good
+        lambda: RunDir.create(config.run.out_dir, config, corpus.vocab, command),
+        lambda: RunDir(Path(config.run.out_dir)),
+    )
     return Trainer(config, run, stage, recipe, Progress(), options, len(corpus.vocab)).run()
+
+
+def _lock(run_dir: str | os.PathLike):
+    """The run's lock (process 0's under torchrun: the others write nothing)."""
+    return distributed.writer_lock(lambda: run_lock(run_dir))
+
+
+def _on_writer(write: Callable[[], Any]) -> None:
+    """``write()`` on process 0 only, the others waiting until it is done."""
+    distributed.on_writer(write, lambda: None)
 
 
 def _note_restart(run: RunDir) -> None:
@@ -223,9 +239,10 @@ def resume(
     ``train.epochs``). A run that stopped before its first checkpoint starts again in place
     from its config.toml (as if trained anew: same seed, same result).
     """
+    distributed.init_from_env()
     run = _open_locked_run(run_dir)
-    with run_lock(run.path):
-        run.remove_temporaries()
+    with _lock(run.path):
+        _on_writer(run.remove_temporaries)
         if not run.has_checkpoint():  # stopped before its first save: nothing to continue from
             config = _apply_config_overrides(run.config_file, overrides, RESUME_OVERRIDES)
             command = _command(command, ["highrank", "train", "--resume", str(run_dir)])
@@ -238,7 +255,8 @@ def resume(
         trainer = _continue(
             run, train_stage(config), payload, path, config, options or TrainOptions()
         )
-        run.append_command(_command(command, ["highrank", "train", "--resume", str(run_dir)]))
+        line = _command(command, ["highrank", "train", "--resume", str(run_dir)])
+        _on_writer(lambda: run.append_command(line))
         return trainer.run()
 
 
@@ -288,11 +306,12 @@ def finetune(
     ``which="last"`` starts from ``last.pt``'s evaluation weights instead (a run stopped
     before its first epoch end has no best.pt).
     """
+    distributed.init_from_env()
     run = _open_locked_run(run_dir)
     default = ["highrank", "finetune", str(run_dir), *(["--resume"] if resume else [])]
     options = options or TrainOptions()
-    with run_lock(run.path):
-        run.remove_temporaries()
+    with _lock(run.path):
+        _on_writer(run.remove_temporaries)
         if resume:
             names = ("finetune-last.pt", "finetune-last.prev.pt")
             payload, path = load_resumable(run.checkpoints, names)
@@ -301,7 +320,7 @@ def finetune(
             trainer = _continue(run, finetune_stage(config), payload, path, config, options)
         else:
             trainer = _start_finetune(run, overrides, options, which)
-        run.append_command(_command(command, default))
+        _on_writer(lambda: run.append_command(_command(command, default)))
         return trainer.run()
 
 

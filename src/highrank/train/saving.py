@@ -17,6 +17,7 @@ from typing import Any
 from highrank.checkpoint import FORMAT, VERSION, capture_rng, save_checkpoint
 from highrank.config import Config, config_to_dict
 from highrank.runs import MetricsLog, RunDir
+from highrank.train import distributed
 from highrank.train.recipe import Recipe, Stage
 from highrank.train.state import Progress
 
@@ -25,13 +26,15 @@ def training_state(
     recipe: Recipe, progress: Progress, metrics_offset: int, metrics_lines: int | None = None
 ) -> dict[str, Any]:
     """A checkpoint's ``"training"``: what :func:`highrank.train.loop.restore` needs to
-    continue exactly (``metrics_lines``: this stage's lines of metrics.jsonl so far)."""
+    continue exactly (``metrics_lines``: this stage's lines of metrics.jsonl so far). With
+    several processes every one calls it (it gathers their RNG states and hidden states)."""
     rng = capture_rng()
     rng.update({name: g.get_state() for name, g in recipe.generators().items()})
     return {
         "model": recipe.model.state_dict(),
         **recipe.state_dict(),
-        "rng": rng,
+        "rng": distributed.gather_rng(rng),
+        "world_size": distributed.world_size(),
         "progress": dataclasses.asdict(progress),
         "metrics_offset": metrics_offset,
         **({} if metrics_lines is None else {"metrics_lines": metrics_lines}),
@@ -64,6 +67,8 @@ class Checkpoints:
         train = self.config.train
         minutes = train.checkpoint_minutes
         late = minutes > 0 and time.monotonic() - self._saved_at >= 60 * minutes
+        if minutes > 0:  # each process has its own clock: save when any one is late
+            late = bool(distributed.any_rank(int(late)))
         return self.progress.step % train.checkpoint_every == 0 or late
 
     def save_last(self) -> Path:
@@ -81,7 +86,10 @@ class Checkpoints:
 
     def _save(self, name: str, *, keep_previous: bool) -> None:
         path = self.run.checkpoint(name)
-        save_checkpoint(self.payload(name), path, keep_previous=keep_previous)
+        payload = self.payload(name)  # on every process: it gathers their states
+        if distributed.is_writer():
+            save_checkpoint(payload, path, keep_previous=keep_previous)
+        distributed.barrier()
 
     def payload(self, kind: str) -> dict[str, Any]:
         """The checkpoint contents (see :mod:`highrank.checkpoint`)."""

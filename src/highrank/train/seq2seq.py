@@ -38,6 +38,7 @@ from highrank.checkpoint import CheckpointError, load_weights
 from highrank.config import Config, ConfigError
 from highrank.model import build_seq2seq
 from highrank.runs import RunDir, RunDirError
+from highrank.train import distributed
 from highrank.train.awd_lstm import head_chunk_size
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
@@ -66,6 +67,11 @@ class Seq2SeqRecipe:
     ) -> None:
         if stage.name != "train":
             raise ConfigError(f"a seq2seq run has no {stage.name!r} stage; only training")
+        if distributed.active():
+            raise ConfigError(
+                "model.backbone = 'seq2seq' trains in one process only (torchrun support is "
+                "for the awd-lstm and transformer families); run it without torchrun"
+            )
         self.config, self.model, self.data, self.device = config, model, data, device
         t = config.train
         self.eval_every = t.eval_every

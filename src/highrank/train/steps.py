@@ -20,8 +20,11 @@ from highrank.config import ConfigError
 def backward_or_skip(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
     """``loss.backward()`` when ``loss`` is finite and ``""``; otherwise the gradients are
     zeroed and the reason is returned (``"loss was nan"``). With gradient accumulation, call it
-    once per micro-batch and stop at the first reason."""
-    if not bool(torch.isfinite(loss.detach())):
+    once per micro-batch and stop at the first reason. Under torchrun the loss must be finite
+    on every process, so that all of them skip or none does (their backward passes meet)."""
+    from highrank.train.distributed import all_finite  # it imports this module
+
+    if not all_finite(loss):
         optimizer.zero_grad(set_to_none=True)
         return f"loss was {loss.detach().item()}"
     loss.backward()

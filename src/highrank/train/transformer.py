@@ -34,6 +34,10 @@ generator under ``rng``. The update number is the loop's step, so nothing else i
 resuming is bit-identical. A resume that raises train.epochs stretches the cosine curve from
 there on (its end moves), so it is no longer the curve of a run started with those epochs.
 There is no finetuning stage (that is AWD-LSTM's averaged SGD).
+
+Under torchrun (:mod:`highrank.train.distributed`) each process reads its share of the
+train.batch_size columns of every window; gradients are averaged over the processes once per
+update (after the last micro-batch), and the logged and validation losses are averaged too.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from torch import nn
 from highrank.config import Config, ConfigError
 from highrank.data import Corpus, get_batch
 from highrank.model import LanguageModel
-from highrank.train.awd_lstm import Splits, evaluate_loss, head_chunk_size, load_splits
+from highrank.train.awd_lstm import Splits, head_chunk_size, load_splits, validation_loss
+from highrank.train.distributed import average, distribute, no_sync
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.schedule import lr_factor
 from highrank.train.state import Progress
@@ -118,6 +123,7 @@ class TransformerRecipe:
             groups, lr=t.lr, betas=(ADAM_BETA1, t.adam_beta2), eps=ADAM_EPSILON
         )
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.forward = distribute(model, t.seed)  # DDP under torchrun
         self.shuffle = torch.Generator().manual_seed(t.seed + 1)
         self.order = self._new_order()
         self.update = 1  # the 1-based number of the next update (the loop's step + 1)
@@ -167,15 +173,17 @@ class TransformerRecipe:
         """Set this update's lr; forward and backward every window; clip; AdamW step."""
         self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for tokens, target in batch.data:  # (L, B) each
+        total, bf16, chunk = 0.0, self.config.train.bf16, head_chunk_size(self.config)
+        for i, (tokens, target) in enumerate(batch.data):  # (L, B) each
             share = target.numel() / batch.tokens
-            with torch.autocast(self.device.type, torch.bfloat16, enabled=self.config.train.bf16):
-                nll, _, _ = self.model(tokens, target, chunk_size=head_chunk_size(self.config))
-            reason = backward_or_skip(nll * share, self.optimizer)
+            last = i == len(batch.data) - 1  # torchrun: average the gradient sums once, here
+            with no_sync(self.forward, not last):
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
+                    nll, _, _ = self.forward(tokens, target, chunk_size=chunk)
+                reason = backward_or_skip(nll * share, self.optimizer)
             if reason:
                 return StepResult(None, reason)
-            total += float(nll.detach()) * share
+            total += average(nll) * share
         reason = clip_or_skip(self.optimizer, self.params, self.config.train.clip)
         if reason:
             return StepResult(None, reason)
@@ -194,12 +202,7 @@ class TransformerRecipe:
 
     def validate(self) -> float:
         """Mean NLL per token of the validation windows, float32, eval mode."""
-        return evaluate_loss(
-            self.model,
-            self.splits.valid,
-            self.config.train.bptt,
-            chunk_size=head_chunk_size(self.config),
-        )
+        return validation_loss(self.model, self.config, self.splits.valid)
 
     def after_validation(self, val_loss: float, progress: Progress) -> Verdict:
         return Verdict({})
