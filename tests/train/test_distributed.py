@@ -307,7 +307,7 @@ def test_a_global_batch_that_does_not_divide_is_one_clear_error(three_processes)
     with pytest.raises(ConfigError) as error:
         distributed.shard_columns(torch.zeros(5, 20), "train.batch_size")
     message = str(error.value)
-    assert "train.batch_size = 20" in message and "divide by 3" in message
+    assert "train.batch_size = 20" in message and "must divide by 3" in message
     assert "--train.batch_size=18" in message and "\n" not in message
     # validation columns that do not divide: every process evaluates all of them
     assert distributed.shard_columns(torch.zeros(5, 10), "x", strict=False).shape == (5, 10)

@@ -169,8 +169,9 @@ def shard_columns(batch: torch.Tensor, what: str, *, strict: bool = True, dim: i
         if not strict:
             return batch
         raise ConfigError(
-            f"{what} = {columns} is the global batch of {n} processes and must divide by "
-            f"{n}; choose a multiple of {n} (e.g. --{what}={max(n, columns // n * n)})"
+            f"{what} = {columns} is the global batch, split among {n} processes: it must "
+            f"divide by {n}; start as many processes as divide it (torchrun --nproc-per-node), "
+            f"or a new run with a multiple of {n} (e.g. --{what}={max(n, columns // n * n)})"
         )
     share = columns // n
     return batch.narrow(dim, rank() * share, share).contiguous()
