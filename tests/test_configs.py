@@ -17,6 +17,7 @@ ALL = sorted(CONFIGS.glob("*/*.toml"))
 VOCAB = {"ptb": 10_000, "wt2": 33_278}  # read from no file: the published sizes
 DATA_DIR = {
     "ptb": "../shared/data/ptb",
+    "ptb-char": "../shared/data/ptb",  # the same files, read as characters
     "wt2": "../shared/data/wikitext-2",
     "multi30k": "../shared/data/multi30k",
 }
