@@ -48,12 +48,17 @@ def tiny(corpus: Path, out: Path, *overrides: str):
 
 
 def send_at(step: int, *signals: int):
-    """A callback that sends ``signals`` to this process after ``step``."""
+    """A callback that sends ``signals`` to this process after ``step``, one after another.
+
+    ``signal.raise_signal`` delivers to this (the main) thread and runs the Python handler
+    before it returns; ``os.kill`` may deliver to another thread (torch's or gloo's), and two
+    such signals can then coalesce into one before the handler runs (a flaky second signal).
+    """
 
     def callback(info):
         if info.step == step:
             for number in signals:
-                os.kill(os.getpid(), number)
+                signal.raise_signal(number)
 
     return callback
 
