@@ -133,12 +133,12 @@ def row(experiment: str, head: str, run: Path, evals: dict, ranks: dict) -> dict
     from highrank.runs import read_metrics
 
     records = read_metrics(run / "metrics.jsonl")
-    evals = [r for r in records if r["kind"] in ("epoch", "eval")]
+    validations = [r for r in records if r["kind"] in ("epoch", "eval")]
     figures = {
         "head": head,
         "run": str(run.relative_to(REPO)) if run.is_relative_to(REPO) else str(run),
         "updates": max(r["step"] for r in records),
-        "train_seconds": round(train_seconds(evals), 1),
+        "train_seconds": round(train_seconds(validations), 1),
         "press_rank": ranks["press_rank"],
         "effective_rank": ranks["effective_rank"],
         "logprob_matrix_shape": ranks["shape"],
