@@ -69,8 +69,9 @@ import numpy as np
 import torch
 
 from highrank.config import Config, config_from_dict
-from highrank.data import Corpus, Vocab, load_corpus
+from highrank.data import Corpus, Vocab
 from highrank.model import LanguageModel, build_model
+from highrank.streaming import open_corpus
 
 FORMAT = "highrank-checkpoint"
 VERSION = 1
@@ -454,9 +455,7 @@ def load_run_corpus(
     """:func:`load_run` and the run's corpus: its ``data.dir``, or ``data_dir`` when given,
     which must give the vocabulary the run was trained with (a clear error says otherwise)."""
     model, config, vocab = load_run(run_dir, which, device=device)
-    corpus = load_corpus(
-        data_dir or config.data.dir, mode=config.data.mode, cache_dir=config.data.cache_dir
-    )
+    corpus = open_corpus(config.data, config.train.seed, directory=data_dir)
     if corpus.vocab.words != vocab.words:
         raise CheckpointError(
             f"the corpus at {corpus.directory} has a different vocabulary than run {run_dir} "

@@ -16,7 +16,9 @@ Sections and keys (defaults: AWD-LSTM with a softmax head on Penn Treebank, Meri
 the MoS values of Yang et al. 2018 are in the docstrings):
 
 * ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: the user cache, ~/.cache/highrank) —
-  :func:`highrank.data.load_corpus`; for ``seq2seq`` (a parallel corpus, :mod:`highrank.bitext`)
+  :func:`highrank.data.load_corpus`; for ``awd-lstm`` and ``transformer`` memmap, max_vocab,
+  batching (``stream`` | ``sentences``) — :func:`highrank.streaming.load_stream_corpus`; for
+  ``seq2seq`` (a parallel corpus, :mod:`highrank.bitext`)
   src_lang, tgt_lang, subword_type, subword_vocab_size, subword_joint (:mod:`highrank.subwords`).
 * ``[model]`` backbone (the model family: ``awd-lstm`` | ``seq2seq`` | ``transformer``), d_embed,
   tie_weights, and
@@ -75,12 +77,15 @@ from typing import Any
 from highrank.data import MODES
 from highrank.heads import HEADS, head_knobs
 from highrank.optim import SWITCH_POLICIES
+from highrank.streaming import BATCHINGS
 
 BACKBONES = ("awd-lstm", "seq2seq", "transformer")  # model.backbone: the model families
 # Family -> section -> the keys of that section only this family (and any other family listing
 # them too) reads; a key listed for no family is read by every family.
+STREAM_DATA_KEYS = ("memmap", "max_vocab", "batching")  # the stream LMs' corpus on disk
 FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
     "awd-lstm": {
+        "data": STREAM_DATA_KEYS,
         "model": (
             "d_hidden",
             "n_layers",
@@ -121,6 +126,7 @@ FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
         "decode": ("beam_size", "length_penalty", "max_len_a", "max_len_b"),
     },
     "transformer": {
+        "data": STREAM_DATA_KEYS,
         "model": (
             "n_layers",
             "n_heads",
@@ -166,6 +172,18 @@ class DataConfig:
             train split only (:mod:`highrank.subwords`).
         subword_vocab_size: (``seq2seq``) pieces per vocabulary, the four specials included.
         subword_joint: (``seq2seq``) one vocabulary for both languages.
+        memmap: (``awd-lstm``, ``transformer``) read the corpus through
+            :func:`highrank.streaming.load_stream_corpus`: vocabulary in one streaming pass,
+            token ids in a memory-mapped cache file, a split may be a folder of shards
+            (``train/``), for corpora that do not fit in memory. Same ids and batches as the
+            in-memory loader (false).
+        max_vocab: (``awd-lstm``, ``transformer``; needs memmap) keep ``<eos>`` and the
+            most frequent other tokens, max_vocab in all with ``<unk>``, which the rest map to
+            (the 1B-Word recipe's 100K); None (unset): every train token.
+        batching: (``awd-lstm``, ``transformer``) ``"stream"``: the training text in order,
+            as B contiguous columns; ``"sentences"`` (needs memmap): the training sentences
+            (lines) shuffled before each epoch by a generator seeded with (train.seed,
+            epoch), then packed into that stream (the 1B-Word recipe).
     """
 
     dir: str = "data/ptb"
@@ -176,6 +194,9 @@ class DataConfig:
     subword_type: str = "bpe"
     subword_vocab_size: int = 8000
     subword_joint: bool = True
+    memmap: bool = False
+    max_vocab: int | None = None
+    batching: str = "stream"
 
 
 @dataclass
@@ -753,6 +774,8 @@ RULES: dict[str, _Rule] = {
     "data.tgt_lang": LANGUAGE,
     "data.subword_type": _one_of(("bpe", "unigram")),
     "data.subword_vocab_size": (lambda v: v > 4, "> 4 (the four special pieces and more)"),
+    "data.max_vocab": (lambda v: v >= 2, ">= 2 (<eos> and <unk> at least)"),
+    "data.batching": _one_of(BATCHINGS),
     "model.backbone": _one_of(BACKBONES),
     **{
         f"model.{k}": POSITIVE
@@ -844,6 +867,7 @@ def validate_config(config: Config, origins: Mapping[str, str] | None = None) ->
             )
     _validate_head_values(config, origins)
     _validate_switch_epoch(config, origins)
+    _validate_streaming(config, origins)
     if config.model.backbone == "seq2seq":
         _validate_seq2seq(config, origins)
     if config.model.backbone == "transformer":
@@ -897,6 +921,21 @@ def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
             f"epoch switch_epoch, so it would never average; lower train.switch_epoch or raise "
             f"train.epochs"
         )
+
+
+def _validate_streaming(config: Config, origins: Mapping[str, str]) -> None:
+    """data.max_vocab and sentence batching are features of the memory-mapped loader."""
+    data = config.data
+    for dotted, used in (
+        ("data.max_vocab", data.max_vocab is not None),
+        ("data.batching", data.batching == "sentences"),
+    ):
+        if used and not data.memmap:
+            value = getattr(data, dotted.split(".")[1])
+            raise ConfigError(
+                f"{_origin(origins, dotted)}: {dotted} = {_show(value)} needs the memory-mapped "
+                f"corpus loader, but data.memmap = false; set data.memmap = true"
+            )
 
 
 def _validate_seq2seq(config: Config, origins: Mapping[str, str]) -> None:

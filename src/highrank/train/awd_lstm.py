@@ -54,6 +54,7 @@ from highrank.optim import (
     scaled_lr,
     switch_to_asgd,
 )
+from highrank.streaming import epoch_view
 from highrank.train.distributed import average, distribute, gather_columns, shard_columns
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.state import Progress
@@ -239,7 +240,8 @@ class AWDLSTMRecipe:
             self.config.finetune.max_seq_len_delta if self.finetuning else train.max_seq_len_delta
         )
         drawn = variable_bptt_length(train.bptt, self.bptt_rng, delta).seq_len
-        tokens, target = get_batch(self.splits.train, progress.position, drawn)  # (L, B) each
+        train_rows = epoch_view(self.splits.train, progress.epoch)  # data.batching
+        tokens, target = get_batch(train_rows, progress.position, drawn)  # (L, B) each
         return StepBatch((tokens, target), tokens.size(0), tokens.numel(), tokens.size(0))
 
     def train_step(self, batch: StepBatch) -> StepResult:

@@ -31,10 +31,11 @@ from highrank.config import (
     load_config,
     parse_override,
 )
-from highrank.data import Corpus, load_corpus
+from highrank.data import Corpus
 from highrank.locks import run_lock
 from highrank.model import build_model, count_parameters
 from highrank.runs import RunDir, check_writable
+from highrank.streaming import open_corpus
 from highrank.train import distributed
 from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore
@@ -105,8 +106,8 @@ def _absolute_paths(config: Config) -> Config:
 
 
 def _corpus(config: Config) -> Corpus:
-    data = config.data
-    return load_corpus(data.dir, mode=data.mode, cache_dir=data.cache_dir)
+    """In memory, or memory-mapped when data.memmap (:mod:`highrank.streaming`)."""
+    return open_corpus(config.data, config.train.seed)
 
 
 def _check_same_vocab(run: RunDir, corpus: Corpus, path: Path) -> None:

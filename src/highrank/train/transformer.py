@@ -52,6 +52,7 @@ from torch import nn
 from highrank.config import Config, ConfigError
 from highrank.data import Corpus, get_batch
 from highrank.model import LanguageModel
+from highrank.streaming import epoch_view
 from highrank.train.awd_lstm import Splits, head_chunk_size, load_splits, validation_loss
 from highrank.train.distributed import average, distribute, no_sync
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
@@ -165,7 +166,8 @@ class TransformerRecipe:
         t = self.config.train
         self.update = progress.step + 1
         picked = self.order[progress.position : progress.position + t.accumulate]
-        windows = [get_batch(self.splits.train, self.starts[i], t.bptt) for i in picked]
+        train_rows = epoch_view(self.splits.train, progress.epoch)  # data.batching
+        windows = [get_batch(train_rows, self.starts[i], t.bptt) for i in picked]
         tokens = sum(target.numel() for _, target in windows)
         return StepBatch(windows, len(windows), tokens, t.bptt)
 
