@@ -926,6 +926,8 @@ def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
 def _validate_streaming(config: Config, origins: Mapping[str, str]) -> None:
     """data.max_vocab and sentence batching are features of the memory-mapped loader."""
     data = config.data
+    if not applies_to("data.memmap", config.model.backbone):
+        return  # seq2seq: its family check names the key instead
     for dotted, used in (
         ("data.max_vocab", data.max_vocab is not None),
         ("data.batching", data.batching == "sentences"),

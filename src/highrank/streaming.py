@@ -120,10 +120,13 @@ def _decode_block(path: Path, data: bytes, first_line: int, offset: int) -> str:
 
 
 def iter_blocks(
-    files: list[Path], block_bytes: int = BLOCK_BYTES
+    files: list[Path], block_bytes: int | None = None
 ) -> Iterator[tuple[Path, int, str]]:
     """``(file, number of its first line, text)`` for blocks of whole lines of ``files`` in
-    order; each text ends with ``"\\n"`` (a last line without one gets it)."""
+    order; each text ends with ``"\\n"`` (a last line without one gets it). Blocks are about
+    ``block_bytes`` (default :data:`BLOCK_BYTES`) long, or one line when a line is longer.
+    A shard's last line ends with the shard, newline or not."""
+    block_bytes = block_bytes or BLOCK_BYTES
     for path in files:
         with open(path, "rb") as handle:
             head = handle.read(3)

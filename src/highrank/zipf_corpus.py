@@ -1,0 +1,157 @@
+"""A seeded synthetic corpus with Zipfian word frequencies, for scale tests of corpus loading.
+
+Words are drawn i.i.d. by rank ``r = 1 .. types`` with ``P(r) = r^-s / H(types, s)`` (Zipf's
+law; ``s = 1`` is about what English text shows, and what One Billion Word's ~800K types do
+over their most frequent ranks) and written as ``w<r - 1>`` (``w0`` most frequent). Sentence
+lengths are ``1 + Poisson(mean - 1)`` words, one sentence per line. Token counts include one
+``<eos>`` per line, as :func:`highrank.data.corpus_stats` counts them, and are exact.
+
+The layout is a corpus folder (:mod:`highrank.data`): ``valid.txt``, ``test.txt`` and either
+``train.txt`` or, with ``shards``, a folder ``train/`` of ``part-00000.txt`` ... (the 1B-Word
+layout, :mod:`highrank.streaming`). ``zipf.json`` (written last) records the settings and
+counts. Each split has its own generator, seeded with ``(seed, split index)``, so the same
+settings give the same bytes. Text is generated and written a block at a time: memory does not
+grow with the corpus.
+
+``highrank data zipf OUT --tokens N`` calls :func:`write_zipf_corpus`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+BLOCK_TOKENS = 1 << 20  # tokens generated per block
+MARKER = "zipf.json"
+
+
+def zipf_probabilities(types: int, exponent: float = 1.0) -> np.ndarray:
+    """``P(r) ∝ r^-exponent`` for ranks ``1 .. types`` (float64, summing to 1)."""
+    weights = np.arange(1, types + 1, dtype=np.float64) ** -float(exponent)
+    return weights / weights.sum()
+
+
+def sentence_lengths(rng: np.random.Generator, tokens: int, mean: float) -> np.ndarray:
+    """Words per sentence (each sentence also has an ``<eos>``) adding up to exactly
+    ``tokens`` tokens: ``1 + Poisson(mean - 1)`` words, the last sentence cut to fit (a
+    single remaining token is a blank line)."""
+    lengths, total = [], 0
+    while total < tokens:
+        drawn = 1 + rng.poisson(mean - 1, size=max(16, int((tokens - total) / mean) + 16))
+        ends = total + np.cumsum(drawn + 1)
+        fits = int(np.searchsorted(ends, tokens, side="right"))
+        lengths.append(drawn[:fits])
+        total = int(ends[fits - 1]) if fits else total
+        if fits < drawn.size and total < tokens:  # the last sentence: what is left, minus <eos>
+            lengths.append(np.array([tokens - total - 1]))
+            total = tokens
+    return np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+
+
+def zipf_text(
+    rng: np.random.Generator, tokens: int, cdf: np.ndarray, mean: float
+) -> Iterator[bytes]:
+    """UTF-8 text of ``tokens`` tokens (``<eos>`` included) in blocks of whole lines."""
+    names = [f"w{rank}".encode() for rank in range(cdf.size)]
+    # (rank, ends the line) -> bytes: id 2 r is "w<r> ", 2 r + 1 is "w<r>\n".
+    table = [piece for name in names for piece in (name + b" ", name + b"\n")]
+    lengths = sentence_lengths(rng, tokens, mean)
+    for start in range(0, lengths.size, max(1, int(BLOCK_TOKENS / mean))):
+        block = lengths[start : start + max(1, int(BLOCK_TOKENS / mean))]
+        words = int(block.sum())
+        ranks = np.searchsorted(cdf, rng.random(words), side="right").clip(max=cdf.size - 1)
+        line_end = np.zeros(words, dtype=np.int64)
+        line_end[np.cumsum(block[block > 0]) - 1] = 1
+        pieces = (2 * ranks + line_end).tolist()
+        text = b"".join(map(table.__getitem__, pieces))
+        blank = np.flatnonzero(block == 0)
+        if blank.size:  # blank lines (only a cut last sentence can be one): rebuild by line
+            text = _with_blank_lines(text, block)
+        yield text
+
+
+def _with_blank_lines(text: bytes, block: np.ndarray) -> bytes:
+    lines = iter(text.split(b"\n")[:-1])
+    return b"".join((next(lines) if n else b"") + b"\n" for n in block)
+
+
+def write_zipf_corpus(
+    folder: str | os.PathLike,
+    *,
+    train_tokens: int,
+    valid_tokens: int | None = None,
+    test_tokens: int | None = None,
+    types: int = 100_000,
+    exponent: float = 1.0,
+    mean_sentence: float = 25.0,
+    shards: int = 0,
+    seed: int = 0,
+) -> dict:
+    """Write the corpus (see the module docstring) into the new or empty ``folder``.
+
+    ``valid_tokens`` / ``test_tokens`` default to ``train_tokens / 100`` (at least 1,000);
+    ``shards`` > 0 writes train as that many shard files. Returns what ``zipf.json`` holds.
+    """
+    folder = Path(folder)
+    _check_settings(train_tokens, types, exponent, mean_sentence, shards)
+    if folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"{folder} is not empty; expected a new or empty folder for the corpus")
+    held_out = max(1_000, train_tokens // 100)
+    sizes = {
+        "train": train_tokens,
+        "valid": valid_tokens or held_out,
+        "test": test_tokens or held_out,
+    }
+    cdf = np.cumsum(zipf_probabilities(types, exponent))
+    files: dict[str, list[str]] = {}
+    for index, (split, tokens) in enumerate(sizes.items()):
+        rng = np.random.Generator(np.random.PCG64([seed, index]))
+        parts = _shard_sizes(tokens, shards) if split == "train" and shards else [tokens]
+        paths = (
+            [folder / split / f"part-{i:05d}.txt" for i in range(len(parts))]
+            if split == "train" and shards
+            else [folder / f"{split}.txt"]
+        )
+        for path, part in zip(paths, parts, strict=True):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as handle:
+                for text in zipf_text(rng, part, cdf, mean_sentence):
+                    handle.write(text)
+        files[split] = [str(p.relative_to(folder)) for p in paths]
+    info = {
+        "generator": "highrank.zipf_corpus",
+        "seed": seed,
+        "types": types,
+        "exponent": exponent,
+        "mean_sentence": mean_sentence,
+        "tokens": sizes,
+        "files": files,
+        "bytes": sum(p.stat().st_size for p in folder.rglob("*.txt")),
+    }
+    (folder / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def _shard_sizes(tokens: int, shards: int) -> list[int]:
+    """``shards`` sizes adding up to ``tokens``, the first ones one token longer."""
+    base, extra = divmod(tokens, shards)
+    return [base + (i < extra) for i in range(shards)]
+
+
+def _check_settings(tokens: int, types: int, exponent: float, mean: float, shards: int) -> None:
+    for name, value, ok, expected in (
+        ("tokens", tokens, tokens >= 2, "an int >= 2"),
+        ("types", types, types >= 1, "an int >= 1"),
+        ("exponent", exponent, exponent > 0, "a number > 0"),
+        ("mean sentence length", mean, mean >= 1, "a number >= 1 (words per sentence)"),
+        ("shards", shards, 0 <= shards <= tokens, "an int in [0, tokens]"),
+    ):
+        if not ok:
+            raise ValueError(f"{name} = {value!r}; expected {expected}")
+
+
+__all__ = ["sentence_lengths", "write_zipf_corpus", "zipf_probabilities", "zipf_text"]
