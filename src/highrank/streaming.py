@@ -221,15 +221,13 @@ def _count_and_write(files: list[Path], mode: str, out: Path) -> tuple[list[str]
 
 
 def _remap_in_place(path: Path, remap: np.ndarray, block: int = 1 << 22) -> None:
-    """Replace every provisional id in the int32 file ``path`` by ``remap[id]``, a block at a
-    time."""
-    if path.stat().st_size == 0:
-        return
-    ids = np.memmap(path, dtype=ID_DTYPE, mode="r+")
-    for start in range(0, ids.size, block):
-        ids[start : start + block] = remap[ids[start : start + block]]
-    ids.flush()
-    del ids
+    """Replace every provisional id in the int32 file ``path`` by ``remap[id]``, ``block`` ids
+    at a time (read and written through the file, not a map, so that memory stays one block)."""
+    with open(path, "r+b") as handle:
+        while (ids := np.fromfile(handle, dtype=ID_DTYPE, count=block)).size:
+            handle.seek(-ids.nbytes, os.SEEK_CUR)
+            handle.write(remap[ids].tobytes())
+        _sync(handle)
 
 
 def _encode_to(files: list[Path], vocab: Vocab, mode: str, out: Path) -> tuple[int, int]:
@@ -442,13 +440,26 @@ def load_stream_corpus(
 # ---- batches ------------------------------------------------------------------------------
 
 
+def _read_ids(ids: np.ndarray, start: int, count: int) -> np.ndarray:
+    """``ids[start : start + count]`` of a whole-file memory map (as :func:`load_stream_corpus`
+    opens them) read from its file, so that a scan does not leave the whole file resident in
+    this process's mapped memory; a plain array is sliced."""
+    filename = getattr(ids, "filename", None)
+    if filename is None:
+        return np.asarray(ids[start : start + count])
+    count = min(count, ids.size - start)
+    return np.fromfile(
+        filename, dtype=ids.dtype, count=count, offset=ids.offset + start * ids.itemsize
+    )
+
+
 def sentence_ends(ids: np.ndarray, eos_id: int | None, block: int = 1 << 24) -> np.ndarray:
     """Exclusive end positions (int64) of the sentences of ``ids``: one past each ``<eos>``,
     found a block at a time; tokens after the last ``<eos>`` end one more sentence."""
     if eos_id is None:
         raise CorpusError("sentence-shuffled batching needs <eos> in the vocabulary; it has none")
     parts = [
-        np.flatnonzero(ids[start : start + block] == eos_id) + (start + 1)
+        np.flatnonzero(_read_ids(ids, start, block) == eos_id) + (start + 1)
         for start in range(0, ids.size, block)
     ]
     ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

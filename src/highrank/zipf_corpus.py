@@ -52,13 +52,17 @@ def sentence_lengths(rng: np.random.Generator, tokens: int, mean: float) -> np.n
     return np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
 
 
+def piece_table(types: int) -> list[bytes]:
+    """Entry ``2 r`` is ``b"w<r> "``, entry ``2 r + 1`` ``b"w<r>\\n"`` (the word ends a line)."""
+    names = [f"w{rank}".encode() for rank in range(types)]
+    return [piece for name in names for piece in (name + b" ", name + b"\n")]
+
+
 def zipf_text(
-    rng: np.random.Generator, tokens: int, cdf: np.ndarray, mean: float
+    rng: np.random.Generator, tokens: int, cdf: np.ndarray, mean: float, table: list[bytes]
 ) -> Iterator[bytes]:
-    """UTF-8 text of ``tokens`` tokens (``<eos>`` included) in blocks of whole lines."""
-    names = [f"w{rank}".encode() for rank in range(cdf.size)]
-    # (rank, ends the line) -> bytes: id 2 r is "w<r> ", 2 r + 1 is "w<r>\n".
-    table = [piece for name in names for piece in (name + b" ", name + b"\n")]
+    """UTF-8 text of ``tokens`` tokens (``<eos>`` included) in blocks of whole lines; ``cdf``
+    the cumulative rank probabilities, ``table`` the :func:`piece_table` of as many types."""
     lengths = sentence_lengths(rng, tokens, mean)
     for start in range(0, lengths.size, max(1, int(BLOCK_TOKENS / mean))):
         block = lengths[start : start + max(1, int(BLOCK_TOKENS / mean))]
@@ -107,6 +111,7 @@ def write_zipf_corpus(
         "test": test_tokens or held_out,
     }
     cdf = np.cumsum(zipf_probabilities(types, exponent))
+    table = piece_table(types)
     files: dict[str, list[str]] = {}
     for index, (split, tokens) in enumerate(sizes.items()):
         rng = np.random.Generator(np.random.PCG64([seed, index]))
@@ -119,7 +124,7 @@ def write_zipf_corpus(
         for path, part in zip(paths, parts, strict=True):
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as handle:
-                for text in zipf_text(rng, part, cdf, mean_sentence):
+                for text in zipf_text(rng, part, cdf, mean_sentence, table):
                     handle.write(text)
         files[split] = [str(p.relative_to(folder)) for p in paths]
     info = {
@@ -154,4 +159,10 @@ def _check_settings(tokens: int, types: int, exponent: float, mean: float, shard
             raise ValueError(f"{name} = {value!r}; expected {expected}")
 
 
-__all__ = ["sentence_lengths", "write_zipf_corpus", "zipf_probabilities", "zipf_text"]
+__all__ = [
+    "piece_table",
+    "sentence_lengths",
+    "write_zipf_corpus",
+    "zipf_probabilities",
+    "zipf_text",
+]
