@@ -41,12 +41,18 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
 
 import numpy as np
 import torch
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 from highrank.data import (
     EOS,
@@ -322,25 +328,40 @@ def _read_cached(folder: Path, key: str) -> tuple[Vocab, dict] | None:
 
 
 def _write_cache(folder: Path, files, mode: str, max_vocab: int | None, key: str) -> None:
-    """Build into a temporary sibling folder and rename it to ``folder`` (atomic)."""
+    """Build into a temporary sibling folder and rename it to ``folder`` (atomic); a stale or
+    incomplete ``folder`` is moved aside and deleted first."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
         meta = _build(tmp, files, mode, max_vocab) | {"key": key}
         (tmp / "meta.json").write_text(json.dumps(meta))
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a cache is meant to be shared
-        if folder.exists():  # stale or incomplete: replace it
-            shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            aside = Path(f"{tmp}.stale")
+            os.rename(folder, aside)
+            shutil.rmtree(aside, ignore_errors=True)
         os.rename(tmp, folder)
-    except FileExistsError:  # pragma: no cover - another process built it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not folder.is_dir():  # a race lost to another writer is fine; anything else is not
-            raise CorpusError(f"cannot write the token-id cache {folder}: {err}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise CorpusError(f"cannot write the token-id cache {folder}: {err}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left to remove after the rename
+
+
+@contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """A blocking ``flock`` on ``<folder>.lock``, so that processes started together (torchrun)
+    build a cache once: the others wait, then read it. The kernel releases it if the holder
+    dies; the small lock file stays (as :mod:`highrank.locks` explains)."""
+    if fcntl is None:  # pragma: no cover - Windows: no lock
+        yield
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(f"{folder.name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # ---- the corpus ---------------------------------------------------------------------------
@@ -426,8 +447,11 @@ def load_stream_corpus(
     folder = root / f"{directory.resolve().name}-{mode}-stream-{key[:16]}"
     cached = _read_cached(folder, key)
     if cached is None:
-        _write_cache(folder, files, mode, max_vocab, key)
-        cached = _read_cached(folder, key)
+        with _build_lock(folder):
+            cached = _read_cached(folder, key)  # another process may have built it meanwhile
+            if cached is None:
+                _write_cache(folder, files, mode, max_vocab, key)
+                cached = _read_cached(folder, key)
         if cached is None:
             raise CorpusError(f"the token-id cache {folder} was written but cannot be read back")
     vocab, meta = cached
