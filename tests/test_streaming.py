@@ -315,6 +315,24 @@ def test_a_sentence_shuffled_run_resumes_exactly(lm_corpus, tmp_path, cache, fam
     assert trajectory(out) == trajectory(straight)
 
 
+def test_eval_reads_a_max_vocab_run_through_its_memory_map(lm_corpus, tmp_path, cache, capsys):
+    """`highrank eval` opens the run's corpus as it trained on it: truncated to data.max_vocab
+    (the in-memory loader would give another vocabulary and be refused)."""
+    from highrank.checkpoint import load_run_corpus
+    from highrank.cli import main
+
+    out = tmp_path / "run"
+    config = run_config(
+        lm_corpus, out, cache, TINY, "data.memmap=true", "data.max_vocab=12", "train.epochs=1"
+    )
+    train(config, options=QUIET)
+    _, _, corpus = load_run_corpus(out)
+    assert len(corpus.vocab) == 12 and corpus.vocab.unk_id is not None
+    capsys.readouterr()
+    assert main(["eval", str(out), "--split", "valid", "--bptt", "6", "--no-progress"]) == 0
+    assert "perplexity" in capsys.readouterr().out.lower()
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 

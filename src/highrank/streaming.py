@@ -71,7 +71,7 @@ from highrank.data import (
 # Bump when the tokenisation, the vocabulary rule or the cache layout changes.
 STREAM_VERSION = 1
 BATCHINGS = ("stream", "sentences")  # data.batching
-BLOCK_BYTES = 4 << 20  # text read per block (cut at the last newline)
+BLOCK_BYTES = 1 << 20  # text read per block, cut at its last newline (its tokens: tens of MiB)
 ID_DTYPE = np.dtype("<i4")
 
 
@@ -226,7 +226,7 @@ def _count_and_write(files: list[Path], mode: str, out: Path) -> tuple[list[str]
     return list(seen), counts, lines
 
 
-def _remap_in_place(path: Path, remap: np.ndarray, block: int = 1 << 22) -> None:
+def _remap_in_place(path: Path, remap: np.ndarray, block: int = 1 << 20) -> None:
     """Replace every provisional id in the int32 file ``path`` by ``remap[id]``, ``block`` ids
     at a time (read and written through the file, not a map, so that memory stays one block)."""
     with open(path, "r+b") as handle:
