@@ -255,6 +255,8 @@ def _encode_to(files: list[Path], vocab: Vocab, mode: str, out: Path) -> tuple[i
 
 
 def _encode_strict(tokens, stoi, path: Path, first_line: int, text: str, mode: str, vocab):
+    """Ids of ``tokens`` (a block of ``path`` from line ``first_line``) for a vocabulary without
+    ``<unk>``: an unknown token is an error naming the file, line and token."""
     try:
         return np.fromiter(map(stoi.__getitem__, tokens), ID_DTYPE, len(tokens))
     except KeyError as err:
@@ -271,7 +273,7 @@ def _encode_strict(tokens, stoi, path: Path, first_line: int, text: str, mode: s
         raise CorpusError(
             f"{path} line {line}: {kind} {token!r} does not occur in the train split, and the "
             f"vocabulary ({len(vocab)} tokens) has no {UNK!r} to map it to; add {UNK!r} to the "
-            f"train split or set data.max_vocab"
+            f"train split or replace the {kind} in {path.name}"
         ) from None
 
 
