@@ -27,6 +27,10 @@ ignored and rebuilt.
 Batching follows AWD-LSTM: :func:`batchify` trims a stream to a multiple of B and lays it out as B
 contiguous columns, time-major ``(T, B)``; :func:`get_batch` cuts ``(seq_len, B)`` inputs and the
 targets one step ahead.
+
+Corpora that do not fit in memory (shard folders, ``data.max_vocab``, sentence-shuffled
+batching): :mod:`highrank.streaming`, the same tokenisation, vocabulary order and batches with
+the ids memory-mapped (``data.memmap = true``).
 """
 
 from __future__ import annotations
