@@ -186,6 +186,48 @@ def test_stream_view_errors_name_the_split(tmp_path, cache):
         corpus.batchify("train", 0)
 
 
+def test_a_process_share_of_the_columns_reads_as_the_tensor_share(tmp_path, cache, monkeypatch):
+    """Under torchrun, shard_columns gives process r of N columns [r B/N, (r+1) B/N)."""
+    from highrank.train import distributed
+
+    folder = write_corpus(tmp_path / "c", random_text(7, 40), valid="w1\n", test="w2\n")
+    corpus = load_stream_corpus(folder, cache_dir=cache)
+    tensor = batchify(corpus.split("train"), 4)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    for process in (0, 1):
+        monkeypatch.setattr(distributed, "rank", lambda process=process: process)
+        ours = distributed.shard_columns(corpus.batchify("train", 4), "train.batch_size")
+        theirs = distributed.shard_columns(tensor, "train.batch_size")
+        assert ours.shape == theirs.shape == (tensor.size(0), 2)
+        assert torch.equal(ours[0 : ours.size(0)], theirs)
+
+
+def test_processes_loading_together_build_the_cache_once(tmp_path, cache, monkeypatch):
+    import threading
+    import time
+
+    folder = write_corpus(tmp_path / "c", random_text(8, 30), valid="w1\n", test="w2\n")
+    built, build = [], streaming._build
+
+    def slow_build(*args):
+        built.append(1)
+        time.sleep(0.3)  # long enough for the other loader to find the cache missing
+        return build(*args)
+
+    monkeypatch.setattr(streaming, "_build", slow_build)
+    loaded = []
+    threads = [
+        threading.Thread(target=lambda: loaded.append(load_stream_corpus(folder, cache_dir=cache)))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(loaded) == 2 and len(built) == 1
+    assert np.array_equal(loaded[0].ids["train"], loaded[1].ids["train"])
+
+
 # ---- sentence-shuffled batching -----------------------------------------------------------
 
 
