@@ -388,6 +388,15 @@ def test_an_empty_shard_folder_is_named(tmp_path, cache):
     assert "\n" not in str(info.value)
 
 
+def test_the_in_memory_loader_points_a_shard_folder_at_data_memmap(tmp_path):
+    folder = write_corpus(tmp_path / "c", "a\n")
+    (folder / "train.txt").unlink()
+    (folder / "train").mkdir()
+    (folder / "train" / "part-0").write_text("a b\n")
+    with pytest.raises(CorpusError, match=r"a shard folder train/ is read with data.memmap = true"):
+        load_corpus(folder, use_cache=False)
+
+
 def test_a_shard_that_is_not_utf8_names_the_file_offset_and_line(tmp_path, cache, small_blocks):
     folder = write_corpus(tmp_path / "c", "a\n")
     (folder / "train.txt").unlink()

@@ -313,10 +313,12 @@ def _read_split_bytes(directory: Path, split: str) -> bytes:
     path = directory / f"{split}.txt"
     if not path.is_file():
         present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+        shards = (directory / split).is_dir()  # the 1B-Word layout: highrank.streaming reads it
         raise CorpusError(
             f"missing split file {path}; a corpus directory needs train.txt, valid.txt and "
             f"test.txt (PTB / WikiText-2 layout); {directory} holds: "
             f"{', '.join(present) if present else 'nothing'}"
+            + (f" (a shard folder {split}/ is read with data.memmap = true)" if shards else "")
         )
     try:
         return path.read_bytes()
