@@ -97,7 +97,9 @@ def test_auto_chunking_matches_the_whole_batch(make_head, name, monkeypatch):
     monkeypatch.setattr(base, "AUTO_CHUNK_ELEMENTS", 50 * 7)  # fused: 7 tokens of V = 50
     monkeypatch.setattr(base, "GENERIC_AUTO_CHUNK_TOKENS", 5)
     head = make_head(name).eval()
-    expected_chunk = {"softmax": 7, "moc": 7, "mos": 7 // 3}.get(name, 5)
+    # Mixtape (S = 15 of 50): 50 logits + 7 x 15 gates and component logits per token.
+    fused = {"softmax": 7, "moc": 7, "mos": 7 // 3, "mixtape": 350 // (50 + 7 * 15)}
+    expected_chunk = fused.get(name, 5)
     assert head._resolve_chunk_size("auto", "mean") == expected_chunk
     hidden, target = torch.randn(30, 12), torch.randint(0, 50, (30,))
     auto = _grads(head, hidden, target)  # chunk_size defaults to "auto"

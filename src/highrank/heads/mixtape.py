@@ -38,6 +38,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from highrank.checks import check_dropout_time_dim, check_positive_int, check_probability, is_number
 from highrank.heads.base import OutputHead
 from highrank.heads.functional import apply_mask, sigmoid_tree_mix, widen
+from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
 N_GATES = N_COMPONENTS - 1
@@ -112,6 +113,16 @@ class Mixtape(OutputHead):
             return pre_activation
         return pre_activation + self.gate_noise * torch.randn_like(pre_activation)
 
+    def _contexts(self, h: torch.Tensor, component_mask: torch.Tensor | None) -> torch.Tensor:
+        """The component contexts h_k ``(N, 4, d_embed)``."""
+        contexts = apply_mask(torch.tanh(self.components(h)), component_mask)
+        return contexts.view(h.shape[0], N_COMPONENTS, self.d_embed)
+
+    def _features(self, h: torch.Tensor, gate_mask: torch.Tensor | None) -> torch.Tensor:
+        """The gate features t_j ``(N, 3, gate_dim)``."""
+        features = apply_mask(torch.tanh(self.gate_features(h)), gate_mask)
+        return features.view(h.shape[0], N_GATES, self.gate_dim)
+
     def _logits(
         self,
         h: torch.Tensor,
@@ -120,8 +131,7 @@ class Mixtape(OutputHead):
     ) -> torch.Tensor:
         """Mixed logits ``(N, V)``, at least float32, frequent ids first."""
         n = h.shape[0]
-        contexts = apply_mask(torch.tanh(self.components(h)), component_mask)
-        contexts = contexts.view(n, N_COMPONENTS, self.d_embed)  # (N, 4, d)
+        contexts = self._contexts(h, component_mask)  # (N, 4, d)
         shared_pre = widen(self.context_gate(h)).unsqueeze(-1)  # (N, 3, 1): u_j . g
 
         # Rare tokens share one prior per context: a single matmul with the mixed context.
@@ -132,8 +142,7 @@ class Mixtape(OutputHead):
 
         # Frequent tokens: gates and component logits laid out (N, gate or component, S) so
         # that both come from plain matmuls and the tree mixes contiguous rows.
-        features = apply_mask(torch.tanh(self.gate_features(h)), gate_mask)
-        features = features.view(n * N_GATES, self.gate_dim)
+        features = self._features(h, gate_mask).view(n * N_GATES, self.gate_dim)
         token_pre = widen(features @ self.token_gate.t()).view(n, N_GATES, self.n_frequent)
         token_pre = token_pre + shared_pre + self.token_gate_bias.t()  # (N, 3, S)
         frequent_rows = self.weight[: self.n_frequent]
@@ -147,6 +156,38 @@ class Mixtape(OutputHead):
     def _loss_rows(self, h, target, component_mask, gate_mask, *, label_smoothing) -> torch.Tensor:
         logits = self._logits(h, component_mask, gate_mask)
         return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
+
+    def auto_chunk_tokens(self) -> int:
+        return self.fused_auto_chunk_tokens()
+
+    def logits_per_token(self) -> int:
+        """The fused loss's V logits, plus 4 component logits and 3 gates per frequent id."""
+        return self.vocab_size + (N_COMPONENTS + N_GATES) * self.n_frequent
+
+    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
+        """The fused closed-form loss of ``heads/mixtape_ce.py``: only the (N, 4, d), (N, 3,
+        gate_dim) and (N, 3) activations below are differentiated by autograd."""
+        component_mask, gate_mask = masks
+        token_gate, token_gate_bias = self.token_gate, self.token_gate_bias
+        if self.n_frequent:
+            features = self._features(rows, gate_mask)
+        else:  # no token has its own gate: U_j, c_j, v_x, b_{x,j} unused, as in _logits
+            features = rows.new_zeros(rows.shape[0], N_GATES, self.gate_dim)
+            token_gate, token_gate_bias = token_gate.detach(), token_gate_bias.detach()
+        return mixtape_cross_entropy_sum(
+            self._contexts(rows, component_mask),
+            features,
+            self.context_gate(rows),
+            token_gate,
+            token_gate_bias,
+            self.weight,
+            self.bias,
+            target,
+            chunk_size,
+            label_smoothing=label_smoothing,
+            ignore_index=ignore_index,
+            gate_noise=self.gate_noise if self.training else 0.0,
+        )
 
     def extra_repr(self) -> str:
         return (

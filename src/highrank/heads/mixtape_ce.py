@@ -1,0 +1,357 @@
+"""Fused, chunked cross-entropy of Mixtape with its gradient in closed form.
+
+Mixtape (Yang, Luong, Salakhutdinov & Le, NeurIPS 2019; the layer is ``heads/mixtape.py``)
+in the notation of that module, for one context (token row) i, dropped below:
+
+    h_k, k = 1..4      component contexts tanh(H_k g + a_k)              (4, d)
+    s_j, j = 1..3      shared pre-activation priors u_j . g              (3,)
+    t_j                gate features tanh(U_j g + c_j)                   (3, gate_dim)
+    w_x, b_x           decoder row and bias of token x; v_x, b_{x,j} its gate (x < S)
+
+The sigmoid tree (paper Sec. 3.2) mixes four values c_k with gates gamma = sigmoid(l) as
+three lerps,
+
+    T(gamma; c) = g1 A + (1 - g1) B,   A = g2 c1 + (1 - g2) c2,   B = g3 c3 + (1 - g3) c4,
+
+and the logits are (vector gating for the S frequent tokens, gate sharing for the rest):
+
+    z_x = T(gamma_x; (h_k . w_x)_k) + b_x,  gamma_x = sigmoid(v_x . t_j + s_j + b_{x,j})  x < S
+    z_x = w_x . m + b_x,   m = T(gamma_s; h),  gamma_s = sigmoid(s)                       x >= S
+
+so the rare block is an ordinary softmax-layer matmul with one mixed context m per row.
+Gaussian gate noise (paper Sec. 3.4), when on, is added to both pre-activations before the
+sigmoid, drawn in the order the generic path draws it (per chunk: the shared (c, 3), then
+the frequent (c, 3, S)), so a seeded fused run draws the very same noise.
+
+The loss is ``F.cross_entropy`` of z with label smoothing eps, weighted by w = 0 for
+ignored targets and 1 otherwise:
+
+    loss = w [ logsumexp(z) - (1 - eps) z_target - eps mean_v z_v ]
+    G = d loss / d z = w [ softmax(z) - (1 - eps) onehot(target) - eps / V ]
+
+and G goes back through the tree in closed form (per mixed value, upstream gradient G):
+
+    dA = g1 G,   dB = (1 - g1) G,   d g1 = G (A - B)
+    d c1 = g2 dA,   d c2 = (1 - g2) dA,   d g2 = dA (c1 - c2)
+    d c3 = g3 dB,   d c4 = (1 - g3) dB,   d g3 = dB (c3 - c4)
+    d l_j = d g_j g_j (1 - g_j)
+
+Frequent block (x < S): the values are the component logits c_k = h_k . w_x, so
+d h_k = sum_x d c_{k,x} w_x and d w_x = sum_k d c_{k,x} h_k; d l_{x,j} gives d v_x, d t_j,
+d b_{x,j} and (summed over x) d s_j. Rare block (x >= S): d m = sum_x G_x w_x,
+d w_x = G_x m, then m = T(gamma_s; h) backward with values h_k (d g summed over the d units).
+
+Chunk by chunk, as ``heads/mixture_ce.py``: the forward pass computes every gradient, reusing
+one ``(c, V)`` buffer for the logits, their softmax and G; the frequent block adds a few
+``(c, 4 or 3, S)`` tensors (S = 0.1 V for language modelling). Nothing of size N x V is
+allocated and nothing is recomputed; backward only scales the stored gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from highrank.heads.chunking import chunk_slices
+from highrank.heads.mixture_ce import _autocast_off as autocast_off
+
+# Inputs that can need a gradient, in the order of ``mixtape_cross_entropy_sum``.
+_DIFFERENTIABLE = (
+    "contexts",
+    "features",
+    "shared_pre",
+    "token_gate",
+    "token_gate_bias",
+    "weight",
+    "bias",
+)
+
+
+def mixtape_cross_entropy_sum(
+    contexts: torch.Tensor,
+    features: torch.Tensor,
+    shared_pre: torch.Tensor,
+    token_gate: torch.Tensor,
+    token_gate_bias: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    target: torch.Tensor,
+    chunk_size: int,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    gate_noise: float = 0.0,
+) -> torch.Tensor:
+    """Summed Mixtape loss (scalar) of ``target (N,)``; gradients computed in the forward pass.
+
+    contexts: (N, 4, d) h_k; features: (N, 3, gate_dim) t_j (unused when S = 0);
+    shared_pre: (N, 3) u_j . g; token_gate: (S, gate_dim) v_x; token_gate_bias: (S, 3)
+    b_{x,j}; weight: (V, d) decoder E, frequent ids first; bias: (V,) decoder bias.
+    Targets equal to ``ignore_index`` count zero; ``label_smoothing`` as ``F.cross_entropy``;
+    ``gate_noise``: std of the Gaussian noise on the pre-activation priors (0: none).
+    """
+    _check_shapes(contexts, features, shared_pre, token_gate, token_gate_bias, weight, bias)
+    inputs = (contexts, features, shared_pre, token_gate, token_gate_bias, weight, bias, target)
+    options = (chunk_size, float(label_smoothing), ignore_index, float(gate_noise))
+    if torch.compiler.is_compiling():
+        loss, *_ = _mixtape_cross_entropy(*inputs, *options)
+        return loss
+    return _MixtapeCrossEntropy.apply(*inputs, options)
+
+
+def _check_shapes(contexts, features, shared_pre, token_gate, token_gate_bias, weight, bias):
+    n, k, d = contexts.shape
+    s, gate_dim = token_gate.shape
+    expected = {
+        "contexts": (n, 4, d),
+        "features": (n, 3, gate_dim),
+        "shared_pre": (n, 3),
+        "token_gate_bias": (s, 3),
+        "weight": (weight.shape[0], d),
+        "bias": (weight.shape[0],),
+    }
+    actual = {
+        "contexts": contexts,
+        "features": features,
+        "shared_pre": shared_pre,
+        "token_gate_bias": token_gate_bias,
+        "weight": weight,
+        "bias": bias,
+    }
+    for name, shape in expected.items():
+        if tuple(actual[name].shape) != shape:
+            raise ValueError(
+                f"mixtape_cross_entropy_sum: {name} has shape {tuple(actual[name].shape)}; "
+                f"expected {shape}"
+            )
+    if s > weight.shape[0]:
+        raise ValueError(f"{s} frequent token gates for a vocabulary of {weight.shape[0]}")
+
+
+# ---- one chunk ------------------------------------------------------------------------------
+
+
+def _tree_mix(gates, values):
+    """T(gamma; c) ``(c, X)`` and its inner lerps A, B, for the backward pass.
+    gates: (c, 3, X) or (c, 3, 1) broadcast over X; values: (c, 4, X)."""
+    g1, g2, g3 = gates.unbind(1)
+    c1, c2, c3, c4 = values.unbind(1)
+    upper, lower = torch.lerp(c2, c1, g2), torch.lerp(c4, c3, g3)  # A, B
+    return torch.lerp(lower, upper, g1), upper, lower
+
+
+def _tree_backward(gates, values, upper, lower, grad_out):
+    """Gradients of T(gamma; c) for upstream ``grad_out (c, X)``: d values ``(c, 4, X)`` and
+    d pre-activations ``(c, 3, X)`` (the module docstring's equations)."""
+    g1, g2, g3 = gates.unbind(1)
+    c1, c2, c3, c4 = values.unbind(1)
+    grad_upper = g1 * grad_out  # dA = g1 G
+    grad_lower = grad_out - grad_upper  # dB = (1 - g1) G
+    grad_c1, grad_c3 = g2 * grad_upper, g3 * grad_lower
+    grad_values = torch.stack((grad_c1, grad_upper - grad_c1, grad_c3, grad_lower - grad_c3), dim=1)
+    grad_gates = torch.stack(
+        (grad_out * (upper - lower), grad_upper * (c1 - c2), grad_lower * (c3 - c4)), dim=1
+    )
+    # d l = d gamma sigmoid'(l), sigmoid'(l) = gamma (1 - gamma) as autograd writes it.
+    return grad_values, grad_gates.mul_(gates * (1.0 - gates))
+
+
+def _noisy(pre_activation, gate_noise):
+    if gate_noise == 0.0:
+        return pre_activation
+    return pre_activation + gate_noise * torch.randn_like(pre_activation)
+
+
+def _softmax_cross_entropy_(logits, target, kept, eps):
+    """Per-row loss ``(c,)`` of logits ``(c, V)``, which are overwritten by d loss / d logits
+    = kept [softmax - (1 - eps) onehot(target) - eps / V] (as ``mixture_ce`` with K = 1)."""
+    c, n_vocab = logits.shape
+    target_logit = logits.gather(1, target.unsqueeze(1)).squeeze(1)
+    logit_mean = logits.mean(dim=1) if eps != 0.0 else None
+    row_max = logits.amax(dim=1, keepdim=True)
+    probs = logits.sub_(row_max).exp_()  # in place: unnormalised probabilities
+    normaliser = probs.sum(dim=1)
+    log_normaliser = row_max.squeeze(1) + normaliser.log()
+    loss = log_normaliser - target_logit
+    if eps != 0.0:
+        loss = (1.0 - eps) * loss + eps * (log_normaliser - logit_mean)
+    grad = probs.mul_((kept / normaliser).unsqueeze(1))
+    if eps != 0.0:
+        grad.sub_((kept * (eps / n_vocab)).unsqueeze(1))
+    grad[torch.arange(c, device=logits.device), target] -= (1.0 - eps) * kept
+    return torch.where(kept > 0, loss, 0.0)
+
+
+def _chunk(rows, params, grads, part, target, kept, eps, gate_noise, buffer):
+    """Loss sum of the rows ``part``; writes their gradients into ``grads``.
+
+    rows: (contexts, features, shared_pre), all N rows; params: (token_gate, gate_bias_t
+    (3, S), weight, bias) in the compute dtype; grads: the dict of full gradients."""
+    token_gate, gate_bias_t, weight, bias = params
+    h, t, s = (x[part] for x in rows)  # (c, 4, d), (c, 3, gate_dim), (c, 3)
+    c, _, d = h.shape
+    n_frequent = token_gate.shape[0]
+    logits = buffer[:c]  # (c, V): frequent ids [:S], rare ids [S:]
+
+    # Rare block (gate sharing): one prior per row, mixed context m = T(gamma_s; h).
+    shared_gates = torch.sigmoid(_noisy(s, gate_noise)).unsqueeze(2)  # (c, 3, 1)
+    mixed, shared_upper, shared_lower = _tree_mix(shared_gates, h)  # (c, d)
+    torch.addmm(bias[n_frequent:], mixed, weight[n_frequent:].t(), out=logits[:, n_frequent:])
+
+    # Frequent block (vector gating): a prior per row and token.
+    if n_frequent:
+        frequent_rows = weight[:n_frequent]  # (S, d)
+        component = (h.reshape(c * 4, d) @ frequent_rows.t()).view(c, 4, n_frequent)
+        pre = (t.reshape(c * 3, -1) @ token_gate.t()).view(c, 3, n_frequent)
+        pre += s.unsqueeze(2) + gate_bias_t
+        gates = torch.sigmoid_(_noisy(pre, gate_noise))  # (c, 3, S)
+        mixed_logits, upper, lower = _tree_mix(gates, component)
+        torch.add(mixed_logits, bias[:n_frequent], out=logits[:, :n_frequent])
+
+    loss = _softmax_cross_entropy_(logits, target[part], kept[part], eps)
+    grad_rare, grad_frequent = logits[:, n_frequent:], logits[:, :n_frequent]
+
+    grads["weight"][n_frequent:].addmm_(grad_rare.t(), mixed)  # d w_x = G_x m
+    grads["bias"] += logits.sum(dim=0)
+    grad_contexts, grad_shared = _tree_backward(
+        shared_gates, h, shared_upper, shared_lower, grad_rare @ weight[n_frequent:]
+    )
+    grad_shared = grad_shared.sum(dim=2)  # (c, 3): over the d units sharing each gate
+    if n_frequent:
+        grad_component, grad_pre = _tree_backward(gates, component, upper, lower, grad_frequent)
+        grad_component = grad_component.view(c * 4, n_frequent)
+        grad_contexts += (grad_component @ frequent_rows).view(c, 4, d)
+        grads["weight"][:n_frequent].addmm_(grad_component.t(), h.reshape(c * 4, d))
+        grad_pre_rows = grad_pre.view(c * 3, n_frequent)
+        grads["features"][part] = (grad_pre_rows @ token_gate).view(t.shape)
+        grads["token_gate"].addmm_(grad_pre_rows.t(), t.reshape(c * 3, -1))
+        grads["token_gate_bias"] += grad_pre.sum(dim=0).t()
+        grad_shared += grad_pre.sum(dim=2)  # s_j is in every frequent pre-activation
+    grads["contexts"][part] = grad_contexts
+    grads["shared_pre"][part] = grad_shared
+    return loss.sum()
+
+
+def _loss_and_gradients(
+    contexts,
+    features,
+    shared_pre,
+    token_gate,
+    token_gate_bias,
+    weight,
+    bias,
+    target,
+    chunk_size,
+    eps,
+    ignore_index,
+    gate_noise,
+) -> tuple[torch.Tensor, ...]:
+    """(loss sum, then the gradient of every input of ``_DIFFERENTIABLE``), at least float32."""
+    dtype = torch.promote_types(contexts.dtype, torch.float32)
+    rows = tuple(x.to(dtype) for x in (contexts, features, shared_pre))
+    params = (token_gate.to(dtype), token_gate_bias.to(dtype).t(), weight.to(dtype), bias.to(dtype))
+    n = contexts.shape[0]
+    grads = {
+        "contexts": torch.empty_like(rows[0]),
+        "features": torch.zeros_like(rows[1]),  # stays 0 when S = 0 (features unused)
+        "shared_pre": torch.empty_like(rows[2]),
+        "token_gate": torch.zeros_like(params[0]),
+        "token_gate_bias": torch.zeros(token_gate_bias.shape, dtype=dtype, device=bias.device),
+        "weight": torch.zeros_like(params[2]),
+        "bias": torch.zeros_like(params[3]),
+    }
+    buffer = rows[0].new_empty(max(1, min(chunk_size, n)), weight.shape[0])
+    kept = (target != ignore_index).to(dtype)  # (N,) 0 for ignored targets
+    target = torch.where(target != ignore_index, target, 0)  # any valid id: weighted 0
+    total = torch.zeros((), dtype=torch.float64, device=contexts.device)
+    for part in chunk_slices(n, chunk_size):
+        total += _chunk(rows, params, grads, part, target, kept, eps, gate_noise, buffer).double()
+    return (total.to(dtype), *(grads[name] for name in _DIFFERENTIABLE))
+
+
+# ---- autograd: eager and compiled, as heads/mixture_ce.py -----------------------------------
+
+
+class _MixtapeCrossEntropy(torch.autograd.Function):
+    """Eager mode: the loss with its gradients computed in forward; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, *inputs_and_options):
+        *inputs, options = inputs_and_options
+        with autocast_off(inputs[0].device.type):
+            loss, *grads = _loss_and_gradients(*inputs, *options)
+        ctx.save_for_backward(*grads)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return (*_scaled_gradients(ctx, grad_loss), None, None)  # target, options
+
+
+@torch.library.custom_op("highrank::mixtape_cross_entropy", mutates_args=())
+def _mixtape_cross_entropy(
+    contexts: torch.Tensor,
+    features: torch.Tensor,
+    shared_pre: torch.Tensor,
+    token_gate: torch.Tensor,
+    token_gate_bias: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    target: torch.Tensor,
+    chunk_size: int,
+    label_smoothing: float,
+    ignore_index: int,
+    gate_noise: float,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """(loss sum, then the gradient of every input of ``_DIFFERENTIABLE``), at least float32.
+    One opaque node under torch.compile (see ``mixture_ce``: a traced chunk loop would unroll)."""
+    with autocast_off(contexts.device.type):
+        return _loss_and_gradients(
+            contexts,
+            features,
+            shared_pre,
+            token_gate,
+            token_gate_bias,
+            weight,
+            bias,
+            target,
+            chunk_size,
+            label_smoothing,
+            ignore_index,
+            gate_noise,
+        )
+
+
+@_mixtape_cross_entropy.register_fake
+def _(contexts, features, shared_pre, token_gate, token_gate_bias, weight, bias, *_options):
+    dtype = torch.promote_types(contexts.dtype, torch.float32)
+    inputs = (contexts, features, shared_pre, token_gate, token_gate_bias, weight, bias)
+    return (
+        contexts.new_empty((), dtype=dtype),
+        *(x.new_empty(x.shape, dtype=dtype) for x in inputs),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+
+
+def _backward(ctx, grad_loss, *_unused_gradient_grads):
+    return (*_scaled_gradients(ctx, grad_loss), None, None, None, None, None)
+
+
+def _scaled_gradients(ctx, grad_loss) -> list[torch.Tensor | None]:
+    """The saved gradients of the differentiable inputs, times d out / d loss."""
+    grads, needs = ctx.saved_tensors, ctx.needs_input_grad[: len(_DIFFERENTIABLE)]
+    return [grad * grad_loss if need else None for grad, need in zip(grads, needs, strict=True)]
+
+
+_mixtape_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
