@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from highrank.heads.base import OutputHead
 from highrank.heads.functional import sigmoid_tree
 from highrank.heads.mixtape import Mixtape
 from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
@@ -201,15 +200,10 @@ def test_more_token_gates_than_tokens_is_one_clear_error():
 # ---- the module: fused chunks against the generic path in float64 -------------------------
 
 
-class _GenericMixtape(Mixtape):
-    """Mixtape on the generic chunked path (autograd on ``_logits``, chunk by chunk)."""
-
-    _chunked_loss_sum = OutputHead._chunked_loss_sum
-
-
 def _generic(head: Mixtape, dtype=torch.float64) -> Mixtape:
+    """A copy of the head on the generic chunked path (autograd on ``_logits``)."""
     reference = copy.deepcopy(head).to(dtype)
-    reference.__class__ = _GenericMixtape
+    reference.fused_loss = False
     return reference
 
 
@@ -406,3 +400,17 @@ def _module_run_with(loss_fn, head, hidden, target):
     loss = loss_fn(hidden, target)
     loss.backward()
     return loss.detach(), hidden.grad, {n: p.grad for n, p in head.named_parameters()}
+
+
+def test_the_generic_reference_does_not_run_the_fused_loss(make_head, monkeypatch):
+    # The references above switch fused_loss off; they must then really be the generic path.
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused loss ran in the generic reference")
+
+    monkeypatch.setattr("highrank.heads.mixtape.mixtape_cross_entropy_sum", refuse)
+    head = _generic(make_head("mixtape"), torch.float32)
+    hidden, target = _module_inputs()
+    head.loss(hidden, target, chunk_size=7).backward()
+    assert head.auto_chunk_tokens() == 256  # GENERIC_AUTO_CHUNK_TOKENS
+    with pytest.raises(AssertionError, match="the fused loss ran"):
+        make_head("mixtape").loss(hidden, target, chunk_size=7)

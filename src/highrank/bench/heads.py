@@ -53,6 +53,7 @@ class BenchCase:
     d_in: int
     knobs: dict = dataclasses.field(default_factory=dict)
     chunk_size: int | None | str = None  # as OutputHead.loss: an int, None or "auto"
+    generic_loss: bool = False  # Mixtape only: the generic chunked loss, not the fused one
 
 
 MIXTURE = {"d_embed": 280, "dropout_time_dim": 0}
@@ -77,6 +78,10 @@ def _cases() -> dict[str, BenchCase]:
     cases["mixtape-no-sharing"] = BenchCase(
         "mixtape-no-sharing", "mixtape", 620, no_sharing, "auto"
     )
+    # Before heads/mixtape_ce.py: autograd on the mixed logits, chunk by chunk.
+    cases["mixtape-generic"] = BenchCase(
+        "mixtape-generic", "mixtape", 620, HEAD_SHAPES["mixtape"][1], "auto", generic_loss=True
+    )
     return cases
 
 
@@ -100,6 +105,8 @@ def build_step(case: BenchCase, vocab_size: int, tokens: int, device: str, seed:
         return _naive_softmax_step(hidden, target, vocab_size)
     torch.manual_seed(seed)
     head = build_head(case.head, d_in=case.d_in, vocab_size=vocab_size, **case.knobs).to(device)
+    if case.generic_loss:
+        head.fused_loss = False
 
     def step() -> None:
         head.loss(hidden, target, chunk_size=case.chunk_size).backward()

@@ -42,6 +42,11 @@ from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
 N_GATES = N_COMPONENTS - 1
+# The fused loss's "auto" chunks hold at least this many tokens. Each chunk makes three passes
+# over the V x d decoder (its logits, d m and the decoder gradient), so small chunks are bound
+# by memory traffic, not arithmetic (chunk sweep in benchmarks/results/heads-mixtape-fused/),
+# while 128 tokens of V + 12 S float32 values are 107 MiB at V = 100,000, S = 10,000.
+MIN_AUTO_CHUNK_TOKENS = 128
 
 
 class Mixtape(OutputHead):
@@ -157,16 +162,29 @@ class Mixtape(OutputHead):
         logits = self._logits(h, component_mask, gate_mask)
         return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
 
+    # False: the scalar chunked loss takes the generic gradient-in-forward path of
+    # OutputHead (autograd on _logits, chunk by chunk) instead of heads/mixtape_ce.py; kept
+    # so that benchmarks and tests can compare the two on one head.
+    fused_loss = True
+
     def auto_chunk_tokens(self) -> int:
-        return self.fused_auto_chunk_tokens()
+        if not self.fused_loss:
+            return super().auto_chunk_tokens()
+        return max(self.fused_auto_chunk_tokens(), MIN_AUTO_CHUNK_TOKENS)
 
     def logits_per_token(self) -> int:
-        """The fused loss's V logits, plus 4 component logits and 3 gates per frequent id."""
-        return self.vocab_size + (N_COMPONENTS + N_GATES) * self.n_frequent
+        """The fused loss's V logits, plus 12 values per frequent id at its peak: 4
+        component logits (then their gradients), 3 gates, the tree's inner lerps A - B and
+        B, and 3 gate gradients."""
+        return self.vocab_size + 12 * self.n_frequent
 
     def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
         """The fused closed-form loss of ``heads/mixtape_ce.py``: only the (N, 4, d), (N, 3,
         gate_dim) and (N, 3) activations below are differentiated by autograd."""
+        if not self.fused_loss:
+            return super()._chunked_loss_sum(
+                rows, target, masks, chunk_size, label_smoothing, ignore_index
+            )
         component_mask, gate_mask = masks
         token_gate, token_gate_bias = self.token_gate, self.token_gate_bias
         if self.n_frequent:

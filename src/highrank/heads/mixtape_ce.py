@@ -130,35 +130,49 @@ def _check_shapes(contexts, features, shared_pre, token_gate, token_gate_bias, w
 # ---- one chunk ------------------------------------------------------------------------------
 
 
-def _tree_mix(gates, values):
-    """T(gamma; c) ``(c, X)`` and its inner lerps A, B, for the backward pass.
-    gates: (c, 3, X) or (c, 3, 1) broadcast over X; values: (c, 4, X)."""
-    g1, g2, g3 = gates.unbind(1)
-    c1, c2, c3, c4 = values.unbind(1)
+def _tree_mix(gates, values, dim):
+    """T(gamma; c) and its inner lerps A, B (kept for the backward pass), along ``dim``:
+    gates (.., 3, ..) (broadcast over the values' other sizes), values (.., 4, ..)."""
+    g1, g2, g3 = gates.unbind(dim)
+    c1, c2, c3, c4 = values.unbind(dim)
     upper, lower = torch.lerp(c2, c1, g2), torch.lerp(c4, c3, g3)  # A, B
     return torch.lerp(lower, upper, g1), upper, lower
 
 
-def _tree_backward(gates, values, upper, lower, grad_out):
-    """Gradients of T(gamma; c) for upstream ``grad_out (c, X)``: d values ``(c, 4, X)`` and
-    d pre-activations ``(c, 3, X)`` (the module docstring's equations)."""
-    g1, g2, g3 = gates.unbind(1)
-    c1, c2, c3, c4 = values.unbind(1)
-    grad_upper = g1 * grad_out  # dA = g1 G
-    grad_lower = grad_out - grad_upper  # dB = (1 - g1) G
-    grad_c1, grad_c3 = g2 * grad_upper, g3 * grad_lower
-    grad_values = torch.stack((grad_c1, grad_upper - grad_c1, grad_c3, grad_lower - grad_c3), dim=1)
-    grad_gates = torch.stack(
-        (grad_out * (upper - lower), grad_upper * (c1 - c2), grad_lower * (c3 - c4)), dim=1
-    )
-    # d l = d gamma sigmoid'(l), sigmoid'(l) = gamma (1 - gamma) as autograd writes it.
-    return grad_values, grad_gates.mul_(gates * (1.0 - gates))
+def _tree_backward(gates, values, upper, lower, grad_out, dim, *, overwrite_values=False):
+    """Gradients of T(gamma; c) for upstream ``grad_out``: d values (the values' shape) and
+    d gamma (3 along ``dim``; the gates' sigmoid derivative is left to the caller), slot by
+    slot (the module docstring's equations). ``upper`` is overwritten by A - B, and with
+    ``overwrite_values`` the values by their gradient (no second (c, 4, S) tensor)."""
+    g1, g2, g3 = gates.unbind(dim)
+    c1, c2, c3, c4 = values.unbind(dim)
+    grad_values = values if overwrite_values else torch.empty_like(values)
+    shape = list(values.shape)
+    shape[dim] = 3
+    grad_gammas = values.new_empty(shape)
+    d1, d2, d3, d4 = grad_values.unbind(dim)
+    e1, e2, e3 = grad_gammas.unbind(dim)
+    torch.sub(c1, c2, out=e2)  # the values' last use: their slots are free from here on
+    torch.sub(c3, c4, out=e3)
+    grad_upper = torch.mul(grad_out, g1, out=d2)  # dA = g1 G, held in d c2's slot
+    grad_lower = torch.sub(grad_out, grad_upper, out=d4)  # dB = (1 - g1) G, in d c4's
+    torch.mul(grad_out, upper.sub_(lower), out=e1)  # d g1 = G (A - B)
+    e2.mul_(grad_upper)  # d g2 = dA (c1 - c2)
+    e3.mul_(grad_lower)  # d g3 = dB (c3 - c4)
+    torch.mul(grad_upper, g2, out=d1)  # d c1 = g2 dA
+    d2.sub_(d1)  # d c2 = (1 - g2) dA
+    torch.mul(grad_lower, g3, out=d3)  # d c3 = g3 dB
+    d4.sub_(d3)  # d c4 = (1 - g3) dB
+    return grad_values, grad_gammas
 
 
-def _noisy(pre_activation, gate_noise):
-    if gate_noise == 0.0:
-        return pre_activation
-    return pre_activation + gate_noise * torch.randn_like(pre_activation)
+def _noisy_(pre_activation, gate_noise, draw_shape, dims):
+    """Adds gate noise in place. The noise is drawn in the generic path's layout
+    ``draw_shape`` (so that a seeded run draws the same numbers) and permuted by ``dims``."""
+    if gate_noise != 0.0:
+        noise = torch.randn(draw_shape, dtype=pre_activation.dtype, device=pre_activation.device)
+        pre_activation.add_(noise.permute(dims), alpha=gate_noise)
+    return pre_activation
 
 
 def _softmax_cross_entropy_(logits, target, kept, eps):
@@ -193,39 +207,52 @@ def _chunk(rows, params, grads, part, target, kept, eps, gate_noise, buffer):
     logits = buffer[:c]  # (c, V): frequent ids [:S], rare ids [S:]
 
     # Rare block (gate sharing): one prior per row, mixed context m = T(gamma_s; h).
-    shared_gates = torch.sigmoid(_noisy(s, gate_noise)).unsqueeze(2)  # (c, 3, 1)
-    mixed, shared_upper, shared_lower = _tree_mix(shared_gates, h)  # (c, d)
+    shared_gates = torch.sigmoid(_noisy_(s.clone(), gate_noise, (c, 3), (0, 1))).unsqueeze(2)
+    mixed, shared_upper, shared_lower = _tree_mix(shared_gates, h, dim=1)  # (c, d)
     torch.addmm(bias[n_frequent:], mixed, weight[n_frequent:].t(), out=logits[:, n_frequent:])
 
-    # Frequent block (vector gating): a prior per row and token.
+    # Frequent block (vector gating): a prior per row and token, laid out gate-major,
+    # (3 or 4, c, S), so that each comes from one matmul and each gate is a contiguous block.
     if n_frequent:
         frequent_rows = weight[:n_frequent]  # (S, d)
-        component = (h.reshape(c * 4, d) @ frequent_rows.t()).view(c, 4, n_frequent)
-        pre = (t.reshape(c * 3, -1) @ token_gate.t()).view(c, 3, n_frequent)
-        pre += s.unsqueeze(2) + gate_bias_t
-        gates = torch.sigmoid_(_noisy(pre, gate_noise))  # (c, 3, S)
-        mixed_logits, upper, lower = _tree_mix(gates, component)
+        h_major = h.transpose(0, 1).reshape(4 * c, d)  # rows (k, i)
+        t_major = t.transpose(0, 1).reshape(3 * c, -1)  # rows (j, i)
+        component = (h_major @ frequent_rows.t()).view(4, c, n_frequent)  # h_k . w_x
+        pre = (t_major @ token_gate.t()).view(3, c, n_frequent)  # v_x . t_j
+        pre += gate_bias_t.unsqueeze(1)  # + b_{x,j}
+        pre += s.t().unsqueeze(2)  # + s_j
+        gates = torch.sigmoid_(_noisy_(pre, gate_noise, (c, 3, n_frequent), (1, 0, 2)))
+        mixed_logits, upper, lower = _tree_mix(gates, component, dim=0)  # (c, S)
         torch.add(mixed_logits, bias[:n_frequent], out=logits[:, :n_frequent])
+        del mixed_logits
 
-    loss = _softmax_cross_entropy_(logits, target[part], kept[part], eps)
+    loss = _softmax_cross_entropy_(logits, target[part], kept[part], eps)  # logits := G
     grad_rare, grad_frequent = logits[:, n_frequent:], logits[:, :n_frequent]
 
     grads["weight"][n_frequent:].addmm_(grad_rare.t(), mixed)  # d w_x = G_x m
     grads["bias"] += logits.sum(dim=0)
-    grad_contexts, grad_shared = _tree_backward(
-        shared_gates, h, shared_upper, shared_lower, grad_rare @ weight[n_frequent:]
+    grad_mixed = grad_rare @ weight[n_frequent:]  # d m: (c, d)
+    grad_contexts, grad_gammas = _tree_backward(
+        shared_gates, h, shared_upper, shared_lower, grad_mixed, dim=1
     )
-    grad_shared = grad_shared.sum(dim=2)  # (c, 3): over the d units sharing each gate
+    # (c, 3): summed over the d units sharing each gate, then through the sigmoid.
+    grad_shared = torch.ops.aten.sigmoid_backward(grad_gammas.sum(dim=2), shared_gates.squeeze(2))
     if n_frequent:
-        grad_component, grad_pre = _tree_backward(gates, component, upper, lower, grad_frequent)
-        grad_component = grad_component.view(c * 4, n_frequent)
-        grad_contexts += (grad_component @ frequent_rows).view(c, 4, d)
-        grads["weight"][:n_frequent].addmm_(grad_component.t(), h.reshape(c * 4, d))
-        grad_pre_rows = grad_pre.view(c * 3, n_frequent)
-        grads["features"][part] = (grad_pre_rows @ token_gate).view(t.shape)
-        grads["token_gate"].addmm_(grad_pre_rows.t(), t.reshape(c * 3, -1))
-        grads["token_gate_bias"] += grad_pre.sum(dim=0).t()
-        grad_shared += grad_pre.sum(dim=2)  # s_j is in every frequent pre-activation
+        grad_component, grad_pre = _tree_backward(
+            gates, component, upper, lower, grad_frequent, dim=0, overwrite_values=True
+        )
+        del upper, lower
+        # d l = d gamma gamma (1 - gamma), in place: (3, c, S)
+        torch.ops.aten.sigmoid_backward.grad_input(grad_pre, gates, grad_input=grad_pre)
+        grad_component = grad_component.view(4 * c, n_frequent)
+        grad_contexts += (grad_component @ frequent_rows).view(4, c, d).transpose(0, 1)
+        grads["weight"][:n_frequent].addmm_(grad_component.t(), h_major)
+        grad_pre_rows = grad_pre.view(3 * c, n_frequent)
+        grad_features = (grad_pre_rows @ token_gate).view(3, c, -1)
+        grads["features"][part] = grad_features.transpose(0, 1)
+        grads["token_gate"].addmm_(grad_pre_rows.t(), t_major)
+        grads["token_gate_bias"] += grad_pre.sum(dim=1).t()
+        grad_shared += grad_pre.sum(dim=2).t()  # s_j is in every frequent pre-activation
     grads["contexts"][part] = grad_contexts
     grads["shared_pre"][part] = grad_shared
     return loss.sum()
