@@ -62,8 +62,8 @@ TRANSFORMER = [
     "train.warmup_steps=2",
     "train.accumulate=2",  # micro-batches: DDP averages once per update (no_sync)
 ]
-# Heads whose losses take each path: fused closed-form gradients (softmax, MoS: mixture_ce)
-# and the generic gradient-in-forward chunks (Mixtape), with several chunks per window.
+# Heads whose losses take the fused closed-form gradients (softmax, MoS: mixture_ce; Mixtape:
+# mixtape_ce), with several chunks per window.
 HEADS = {
     "softmax": ["head.name=softmax"],
     "mos": ["head.name=mos", "head.n_components=2", "head.latent_dropout=0"],

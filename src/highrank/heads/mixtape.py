@@ -44,8 +44,11 @@ N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four component
 N_GATES = N_COMPONENTS - 1
 # The fused loss's "auto" chunks hold at least this many tokens. Each chunk makes three passes
 # over the V x d decoder (its logits, d m and the decoder gradient), so small chunks are bound
-# by memory traffic, not arithmetic (chunk sweep in benchmarks/results/heads-mixtape-fused/),
-# while 128 tokens of V + 12 S float32 values are 107 MiB at V = 100,000, S = 10,000.
+# by memory traffic, not arithmetic: at V = 100,000 (1400 tokens, one thread, shared machine)
+# a step took 1.12x a naive softmax with 20-token chunks (2**21 values would give 9 tokens),
+# 1.06x with 40, 0.95x with 80, 0.84x with 128, 0.91x with 256
+# (benchmarks/results/heads-mixtape-fused/chunk-sweep-V100000.md), while 128 tokens of
+# V + 12 S float32 values are 107 MiB there (S = 10,000).
 MIN_AUTO_CHUNK_TOKENS = 128
 
 

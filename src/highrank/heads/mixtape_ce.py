@@ -20,8 +20,9 @@ and the logits are (vector gating for the S frequent tokens, gate sharing for th
 
 so the rare block is an ordinary softmax-layer matmul with one mixed context m per row.
 Gaussian gate noise (paper Sec. 3.4), when on, is added to both pre-activations before the
-sigmoid, drawn in the order the generic path draws it (per chunk: the shared (c, 3), then
-the frequent (c, 3, S)), so a seeded fused run draws the very same noise.
+sigmoid, drawn in the order and layout the generic path draws it (per chunk: the shared
+(c, 3), then the frequent (c, 3, S), permuted afterwards to the gate-major layout below), so
+a seeded fused run draws the very same noise.
 
 The loss is ``F.cross_entropy`` of z with label smoothing eps, weighted by w = 0 for
 ignored targets and 1 otherwise:
@@ -42,8 +43,12 @@ d b_{x,j} and (summed over x) d s_j. Rare block (x >= S): d m = sum_x G_x w_x,
 d w_x = G_x m, then m = T(gamma_s; h) backward with values h_k (d g summed over the d units).
 
 Chunk by chunk, as ``heads/mixture_ce.py``: the forward pass computes every gradient, reusing
-one ``(c, V)`` buffer for the logits, their softmax and G; the frequent block adds a few
-``(c, 4 or 3, S)`` tensors (S = 0.1 V for language modelling). Nothing of size N x V is
+one ``(c, V)`` buffer for the logits, their softmax and G. The frequent block is laid out
+gate-major, ``(4, c, S)`` component logits and ``(3, c, S)`` gates, so that each comes from
+one matmul and each gate is a contiguous block; its backward overwrites the component logits
+with their gradients, so at its peak a chunk holds V + 12 S values per token (S = 0.1 V for
+language modelling). Per chunk: three matmuls with the rare rows of the decoder, three with
+the frequent rows (4 c rows each), three with the token gates. Nothing of size N x V is
 allocated and nothing is recomputed; backward only scales the stored gradients.
 """
 
