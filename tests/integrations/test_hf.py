@@ -92,7 +92,8 @@ def test_loss_chunks_hold_at_least_256_rows_of_logits():
 
     assert chunk("softmax") == 256  # auto would be 2**21 // 49,152 = 42
     assert chunk("mos", n_components=4) == 64  # 64 tokens x 4 components
-    assert chunk("mixtape", gate_dim=2) == 256
+    # Fused Mixtape: V + 12 S = 2.2 V values per token (S = 0.1 V), so 2 rows: 128 tokens.
+    assert chunk("mixtape", gate_dim=2) == 128
     small = build_head("softmax", d_in=4, vocab_size=100)
     assert hf.loss_chunk_tokens(small) == small.auto_chunk_tokens()  # 20,971: the head's own
 
