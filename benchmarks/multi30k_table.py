@@ -21,6 +21,10 @@ For every head (``configs/multi30k/transformer-<head>.toml``, the same budget fo
    and report their peak RSS; ``B`` doubles from 8 until the peak exceeds
    ``--memory-budget-mb``, then is bisected; the largest ``B`` that fits and its median time
    per sentence are recorded.
+5. **sentences**: the time per sentence at those batch sizes, side by side: one process
+   builds every head's model and its largest batch (the very batch its probe fitted) and
+   times their training steps interleaved ``--repeats`` times (medians, ratios to the first
+   head); the probes' own step times came from separate processes at other moments.
 
 Each stage writes ``<out>/<stage>-<head>.json`` (or ``timing.json``) when done and is skipped
 when that file exists: rerunning continues, never redoes finished work. The table is
@@ -48,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 HEADS = ("softmax", "mos", "mixtape")
-STAGES = ("train", "bleu", "timing", "memory", "table")
+STAGES = ("train", "bleu", "timing", "memory", "sentences", "table")
 TINY = [
     "--model.d_embed=32",
     "--model.n_heads=2",
@@ -265,24 +269,32 @@ def timing(heads, args, runs: Path) -> dict:
 # ---- 4. per sentence at the same peak-memory budget -------------------------------------------
 
 
+def sentence_batch(data, config, sentences: int):
+    """``sentences`` train pairs drawn from a fixed generator (those that fit model.max_len),
+    padded into one batch: the indices and the batch."""
+    import numpy as np
+
+    from highrank.bitext import collate
+
+    pairs = data.pairs("train")
+    lengths = np.maximum(pairs.src_lengths, pairs.tgt_lengths) + 1
+    keep = np.flatnonzero(lengths <= config.model.max_len)
+    chosen = np.random.default_rng(0).choice(keep, size=min(sentences, keep.size), replace=False)
+    return chosen, collate(pairs, chosen, data.special)
+
+
 def probe_memory(head: str, sentences: int, args, runs: Path) -> None:
     """(A fresh process.) Train ``sentences`` fixed pairs for a few steps; print peak RSS and
     the median step time as JSON."""
-    import numpy as np
     import torch
 
-    from highrank.bitext import collate
     from highrank.train.schedule import build_adamw
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     models, data = load_models([head], args, runs)
     model, config = models[head]
-    pairs = data.pairs("train")
-    lengths = np.maximum(pairs.src_lengths, pairs.tgt_lengths) + 1
-    keep = np.flatnonzero(lengths <= config.model.max_len)
-    chosen = np.random.default_rng(0).choice(keep, size=min(sentences, keep.size), replace=False)
-    batch = collate(pairs, chosen, data.special)
+    chosen, batch = sentence_batch(data, config, sentences)
     optimizer = build_adamw(model, 1e-4, 0.0, (0.9, 0.98), 1e-9)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     times = [training_step(model, optimizer, batch) for _ in range(args.memory_steps)]
@@ -332,12 +344,41 @@ def memory_head(head: str, args, runs: Path) -> dict:
     }
 
 
+def sentence_timing(heads, out: Path, args, runs: Path) -> dict:
+    """Stage 5: each head at its largest batch in the memory budget, timed side by side."""
+    import torch
+
+    from highrank.train.schedule import build_adamw
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    models, data = load_models(heads, args, runs)
+    sizes = {h: json.loads((out / f"memory-{h}.json").read_text())["largest_batch_sentences"]
+             for h in heads}  # fmt: skip
+    batches = {h: sentence_batch(data, models[h][1], sizes[h])[1] for h in heads}
+    optimizers = {h: build_adamw(m, 1e-4, 0.0, (0.9, 0.98), 1e-9) for h, (m, _) in models.items()}
+    times = {h: [] for h in heads}
+    for h, (model, _) in models.items():
+        model.train()
+        training_step(model, optimizers[h], batches[h])  # warm-up, not timed
+    for _ in range(args.repeats):
+        for h, (model, _) in models.items():  # interleaved: the machine's load hits all
+            times[h].append(training_step(model, optimizers[h], batches[h]))
+    per = {h: statistics.median(times[h]) / sizes[h] for h in heads}
+    return {"repeats": args.repeats, "machine": machine(args.threads),
+            "heads": {h: {"sentences": sizes[h], "step_s": times[h],
+                          "ms_per_sentence": 1000 * per[h], "ratio": per[h] / per[heads[0]]}
+                      for h in heads}}  # fmt: skip
+
+
 # ---- the table ---------------------------------------------------------------------------------
 
 
 def table(heads, out: Path, args) -> None:
     rows = []
     timing_record = json.loads((out / "timing.json").read_text())
+    side_by_side = out / "sentences.json"  # stage 5; without it the column is left empty
+    per_sentence = json.loads(side_by_side.read_text())["heads"] if side_by_side.is_file() else {}
     for head in heads:
         train = json.loads((out / f"train-{head}.json").read_text())
         bleu = json.loads((out / f"bleu-{head}.json").read_text())
@@ -347,7 +388,8 @@ def table(heads, out: Path, args) -> None:
                      "steps": train["steps"], "train_seconds": train["train_seconds"],
                      "best_val_ppl": train["best_val_ppl"], **t,
                      "largest_batch_sentences": memory["largest_batch_sentences"],
-                     "ms_per_sentence": memory["ms_per_sentence"]})  # fmt: skip
+                     "ms_per_sentence": per_sentence.get(head, {}).get("ms_per_sentence"),
+                     })  # fmt: skip
     base = rows[0]["ms_per_sentence"]
     m = timing_record["machine"]
     lines = [
@@ -398,6 +440,8 @@ def main(argv=None) -> int:
     for head in heads:
         if "memory" in stages and not (out / f"memory-{head}.json").is_file():
             write_json(out / f"memory-{head}.json", memory_head(head, args, runs))
+    if "sentences" in stages and not (out / "sentences.json").is_file():
+        write_json(out / "sentences.json", sentence_timing(heads, out, args, runs))
     if "table" in stages:
         table(heads, out, args)
     return 0
