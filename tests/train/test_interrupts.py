@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -48,17 +49,20 @@ def tiny(corpus: Path, out: Path, *overrides: str):
 
 
 def send_at(step: int, *signals: int):
-    """A callback that sends ``signals`` to this process after ``step``, one after another.
-
-    ``signal.raise_signal`` delivers to this (the main) thread and runs the Python handler
-    before it returns; ``os.kill`` may deliver to another thread (torch's or gloo's), and two
-    such signals can then coalesce into one before the handler runs (a flaky second signal).
+    """A callback that sends ``signals`` to this process after ``step``, one after another,
+    each only once the handler it met has run (it puts the previous handler back): two
+    signals sent back to back could otherwise coalesce into one before Python runs a handler
+    (CI saw the second SIGINT of the test below caught as if it were the first, once).
     """
 
     def callback(info):
         if info.step == step:
             for number in signals:
+                handler = signal.getsignal(number)
                 signal.raise_signal(number)
+                deadline = time.monotonic() + 10
+                while signal.getsignal(number) is handler and time.monotonic() < deadline:
+                    time.sleep(0.01)  # a sleep lets a pending handler run
 
     return callback
 
