@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -535,3 +536,26 @@ def test_zipf_cli_writes_a_corpus(tmp_path, capsys):
     assert (tmp_path / "z" / "train.txt").is_file() and "wrote" in capsys.readouterr().out
     assert main(["data", "zipf", str(tmp_path / "y"), "--tokens", "1"]) == 2
     assert "tokens = 1; expected an int >= 2" in capsys.readouterr().err
+
+
+def test_a_rebuild_removes_what_killed_builds_left_behind(tmp_path, cache):
+    folder = write_corpus(tmp_path / "c", "a b a\nb c\n")
+    built = load_stream_corpus(folder, cache_dir=cache).cache
+    shutil.rmtree(built)  # the next load builds again
+    leftovers = [built.parent / f".{built.name}.k1ll3d", built.parent / f".{built.name}.x.stale"]
+    for leftover in leftovers:
+        leftover.mkdir()
+        (leftover / "train.ids").write_bytes(b"\0" * 64)
+    other_key = built.parent / ".another-key.k1ll3d"
+    other_key.mkdir()
+    corpus = load_stream_corpus(folder, cache_dir=cache)
+    assert corpus.cache == built and not any(p.exists() for p in leftovers)
+    assert other_key.is_dir()  # another key's build may still be running
+
+
+def test_sentence_ends_of_a_slice_of_a_memory_map_count_from_the_slice(tmp_path):
+    path = tmp_path / "ids"
+    np.array([5, 0, 5, 5, 0, 5, 5, 5, 0], dtype=streaming.ID_DTYPE).tofile(path)
+    mapped = np.memmap(path, dtype=streaming.ID_DTYPE, mode="r")
+    assert streaming.sentence_ends(mapped, 0).tolist() == [2, 5, 9]
+    assert streaming.sentence_ends(mapped[2:], 0).tolist() == [3, 7]

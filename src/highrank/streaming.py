@@ -333,6 +333,10 @@ def _write_cache(folder: Path, files, mode: str, max_vocab: int | None, key: str
     """Build into a temporary sibling folder and rename it to ``folder`` (atomic); a stale or
     incomplete ``folder`` is moved aside and deleted first."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    # Builds killed outright (SIGKILL, out of memory) leave their temporary folders; under the
+    # build lock no other builder of this key is running, so they are removed here.
+    for leftover in folder.parent.glob(f".{folder.name}.*"):
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
         meta = _build(tmp, files, mode, max_vocab) | {"key": key}
@@ -471,7 +475,8 @@ def _read_ids(ids: np.ndarray, start: int, count: int) -> np.ndarray:
     opens them) read from its file, so that a scan does not leave the whole file resident in
     this process's mapped memory; a plain array is sliced."""
     filename = getattr(ids, "filename", None)
-    if filename is None:
+    whole_file = filename is not None and ids.offset == 0 and ids.base is getattr(ids, "_mmap", 0)
+    if not whole_file:  # a plain array, or a slice of a map (numpy keeps its file and offset 0)
         return np.asarray(ids[start : start + count])
     count = min(count, ids.size - start)
     return np.fromfile(
