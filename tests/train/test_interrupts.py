@@ -52,7 +52,7 @@ def send_at(step: int, *signals: int):
     """A callback that sends ``signals`` to this process after ``step``, one after another,
     each only once the handler it met has run (it puts the previous handler back): two
     signals sent back to back could otherwise coalesce into one before Python runs a handler
-    (CI saw the second SIGINT of the test below caught as if it were the first, once).
+    (the usual precaution when a test signals itself).
     """
 
     def callback(info):
@@ -93,7 +93,17 @@ def test_a_signal_saves_between_two_steps_and_the_run_resumes_exactly(
     assert losses(out) == losses(tmp_path / "straight")
 
 
-def test_a_second_signal_interrupts_at_once_without_saving(corpus, tmp_path):
+@pytest.fixture
+def usual_ctrl_c():
+    """SIGINT raising KeyboardInterrupt, as in a terminal. A process started in the background
+    by a non-interactive shell (CI's runner) inherits SIGINT *ignored*, and Python then keeps
+    it ignored: a second Ctrl-C "acting as usual" would do nothing there."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_second_signal_interrupts_at_once_without_saving(corpus, tmp_path, usual_ctrl_c):
     out = tmp_path / "run"
     options = TrainOptions(progress=False, callback=send_at(5, signal.SIGINT, signal.SIGINT))
     with pytest.raises(KeyboardInterrupt) as stopped:
