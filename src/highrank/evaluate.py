@@ -38,9 +38,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from highrank.data import Vocab, batchify, iter_batches
+from highrank.data import Vocab, iter_batches
 from highrank.model import LanguageModel
 from highrank.progress import progress_bar
+from highrank.streaming import batch_view
 
 # Krause et al. (2017) hyperparameters as used for AWD-LSTM-MoS (Yang et al., 2018, Sec. 3);
 # the keys are the keyword arguments of dynamic_evaluate (and the [dynamic_eval] config keys).
@@ -380,7 +381,7 @@ class _NllTally:
         self.total = torch.zeros((), dtype=torch.float64, device=source.device)
         self.count = 0
         self.pieces: list[torch.Tensor] | None = [] if keep_tokens else None
-        self.stream = torch.as_tensor(ids).cpu() if keep_tokens else None
+        self.stream = _stream_tensor(ids) if keep_tokens else None
 
     def add(self, nll: torch.Tensor) -> None:
         """nll: (L, B) for the next L rows of targets."""
@@ -396,6 +397,14 @@ class _NllTally:
         matrix = torch.cat(self.pieces).cpu()  # (T - 1, B)
         token_nll = _stream_order(matrix, self.rows, self.stream.numel())
         return EvalResult(loss, _perplexity(loss), self.count, token_nll, self.stream[1:])
+
+
+def _stream_tensor(ids: TokenIds) -> torch.Tensor:
+    """The stream as a CPU tensor (a memory map read into int64, as the in-memory corpus has it:
+    a per-token export holds the whole split anyway)."""
+    if isinstance(ids, np.memmap):
+        return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+    return torch.as_tensor(ids).cpu()
 
 
 def _stream_order(matrix: torch.Tensor, rows: int, n_stream: int) -> torch.Tensor:
@@ -456,9 +465,11 @@ def _gradients(
 
 
 def _batchify_on(model: nn.Module, ids: TokenIds, batch_size: int, name: str) -> torch.Tensor:
-    """``batchify(ids, batch_size)`` ``(T, B)`` on the model's device; errors name ``name``."""
+    """``batchify(ids, batch_size)`` ``(T, B)`` on the model's device; errors name ``name``.
+    A memory map (a ``data.memmap`` run's split) is laid out as a view that reads each segment
+    from the map (:func:`highrank.streaming.batch_view`), never the whole split."""
     device = next(model.parameters()).device
-    return batchify(ids, batch_size, name=name).to(device)
+    return batch_view(ids, batch_size, name=name).to(device)
 
 
 def _segments(

@@ -29,6 +29,20 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def split_sha256(path: str | os.PathLike) -> str:
+    """:func:`file_sha256` of a split file; of a shard folder (a ``data.memmap`` split), the
+    sha256 over each shard's name and sha256 in the order the shards are read."""
+    path = Path(path)
+    if not path.is_dir():
+        return file_sha256(path)
+    from highrank.streaming import split_files
+
+    digest = hashlib.sha256()
+    for shard in split_files(path.parent, path.name):
+        digest.update(f"{shard.name}\0{file_sha256(shard)}\0".encode())
+    return digest.hexdigest()
+
+
 def data_facts(args: argparse.Namespace, corpus) -> dict[str, Any]:
     """What a record says about its inputs (see the module docstring)."""
     from highrank.config import load_config
@@ -42,7 +56,7 @@ def data_facts(args: argparse.Namespace, corpus) -> dict[str, Any]:
         "checkpoint_sha256": file_sha256(checkpoint),
         "data_dir": str(data_dir),
         "split_file": str(split_file.resolve()),
-        "data_sha256": file_sha256(split_file),
+        "data_sha256": split_sha256(split_file),  # a shard folder: over its shards
         "max_tokens": args.max_tokens,
         "default_data": data_dir == own_dir and args.max_tokens is None,
         "own_data_dir": data_dir == own_dir,
@@ -73,4 +87,4 @@ def describe(record: dict[str, Any]) -> str:
     return f"{checkpoint} on {data} {record.get('split', '?')}{count}{first}"
 
 
-__all__ = ["data_facts", "describe", "file_sha256", "record_path"]
+__all__ = ["data_facts", "describe", "file_sha256", "record_path", "split_sha256"]

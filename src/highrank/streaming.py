@@ -25,7 +25,9 @@ Table 3) and Mixtape (Yang et al., 2019, Table 4) papers train on:
 * **batches**: :class:`StreamBatches` is :func:`highrank.data.batchify`'s ``(T, B)`` layout as a
   view: ``view[i:i+L]`` reads only those rows (``L * B`` ids) from the map, so
   :func:`highrank.data.get_batch` and the AWD-LSTM / Transformer recipes use it unchanged and
-  see the same tensors as from an in-memory corpus.
+  see the same tensors as from an in-memory corpus. Evaluation, dynamic evaluation and the
+  analyses read a run's splits the same way (:func:`split_stream`, :func:`batch_view`): a
+  segment at a time from the map, never a whole split in memory.
 * **sentence-shuffled batching** (``data.batching = "sentences"``, the 1B-Word recipe's
   reader, e.g. Jozefowicz et al., 2016): before each epoch the training sentences (lines, each
   with its ``<eos>``) are permuted by a generator seeded with ``(train.seed, epoch)`` and
@@ -65,6 +67,7 @@ from highrank.data import (
     _check_split_name,
     _empty_split_error,
     _tokenize,
+    batchify,
     default_cache_dir,
 )
 
@@ -643,6 +646,45 @@ def open_corpus(data, seed: int = 0, *, directory: str | os.PathLike | None = No
     )
 
 
+def split_stream(corpus, name: str) -> torch.Tensor | np.ndarray:
+    """Split ``name`` of ``corpus`` as a 1-D id stream, copying nothing: a :class:`StreamCorpus`'s
+    read-only int32 memory map (the ids stay on disk; :func:`batch_view` reads them a segment
+    at a time), an in-memory :class:`highrank.data.Corpus`'s int64 tensor. What evaluation and
+    the analyses read a run's split through, so a run trained from a memory map is evaluated
+    and analysed from it too (:meth:`StreamCorpus.split` would read the split whole)."""
+    if isinstance(corpus, StreamCorpus):
+        _check_split_name(name)
+        return corpus.ids[name]
+    return corpus.split(name)
+
+
+def batch_view(ids, batch_size: int, *, name: str = "token stream"):
+    """:func:`highrank.data.batchify`'s ``(T, B)`` layout of the 1-D stream ``ids``: a
+    :class:`StreamBatches` view of a memory map (a slice of rows reads only those rows; the
+    ids are the same), :func:`~highrank.data.batchify`'s tensor of anything else."""
+    if isinstance(ids, np.memmap):
+        return StreamBatches(ids, batch_size, name=name)
+    return batchify(ids, batch_size, name=name)
+
+
+def streams_equal(a, b, block: int = 1 << 22) -> bool:
+    """Whether the 1-D id streams ``a`` and ``b`` (tensors or memory maps, any integer dtype)
+    hold the same ids; compared ``block`` ids at a time, so a memory map is never read whole."""
+    if len(a) != len(b):
+        return False
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+
+    def piece(ids, start: int) -> np.ndarray:
+        if isinstance(ids, torch.Tensor):
+            return ids[start : start + block].cpu().numpy()
+        return _read_ids(ids, start, block)
+
+    return all(
+        np.array_equal(piece(a, start), piece(b, start)) for start in range(0, len(a), block)
+    )
+
+
 def epoch_view(source, epoch: int):
     """The batch ``source`` reads in epoch ``epoch``: a sentence-shuffled
     :class:`StreamBatches` for that epoch, anything else as it is."""
@@ -655,6 +697,7 @@ __all__ = [
     "SentenceOrder",
     "StreamBatches",
     "StreamCorpus",
+    "batch_view",
     "cache_key",
     "epoch_view",
     "frequency_order",
@@ -663,4 +706,6 @@ __all__ = [
     "open_corpus",
     "sentence_ends",
     "split_files",
+    "split_stream",
+    "streams_equal",
 ]

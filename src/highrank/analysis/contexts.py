@@ -20,13 +20,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from highrank.checkpoint import load_run_corpus
 from highrank.config import Config
-from highrank.data import Vocab, batchify, iter_batches
+from highrank.data import Vocab, iter_batches
 from highrank.model import LanguageModel
 from highrank.progress import progress_bar
+from highrank.streaming import batch_view, split_stream
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,7 +57,9 @@ class RunSplit:
     model: LanguageModel
     config: Config
     vocab: Vocab
-    ids: torch.Tensor  # (N,) the split's token ids
+    # (N,) the split's token ids: an int64 tensor, or for a data.memmap run the read-only
+    # int32 memory map of its cache (streaming.split_stream), which stays on disk
+    ids: torch.Tensor | np.ndarray
     split: str
     source: str  # the split's file, for messages
 
@@ -79,7 +83,9 @@ def load_run_split(
     """The model of ``run_dir`` (checkpoint ``which``) and the token ids of ``split``.
 
     The corpus is the run's ``data.dir`` unless ``data_dir`` names another folder; it must
-    give the same vocabulary the run was trained with (a clear error says otherwise).
+    give the same vocabulary the run was trained with (a clear error says otherwise). A run
+    trained with ``data.memmap`` gets the split as its memory map, which :func:`iter_contexts`
+    reads a segment at a time: no split is loaded whole, the train split included.
     """
     model, config, corpus = load_run_corpus(run_dir, which, data_dir=data_dir, device=device)
     return RunSplit(
@@ -87,7 +93,7 @@ def load_run_split(
         model,
         config,
         corpus.vocab,
-        corpus.split(split),
+        split_stream(corpus, split),
         split,
         str(corpus.path(split)),
     )
@@ -103,7 +109,7 @@ def count_contexts(n_tokens: int, batch_size: int = 1) -> int:
 @torch.no_grad()
 def iter_contexts(
     model: LanguageModel,
-    ids: torch.Tensor,
+    ids: torch.Tensor | np.ndarray,
     *,
     batch_size: int = 1,
     bptt: int = 70,
@@ -111,7 +117,8 @@ def iter_contexts(
     progress: bool = False,
     name: str = "token stream",
 ) -> Iterator[ContextBlock]:
-    """Blocks of contexts of the stream ``ids``, at most ``max_contexts`` in all.
+    """Blocks of contexts of the stream ``ids`` (a tensor, or a memory map read a segment at a
+    time: :func:`highrank.streaming.batch_view`), at most ``max_contexts`` in all.
 
     The model is put in eval mode for the duration (its training flag is restored after);
     ``hidden`` is on the model's device, positions and targets on the CPU.
@@ -119,9 +126,9 @@ def iter_contexts(
     if max_contexts is not None and max_contexts < 1:
         raise ValueError(f"max_contexts must be a positive int or None; got {max_contexts!r}")
     device = next(model.parameters()).device
-    source = batchify(ids, batch_size, name=name)  # (T, B)
+    source = batch_view(ids, batch_size, name=name)  # (T, B)
     rows = source.shape[0]
-    total = count_contexts(ids.numel(), batch_size)
+    total = count_contexts(len(ids), batch_size)
     if max_contexts is not None:
         total = min(total, max_contexts)
     column_start = torch.arange(batch_size) * rows  # stream position of each column's row 0

@@ -328,7 +328,7 @@ def model_pairwise_kl(
     name: str = "token stream",
 ) -> dict[str, Any]:
     """:func:`expected_pairwise_kl` of ``model`` on the stream ``ids`` (contexts streamed once)."""
-    n_contexts = _cap(count_contexts(ids.numel()), max_contexts)
+    n_contexts = _cap(count_contexts(len(ids)), max_contexts)  # len: ids may be a memmap
 
     def source(needed: np.ndarray) -> Iterator[RowBlock]:
         return model_row_blocks(model, ids, needed, bptt=bptt, progress=progress, name=name)

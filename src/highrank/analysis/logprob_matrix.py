@@ -180,7 +180,7 @@ def write_log_prob_matrix(
     ``batch_size`` is 1). ``metadata`` (e.g. the run directory and split) goes into the record.
     """
     check_kind(model.head, kind)
-    rows = count_contexts(ids.numel(), batch_size)
+    rows = count_contexts(len(ids), batch_size)  # len: ids may be a memory map
     if max_contexts is not None:
         rows = min(rows, max_contexts)
 

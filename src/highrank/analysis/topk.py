@@ -44,6 +44,7 @@ from highrank.analysis.logprob_matrix import head_rows
 from highrank.analysis.output import record_tag, run_record_path, write_json, write_text_atomic
 from highrank.data import Vocab
 from highrank.model import LanguageModel
+from highrank.streaming import streams_equal
 
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
 MARK = "*"  # before the reference token in a model's column
@@ -188,7 +189,7 @@ def topk_records(
     each model's top ``k`` (models share ``vocab``; ``names`` label them). ``bptt``: one
     segment length for every model, or one per model (each run read as it was trained)."""
     check_k(k, len(vocab))
-    positions = check_positions(positions, count_contexts(ids.numel()))
+    positions = check_positions(positions, count_contexts(len(ids)))  # ids may be a memmap
     bptts = [bptt] * len(models) if isinstance(bptt, int) else list(bptt)
     rows = [
         rows_at(m, ids, positions, bptt=b, progress=progress)
@@ -362,7 +363,7 @@ def _record(args: argparse.Namespace) -> dict[str, Any]:
     check_same_vocabulary(names, [split.vocab for split in splits])
     _check_same_stream(names, splits)
     ids = splits[0].ids
-    n_contexts = count_contexts(ids.numel())
+    n_contexts = count_contexts(len(ids))  # len: a data.memmap run's ids are a memory map
     if args.max_contexts is not None:
         n_contexts = min(n_contexts, args.max_contexts)
     positions, selection, margins = _select(args, splits, n_contexts)
@@ -519,7 +520,7 @@ def run_names(run_dirs: Sequence[str]) -> list[str]:
 
 def _check_same_stream(names: Sequence[str], splits: Sequence[RunSplit]) -> None:
     for name, split in zip(names[1:], splits[1:], strict=True):
-        if not torch.equal(split.ids, splits[0].ids):
+        if not streams_equal(split.ids, splits[0].ids):  # memory maps: a block at a time
             raise TopKError(
                 f"runs {names[0]} and {name} read different {split.split} streams "
                 f"({splits[0].source}, {split.source}); pass one corpus with --data-dir"

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
         gradient_statistics,
         refuse_transformer_dynamic_eval,
     )
+    from highrank.streaming import split_stream
 
     def job() -> int:
         model, config, corpus = load_for_eval(args)
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         settings = config.dynamic_eval
         stats = gradient_statistics(
             model,
-            corpus.train,
+            split_stream(corpus, "train"),  # a data.memmap run's map: never read whole
             batch_size=settings.stats_batch_size,
             bptt=settings.bptt,
             progress=not args.no_progress,

@@ -37,8 +37,11 @@ def load_for_eval(args: argparse.Namespace):
 
 
 def split_ids(args: argparse.Namespace, corpus):
-    """The split's token ids, the first ``--max-tokens`` of them when given."""
-    ids = corpus.split(args.split)
+    """The split's token ids, the first ``--max-tokens`` of them when given: a memory map for
+    a ``data.memmap`` run (:func:`highrank.streaming.split_stream`; read a segment at a time)."""
+    from highrank.streaming import split_stream
+
+    ids = split_stream(corpus, args.split)
     return ids if args.max_tokens is None else ids[: args.max_tokens]
 
 
