@@ -529,6 +529,27 @@ def test_zipf_corpus_is_seeded_exact_in_size_and_zipfian(tmp_path, cache):
         write_zipf_corpus(tmp_path / "a", train_tokens=100)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("valid_tokens", 0), ("test_tokens", 0), ("valid_tokens", 1), ("test_tokens", True)],
+)
+def test_zipf_held_out_sizes_below_two_are_refused_by_name(tmp_path, option, value):
+    """0 is not "the default" (both loaders refuse a split without words): an error naming
+    the option, and nothing written."""
+    with pytest.raises(ValueError, match=rf"^{option} = {value!r}; expected an int >= 2"):
+        write_zipf_corpus(tmp_path / "z", train_tokens=500, types=20, **{option: value})
+    assert not (tmp_path / "z").exists()
+
+
+def test_zipf_held_out_sizes_are_exact_down_to_one_word(tmp_path, cache):
+    info = write_zipf_corpus(
+        tmp_path / "z", train_tokens=500, valid_tokens=2, test_tokens=None, types=20
+    )
+    assert info["tokens"] == {"train": 500, "valid": 2, "test": 1_000}  # None: the default
+    corpus = load_stream_corpus(tmp_path / "z", cache_dir=cache)
+    assert corpus.ids["valid"].size == 2 and corpus.vocab.word(int(corpus.ids["valid"][1])) == EOS
+
+
 def test_zipf_cli_writes_a_corpus(tmp_path, capsys):
     from highrank.cli import main
 

@@ -97,18 +97,21 @@ def write_zipf_corpus(
 ) -> dict:
     """Write the corpus (see the module docstring) into the new or empty ``folder``.
 
-    ``valid_tokens`` / ``test_tokens`` default to ``train_tokens / 100`` (at least 1,000);
-    ``shards`` > 0 writes train as that many shard files. Returns what ``zipf.json`` holds.
+    ``valid_tokens`` / ``test_tokens`` default (None) to ``train_tokens / 100`` (at least
+    1,000); given, each is at least 2 (a word and its ``<eos>``: both corpus loaders refuse a
+    split without a word, so 0 is an error, not the default). ``shards`` > 0 writes train as
+    that many shard files. Returns what ``zipf.json`` holds.
     """
     folder = Path(folder)
     _check_settings(train_tokens, types, exponent, mean_sentence, shards)
+    _check_held_out(valid_tokens=valid_tokens, test_tokens=test_tokens)
     if folder.exists() and any(folder.iterdir()):
         raise ValueError(f"{folder} is not empty; expected a new or empty folder for the corpus")
     held_out = max(1_000, train_tokens // 100)
     sizes = {
         "train": train_tokens,
-        "valid": valid_tokens or held_out,
-        "test": test_tokens or held_out,
+        "valid": held_out if valid_tokens is None else valid_tokens,
+        "test": held_out if test_tokens is None else test_tokens,
     }
     cdf = np.cumsum(zipf_probabilities(types, exponent))
     table = piece_table(types)
@@ -157,6 +160,17 @@ def _check_settings(tokens: int, types: int, exponent: float, mean: float, shard
     ):
         if not ok:
             raise ValueError(f"{name} = {value!r}; expected {expected}")
+
+
+def _check_held_out(**sizes: int | None) -> None:
+    """Each given held-out size is an int >= 2: a split needs a word besides its ``<eos>``."""
+    for name, value in sizes.items():
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 2
+        if value is not None and not ok:
+            raise ValueError(
+                f"{name} = {value!r}; expected an int >= 2 (a word and its <eos>: the corpus "
+                f"loaders refuse a split without words) or None for max(1000, train_tokens // 100)"
+            )
 
 
 __all__ = [
