@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -167,3 +168,36 @@ def test_missing_run_dir_and_missing_best_checkpoint_say_what_to_do(tmp_path, ca
     (tmp_path / "run" / "checkpoints" / "last.pt").write_bytes(b"")
     assert main(["eval", str(tmp_path / "run")]) == 2
     assert "stopped before one (e.g. --max-steps); pass --which last" in capsys.readouterr().err
+
+
+OPENMP_PROBE = """
+import os, sys
+{before}
+from highrank.cli import main
+try:
+    main(["--version"])
+except SystemExit:
+    pass
+print(os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("preset", "before", "expected"),
+    [
+        (None, "", "PASSIVE"),  # the default: idle OpenMP threads sleep
+        ("ACTIVE", "", "ACTIVE"),  # the user's choice wins
+        (None, "import torch", "None"),  # too late: libgomp has read its settings already
+    ],
+)
+def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(
+    preset, before, expected
+):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    probe = OPENMP_PROBE.format(before=before)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split()[-1] == expected

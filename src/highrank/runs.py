@@ -166,6 +166,7 @@ def environment() -> dict[str, Any]:
         "processor": platform.processor() or None,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "git_commit": git_commit(Path(__file__).resolve().parent),

@@ -13,6 +13,8 @@ their functions, so ``highrank --help`` stays fast and imports no optional extra
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,11 +111,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``highrank`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    let_idle_openmp_threads_sleep()
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _reject_unknown(parser, args, unknown)
     return args.run(args)
+
+
+def let_idle_openmp_threads_sleep() -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it: torch's OpenMP
+    threads sleep as soon as they wait, instead of spinning first.
+
+    Every operator is a parallel region ending at a barrier, where libgomp's threads spin for
+    a while before they sleep. With another process busy on the machine, one of our threads is
+    often off its core while its partner spins on the core it needs, once per operator; the
+    heads whose chunked loss runs thousands of small operators per step (MoS, Mixtape, the
+    chunked softmax) lost far more than the naive softmax's few large ones
+    (``benchmarks/heads_under_load.py``, results in ``benchmarks/results/heads-under-load``).
+    libgomp reads the variable once, when torch loads it: this runs before any verb imports
+    torch, and changes nothing in a process that already has (a script importing highrank
+    sets it itself, before ``import torch``). Child processes inherit it.
+    """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _reject_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown) -> None:
