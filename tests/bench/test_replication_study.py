@@ -130,9 +130,9 @@ def fake_run(study, runs: Path, head: str, seed: int, ppl: float, *, rank: int |
     if dynamic is not None:
         static_ppl, dynamic_ppl = dynamic
         for kind, value in (("eval", static_ppl), ("dynamic-eval", dynamic_ppl)):
-            write_json(directory / f"{kind}-test-best-first2000.json", {
-                "split": "test", "max_tokens": 2000, "default_data": False,
-                "perplexity": value, "tokens": 1999,
+            write_json(directory / f"{kind}-test-best-first1000.json", {
+                "split": "test", "max_tokens": 1000, "default_data": False,
+                "perplexity": value, "tokens": 999,
                 **({"max_stats_batches": stats_batches} if kind == "dynamic-eval" else {}),
             })
     return directory
@@ -291,7 +291,7 @@ def test_the_dynamic_stage_is_done_by_its_records_with_these_statistics(study, t
     assert not study.is_done(args, task)
     assert [t.stage for t in study.remaining(args, [task.run])] == ["dynamic"]
     fake_run(study, tmp_path / "other", "mos", 1, 185.0, dynamic=(300.0, 250.0))
-    for name in ("eval-test-best-first2000.json", "dynamic-eval-test-best-first2000.json"):
+    for name in ("eval-test-best-first1000.json", "dynamic-eval-test-best-first1000.json"):
         (directory / name).write_bytes((tmp_path / "other" / "mos-seed1" / name).read_bytes())
     assert study.is_done(args, task)
     more = study.parse_arguments(study_argv(tmp_path, "softmax,mos",
