@@ -23,7 +23,8 @@ The budget (the same for every head; defaults, stated again in ``summary.md``):
   softmax model's parameter count within 2% (:func:`matched_hidden_sizes`);
 * ``--epochs`` epochs (3) of PTB train (929,589 tokens each) under ONE switch policy for
   every head: ET-ASGD, averaging from the last epoch on (``train.switch_epoch = epochs - 1``);
-  each head keeps its small recipe's learning rate (MoS 20, the others 30: see the TOMLs);
+  each head keeps its small recipe's learning rate (MoS and Mixtape 20, the others 30: see
+  the TOMLs);
 * ``--seeds`` seeds per head (3), plus ``--extra-seeds`` (2) for softmax and MoS;
 * test perplexity of the best checkpoint; Press and effective ranks of the test log-prob
   matrix over the first ``--rank-contexts`` contexts (20,000 of 82,430, to bound the time);
