@@ -16,14 +16,18 @@ worker process, because OpenMP reads its settings once, when torch loads it:
   float32 matmuls, as another training job) busy for the whole condition.
 
 The question it answers: why do the chunked heads lose much more than the naive softmax when
-another process is busy? A chunked head runs a few hundred small operators per step where the
-naive softmax runs a few large ones (``ops_per_step``, counted with torch's profiler); every
-operator is an OpenMP parallel region that ends in a barrier. When the competing process holds a
-core, one of our two threads is off the CPU while the other spins at the barrier, on the very
-core the missing thread needs; with ``PASSIVE`` the waiting thread sleeps and gives it back.
+another process is busy? A chunked head makes thousands of aten calls per step where the
+naive softmax makes 60 (``ops_per_step``: every ``aten::`` event of torch's profiler, views and
+nested calls included, so an upper bound on the parallel regions); an operator large enough to
+be split over threads is an OpenMP parallel region that ends in a barrier. When the competing
+process holds a core, one of our two threads is off the CPU while the other spins at the
+barrier, on the very core the missing thread needs; with ``PASSIVE`` the waiting thread sleeps
+and gives it back. Changing only the policy is the test of that explanation.
 
 ``--pause PID`` stops a process of your own (and its children) with SIGSTOP for the whole
-benchmark, and continues it at the end (also on Ctrl-C): a quiet machine for the quiet rows.
+benchmark, and continues it at the end (also on an error, Ctrl-C, SIGTERM or SIGHUP; after a
+``kill -9`` of this script, continue them yourself with ``kill -CONT``): a quiet machine for the
+quiet rows. The paused job's own clock keeps running: its logged speeds include the pause.
 The results are ``heads-under-load.json`` (every measurement, the machine, the load average
 before each condition) and ``heads-under-load.md``.
 """
@@ -66,7 +70,8 @@ def worker(vocab_size: int, labels: list[str], tokens: int, repeats: int, warmup
         timing = time_interleaved(step, baseline, repeats=repeats, warmup=warmup, device="cpu")
         rows[label] = {**timing, "ops_per_step": count_ops(step)}
         del step
-    return {"torch_threads": torch.get_num_threads(), "rows": rows}
+    policy = os.environ.get("OMP_WAIT_POLICY", "default")  # as this worker's libgomp read it
+    return {"torch_threads": torch.get_num_threads(), "policy_seen": policy, "rows": rows}
 
 
 def count_ops(step) -> int:
@@ -134,8 +139,28 @@ def signal_all(pids: list[int], signum: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, signum)
-        except ProcessLookupError:
+        except OSError:  # gone since, or not ours: the others still get the signal
             pass
+
+
+def processes_to_pause(roots: list[int]) -> list[int]:
+    """Every process below ``roots``, never this script or its parents (stopping those would
+    hang the benchmark); an error naming a PID that does not exist."""
+    protected, current = set(), os.getpid()
+    while current > 1:  # this process and its ancestors
+        protected.add(current)
+        stat = Path(f"/proc/{current}/stat").read_text()
+        current = int(stat.rsplit(")", 1)[1].split()[1])
+    for root in roots:
+        if not Path(f"/proc/{root}").exists():
+            raise SystemExit(f"--pause {root}: no such process")
+        if root in protected:
+            raise SystemExit(f"--pause {root}: that is this benchmark or one of its parents")
+    return [pid for root in roots for pid in descendants(root) if pid not in protected]
+
+
+def _exit_on_termination(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # runs the finally that continues the paused processes
 
 
 def measure(args) -> list[dict]:
@@ -259,9 +284,11 @@ def main(argv=None) -> int:
         result = worker(args.vocab, args.cases, args.tokens, args.repeats, args.warmup)
         print(json.dumps(result))
         return 0
-    paused = [pid for root in args.pause for pid in descendants(root)]
-    signal_all(paused, signal.SIGSTOP)
+    paused = processes_to_pause(args.pause)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_termination)
     try:
+        signal_all(paused, signal.SIGSTOP)
         time.sleep(2.0 if paused else 0.0)
         conditions = measure(args)
     finally:

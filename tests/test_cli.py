@@ -185,17 +185,17 @@ print(os.environ.get("OMP_WAIT_POLICY"))
 @pytest.mark.parametrize(
     ("preset", "before", "expected"),
     [
-        (None, "", "PASSIVE"),  # the default: idle OpenMP threads sleep
-        ("ACTIVE", "", "ACTIVE"),  # the user's choice wins
-        (None, "import torch", "None"),  # too late: libgomp has read its settings already
+        ({}, "", "PASSIVE"),  # the default: idle OpenMP threads sleep
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "", "ACTIVE"),  # the user's choice wins
+        ({"GOMP_SPINCOUNT": "300000"}, "", "None"),  # so does a spin count of their own
+        ({}, "import torch", "None"),  # too late: libgomp has read its settings already
     ],
 )
 def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(
     preset, before, expected
 ):
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset is not None:
-        env["OMP_WAIT_POLICY"] = preset
+    unset = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    env = {k: v for k, v in os.environ.items() if k not in unset} | preset
     probe = OPENMP_PROBE.format(before=before)
     done = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True

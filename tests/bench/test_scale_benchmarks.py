@@ -39,7 +39,12 @@ def test_the_billion_word_benchmark_writes_its_table(tmp_path):
     )
     record = json.loads((tmp_path / "billion-word-step.json").read_text())
     rows = {row["head"]: row for row in record["rows"]}
-    assert rows["softmax"]["time_vs_softmax"] == 1.0 and rows["mos"]["parameters"] > 0
+    for row in rows.values():  # the medians of the recorded step times, as a ratio to softmax
+        median = sorted(row["step_times_s"])[len(row["step_times_s"]) // 2]
+        assert row["median_s_per_step"] == median
+    expected = rows["mos"]["median_s_per_step"] / rows["softmax"]["median_s_per_step"]
+    assert rows["mos"]["time_vs_softmax"] == pytest.approx(expected)
+    assert rows["mos"]["parameters"] > rows["softmax"]["parameters"]
     assert record["vocab"] == 300 and "| mos |" in (tmp_path / "billion-word-step.md").read_text()
 
 
@@ -107,3 +112,55 @@ def test_pausing_stops_a_process_and_its_children_and_continues_them():
         for pid in hul.descendants(parent.pid):
             os.kill(pid, 9)
         parent.wait()
+
+
+def _sleeper_family():
+    """A parent process with one child, both sleeping; (parent Popen, child pid)."""
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\ntime.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    return parent, int(parent.stdout.readline())
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_paused_processes_are_continued_when_the_benchmark_fails(monkeypatch):
+    import heads_under_load as hul
+
+    parent, child = _sleeper_family()
+    try:
+
+        def failing_measure(args):
+            deadline = time.monotonic() + 10  # SIGSTOP is delivered asynchronously
+            while {_state(parent.pid), _state(child)} != {"T"} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert {_state(parent.pid), _state(child)} == {"T"}  # stopped while measuring
+            raise RuntimeError("a worker failed")
+
+        monkeypatch.setattr(hul, "measure", failing_measure)
+        with pytest.raises(RuntimeError, match="a worker failed"):
+            hul.main(["--pause", str(parent.pid), "--out", "/nonexistent"])
+        deadline = time.monotonic() + 10
+        while "T" in {_state(parent.pid), _state(child)} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "T" not in {_state(parent.pid), _state(child)}
+    finally:
+        for pid in (child, parent.pid):
+            os.kill(pid, 9)
+        parent.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_pause_refuses_the_benchmark_itself_and_unknown_processes():
+    import heads_under_load as hul
+
+    with pytest.raises(SystemExit, match="this benchmark or one of its parents"):
+        hul.processes_to_pause([os.getppid()])
+    with pytest.raises(SystemExit, match="no such process"):
+        hul.processes_to_pause([2**22 + 12345])

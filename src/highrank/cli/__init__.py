@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def let_idle_openmp_threads_sleep() -> None:
-    """``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it: torch's OpenMP
-    threads sleep as soon as they wait, instead of spinning first.
+    """``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets ``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT``: torch's OpenMP threads sleep as soon as they wait, instead of spinning
+    first (libgomp's default: 300,000 spins; ``GOMP_SPINCOUNT=300000`` restores it, and
+    ``OMP_WAIT_POLICY=ACTIVE`` spins far longer, 30 billion, as the libgomp manual says).
 
     Every operator is a parallel region ending at a barrier, where libgomp's threads spin for
     a while before they sleep. With another process busy on the machine, one of our threads is
@@ -131,10 +133,13 @@ def let_idle_openmp_threads_sleep() -> None:
     (``benchmarks/heads_under_load.py``, results in ``benchmarks/results/heads-under-load``).
     libgomp reads the variable once, when torch loads it: this runs before any verb imports
     torch, and changes nothing in a process that already has (a script importing highrank
-    sets it itself, before ``import torch``). Child processes inherit it.
+    sets it itself, before ``import torch``). It does change ``os.environ`` of the calling
+    process, so what that process starts later inherits it (torchrun workers each run this
+    themselves). A run's ``environment.json`` records the variable as the run saw it.
     """
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    user_chose = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys()
+    if "torch" not in sys.modules and not user_chose:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def _reject_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown) -> None:
