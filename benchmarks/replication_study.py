@@ -728,6 +728,14 @@ def save_figure(figure, path: Path) -> str:
     return path.name
 
 
+def record_hidden_sizes(path: Path, sizes: dict[str, int]) -> None:
+    """Add ``sizes`` to the record: studies of some heads each (``--heads``, e.g. two processes
+    side by side) keep every head's width in one file."""
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    ordered = {head: {**known, **sizes}[head] for head in HEADS if head in {**known, **sizes}}
+    _write_text(path, json.dumps(ordered, indent=1))
+
+
 def _write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
@@ -791,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         summarize(args, runs)
         return 0
     sizes = matched_hidden_sizes(args.heads)
-    _write_text(Path(args.results) / "hidden-sizes.json", json.dumps(sizes, indent=1))
+    record_hidden_sizes(Path(args.results) / "hidden-sizes.json", sizes)
     for done, task in enumerate(tasks):
         started = time.perf_counter()
         run_task(args, task, sizes[task.run.head])

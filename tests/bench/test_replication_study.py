@@ -417,3 +417,10 @@ def test_the_whole_study_runs_and_resumes_on_a_tiny_corpus(study, tmp_path):
     assert study.main(argv) == 0  # a rerun trains nothing again
     again = (tmp_path / "results" / "commands.txt").read_text().splitlines()
     assert not any(" train " in line for line in again[len(commands):])
+
+
+def test_studies_of_some_heads_each_keep_every_heads_width(study, tmp_path):
+    path = tmp_path / "hidden-sizes.json"
+    study.record_hidden_sizes(path, {"softmax": 650, "mos": 620})
+    study.record_hidden_sizes(path, {"gss": 650, "plif": 635})
+    assert json.loads(path.read_text()) == {"softmax": 650, "mos": 620, "gss": 650, "plif": 635}
