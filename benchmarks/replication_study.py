@@ -471,8 +471,9 @@ def t_test(args: argparse.Namespace, head: str, per_run: dict) -> dict:
         found = {key: record[key] for key in ("test", "t", "df", "p")}
         return {**found, "source": f"highrank compare: compare-{head}/compare.json"}
     try:
-        result = compare_groups(list(groups["softmax"].values()), list(groups[head].values()),
-                                welch=True)
+        result = compare_groups(
+            list(groups["softmax"].values()), list(groups[head].values()), welch=True
+        )
     except CompareError as error:
         return {"skipped": str(error)}
     return {
@@ -537,8 +538,10 @@ def summary_markdown(args: argparse.Namespace, table: dict) -> str:
     if missing:
         lines.append(f"Not finished yet, left out of the table: {', '.join(missing)}.")
     for stage, names in table["missing_stages"].items():
-        lines.append(f"Stage {stage} not done yet for: {', '.join(names)} (its columns count "
-                     "the runs that have it: `n=`).")
+        lines.append(
+            f"Stage {stage} not done yet for: {', '.join(names)} (its columns count "
+            "the runs that have it: `n=`)."
+        )
     heads = table["heads"]
     epsilons = next((list(r["effective_rank"]) for r in heads.values() if r["effective_rank"]), [])
     lines += ["", *markdown_rows(args, heads, epsilons), "", *markdown_notes(args, table)]
@@ -559,9 +562,14 @@ def markdown_rows(args: argparse.Namespace, heads: dict, epsilons: list[str]) ->
             ppl += " (1 seed: mean only)"
         test = row["t_test_vs_softmax"]
         p_value = f"{test['p']:.3g}" if "p" in test else "-"
-        ranks = " / ".join(cell(row["effective_rank"][e], ".0f", runs) for e in epsilons)
-        sliced = (f"{cell(row['slice_static_ppl'], '.1f', runs)} -> "
-                  f"{cell(row['slice_dynamic_ppl'], '.1f', runs)}")
+        no_record = {"n": 0, "mean": None, "sd": None}  # this head's runs have no rank yet
+        ranks = " / ".join(
+            cell(row["effective_rank"].get(e, no_record), ".0f", runs) for e in epsilons
+        )
+        sliced = (
+            f"{cell(row['slice_static_ppl'], '.1f', runs)} -> "
+            f"{cell(row['slice_dynamic_ppl'], '.1f', runs)}"
+        )
         lines.append(
             f"| {head} | {runs} ({', '.join(map(str, row['seeds']))}) | {ppl} | {p_value} "
             f"| {cell(row['press_rank'], '.0f', runs)} | {ranks or '-'} "
@@ -586,18 +594,24 @@ def markdown_notes(args: argparse.Namespace, table: dict) -> list[str]:
     for head, row in table["heads"].items():
         test = row["t_test_vs_softmax"]
         if "p" in test:
-            lines.append(f"- {head}: {test['test']}, t = {test['t']:.3g}, df = {test['df']:.3g}, "
-                         f"p = {test['p']:.3g} ({test['source']})")
+            lines.append(
+                f"- {head}: {test['test']}, t = {test['t']:.3g}, df = {test['df']:.3g}, "
+                f"p = {test['p']:.3g} ({test['source']})"
+            )
         elif head != "softmax":
             lines.append(f"- {head}: none: {test['skipped']}")
     pearson = table["rank_vs_perplexity"]
     if "r" in pearson:
-        lines.append(f"\nPearson r (Press rank, test ppl) over {pearson['n']} runs: "
-                     f"{pearson['r']:.3f} (p = {pearson['p']:.3g}).")
+        lines.append(
+            f"\nPearson r (Press rank, test ppl) over {pearson['n']} runs: "
+            f"{pearson['r']:.3f} (p = {pearson['p']:.3g})."
+        )
     else:
         lines.append(f"\nPearson r (Press rank, test ppl): not computed: {pearson['skipped']}.")
-    lines.append("Effective rank: the smallest k whose leading singular values hold a "
-                 "(1 - epsilon) share of the squared Frobenius norm, for each epsilon.")
+    lines.append(
+        "Effective rank: the smallest k whose leading singular values hold a "
+        "(1 - epsilon) share of the squared Frobenius norm, for each epsilon."
+    )
     figures = table.get("figures", {})
     lines += ["", "Figures: " + "; ".join(f"{name}: {what}" for name, what in figures.items())]
     return lines
@@ -631,8 +645,9 @@ def training_metrics(path: Path) -> tuple[list[dict], list[dict]]:
             position = record["step"] if record["kind"] == "step" else record["epoch"]
             kept[record["kind"], position] = record
     steps = sorted((r for (kind, _), r in kept.items() if kind == "step"), key=lambda r: r["step"])
-    epochs = sorted((r for (kind, _), r in kept.items() if kind == "epoch"),
-                    key=lambda r: r["epoch"])
+    epochs = sorted(
+        (r for (kind, _), r in kept.items() if kind == "epoch"), key=lambda r: r["epoch"]
+    )
     return steps, epochs
 
 
@@ -654,14 +669,16 @@ def learning_curves(args: argparse.Namespace, finished: list[Run], path: Path) -
         style = {"color": COLOURS[run.head], "lw": 1, "alpha": 0.85, "label": label}
         left.plot([r["step"] for r in steps], [r["train_loss"] for r in steps], **style)
         validated = [r for r in epochs if r.get("val_ppl") is not None]
-        right.plot([r["epoch"] for r in validated], [r["val_ppl"] for r in validated],
-                   marker="o", **style)
+        right.plot(
+            [r["epoch"] for r in validated], [r["val_ppl"] for r in validated], marker="o", **style
+        )
     if not labelled:
         plt.close(figure)
         return "not drawn: no finished run has a metrics.jsonl"
     left.set(xlabel="update", ylabel="training loss (logged mean)", title="training loss")
-    right.set(xlabel="epoch", ylabel="validation perplexity",
-              title="validation perplexity (end of epoch)")
+    right.set(
+        xlabel="epoch", ylabel="validation perplexity", title="validation perplexity (end of epoch)"
+    )
     right.xaxis.set_major_locator(MaxNLocator(integer=True))
     for axes in (left, right):
         axes.grid(True, alpha=0.3)
@@ -704,14 +721,21 @@ def rank_scatter(args: argparse.Namespace, table: dict, path: Path) -> str:
     for head in HEADS:
         mine = [v for v in points if v["head"] == head]
         if mine:
-            axes.scatter([v["press_rank"] for v in mine], [v["perplexity"] for v in mine],
-                         color=COLOURS[head], label=head)
+            axes.scatter(
+                [v["press_rank"] for v in mine],
+                [v["perplexity"] for v in mine],
+                color=COLOURS[head],
+                label=head,
+            )
     correlation = table["rank_vs_perplexity"]
-    title = (f"Pearson r = {correlation['r']:.2f} (p = {correlation['p']:.2g}, "
-             f"{correlation['n']} runs)" if "r" in correlation
-             else f"Pearson r not computed: {correlation['skipped']}")
-    axes.set(xlabel=f"Press rank (test, first {args.rank_contexts:,} contexts)",
-             ylabel="test perplexity")
+    title = (
+        f"Pearson r = {correlation['r']:.2f} (p = {correlation['p']:.2g}, {correlation['n']} runs)"
+        if "r" in correlation
+        else f"Pearson r not computed: {correlation['skipped']}"
+    )
+    axes.set(
+        xlabel=f"Press rank (test, first {args.rank_contexts:,} contexts)", ylabel="test perplexity"
+    )
     axes.set_title(title, fontsize=10)
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8)
@@ -753,11 +777,15 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", default=str(REPO / "benchmarks/results/replication/runs"))
     parser.add_argument("--results", default=str(REPO / "benchmarks/results/replication"))
     parser.add_argument(
-        "--dynamic-tokens", type=int, default=1000,
+        "--dynamic-tokens",
+        type=int,
+        default=1000,
         help="dynamic evaluation on the first N test tokens (1000)",
     )
     parser.add_argument(
-        "--dynamic-stats-batches", type=int, default=10,
+        "--dynamic-stats-batches",
+        type=int,
+        default=10,
         help="its gradient statistics from this many training segments (10)",
     )
     parser.add_argument("--plan", action="store_true", help="print the remaining work only")

@@ -45,12 +45,27 @@ def test_every_head_gets_the_softmax_parameter_count_within_two_percent(study):
 
 def test_plan_counts_seeds_and_a_finished_stage_is_not_redone(study, tmp_path, capsys):
     args = study.parse_arguments(
-        ["--heads", "softmax,gss", "--seeds", "2", "--extra-seeds", "1",
-         "--runs", str(tmp_path / "runs"), "--results", str(tmp_path / "results")]
+        [
+            "--heads",
+            "softmax,gss",
+            "--seeds",
+            "2",
+            "--extra-seeds",
+            "1",
+            "--runs",
+            str(tmp_path / "runs"),
+            "--results",
+            str(tmp_path / "results"),
+        ]
     )
     runs = study.plan(args)
-    assert [r.name for r in runs] == ["softmax-seed1", "gss-seed1", "softmax-seed2",
-                                      "gss-seed2", "softmax-seed3"]  # seed-major
+    assert [r.name for r in runs] == [
+        "softmax-seed1",
+        "gss-seed1",
+        "softmax-seed2",
+        "gss-seed2",
+        "softmax-seed3",
+    ]  # seed-major
     assert len(study.remaining(args, runs)) == 5 * 5  # train, eval, rank, kl, dynamic
     done = tmp_path / "runs" / "gss-seed1"
     done.mkdir(parents=True)
@@ -95,8 +110,17 @@ def write_json(path: Path, record: dict) -> None:
     path.write_text(json.dumps(record, indent=1))
 
 
-def fake_run(study, runs: Path, head: str, seed: int, ppl: float, *, rank: int | None = None,
-             dynamic: tuple[float, float] | None = None, stats_batches: int = 10) -> Path:
+def fake_run(
+    study,
+    runs: Path,
+    head: str,
+    seed: int,
+    ppl: float,
+    *,
+    rank: int | None = None,
+    dynamic: tuple[float, float] | None = None,
+    stats_batches: int = 10,
+) -> Path:
     """A run directory as the study leaves it: training marker, resolved config, metrics, the
     test eval record, and (when given) rank + KL records and the dynamic-eval slice."""
     directory = runs / f"{head}-seed{seed}"
@@ -110,38 +134,80 @@ def fake_run(study, runs: Path, head: str, seed: int, ppl: float, *, rank: int |
         {"kind": "epoch", "stage": "train", "epoch": 2, "step": 300, "val_ppl": ppl * 1.1},
     ]
     (directory / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    write_json(directory / "eval-test-best.json", {
-        "split": "test", "checkpoint": "best", "max_tokens": None, "default_data": True,
-        "own_data_dir": True, "loss": math.log(ppl), "perplexity": ppl, "tokens": 82429,
-    })
+    write_json(
+        directory / "eval-test-best.json",
+        {
+            "split": "test",
+            "checkpoint": "best",
+            "max_tokens": None,
+            "default_data": True,
+            "own_data_dir": True,
+            "loss": math.log(ppl),
+            "perplexity": ppl,
+            "tokens": 82429,
+        },
+    )
     if rank is not None:
         values = np.geomspace(100.0, 1e-6, 60)
         np.save(directory / "analysis" / f"rank-{RANK_TAG}.singular_values.npy", values)
-        write_json(directory / "analysis" / f"rank-{RANK_TAG}.json", {
-            "run_dir": "/elsewhere/" + directory.name, "head": head, "checkpoint": "best",
-            "split": "test", "which": "best", "kind": "log_prob", "max_contexts": 50,
-            "shape": [50, 30], "press_rank": rank, "press_threshold": 1e-3,
-            "resolution": 1e-5, "s_max": 100.0,
-            "effective_rank": {"0.001": rank // 10, "0.0001": rank // 5, "1e-05": rank // 2},
-            "singular_values_file": f"rank-{RANK_TAG}.singular_values.npy",
-        })
-        write_json(directory / "analysis" / "kl-test-best.json",
-                   {"head": head, "split": "test", "mean": rank / 100, "pairs": 10000})
+        write_json(
+            directory / "analysis" / f"rank-{RANK_TAG}.json",
+            {
+                "run_dir": "/elsewhere/" + directory.name,
+                "head": head,
+                "checkpoint": "best",
+                "split": "test",
+                "which": "best",
+                "kind": "log_prob",
+                "max_contexts": 50,
+                "shape": [50, 30],
+                "press_rank": rank,
+                "press_threshold": 1e-3,
+                "resolution": 1e-5,
+                "s_max": 100.0,
+                "effective_rank": {"0.001": rank // 10, "0.0001": rank // 5, "1e-05": rank // 2},
+                "singular_values_file": f"rank-{RANK_TAG}.singular_values.npy",
+            },
+        )
+        write_json(
+            directory / "analysis" / "kl-test-best.json",
+            {"head": head, "split": "test", "mean": rank / 100, "pairs": 10000},
+        )
     if dynamic is not None:
         static_ppl, dynamic_ppl = dynamic
         for kind, value in (("eval", static_ppl), ("dynamic-eval", dynamic_ppl)):
-            write_json(directory / f"{kind}-test-best-first1000.json", {
-                "split": "test", "max_tokens": 1000, "default_data": False,
-                "perplexity": value, "tokens": 999,
-                **({"max_stats_batches": stats_batches} if kind == "dynamic-eval" else {}),
-            })
+            write_json(
+                directory / f"{kind}-test-best-first1000.json",
+                {
+                    "split": "test",
+                    "max_tokens": 1000,
+                    "default_data": False,
+                    "perplexity": value,
+                    "tokens": 999,
+                    **({"max_stats_batches": stats_batches} if kind == "dynamic-eval" else {}),
+                },
+            )
     return directory
 
 
 def study_argv(tmp_path: Path, heads: str, *more: str) -> list[str]:
-    return ["--heads", heads, "--seeds", "2", "--extra-seeds", "0", "--epochs", "2",
-            "--rank-contexts", "50", "--runs", str(tmp_path / "runs"),
-            "--results", str(tmp_path / "results"), *more]
+    return [
+        "--heads",
+        heads,
+        "--seeds",
+        "2",
+        "--extra-seeds",
+        "0",
+        "--epochs",
+        "2",
+        "--rank-contexts",
+        "50",
+        "--runs",
+        str(tmp_path / "runs"),
+        "--results",
+        str(tmp_path / "results"),
+        *more,
+    ]
 
 
 # ---- 1. --summarize: the finished runs only ------------------------------------------------
@@ -165,8 +231,13 @@ def test_summarize_publishes_a_partial_table_of_the_finished_runs_only(study, tm
     assert not summary["complete"]
     assert summary["missing_runs"] == ["mos-seed2"]
     assert summary["missing_stages"] == {"dynamic": ["mos-seed1"]}
-    assert sorted(summary["runs"]) == ["gss-seed1", "gss-seed2", "mos-seed1",
-                                       "softmax-seed1", "softmax-seed2"]
+    assert sorted(summary["runs"]) == [
+        "gss-seed1",
+        "gss-seed2",
+        "mos-seed1",
+        "softmax-seed1",
+        "softmax-seed2",
+    ]
     mos = summary["heads"]["mos"]
     assert mos["perplexity"] == {"n": 1, "mean": 185.0, "sd": None}  # mean only
     assert "needs 2 finished seeds" in mos["t_test_vs_softmax"]["skipped"]
@@ -244,9 +315,16 @@ def test_the_table_reads_compare_only_when_it_covers_these_runs(study, tmp_path)
         fake_run(study, tmp_path / "runs", "softmax", seed, a, rank=200)
         fake_run(study, tmp_path / "runs", "gss", seed, b)  # no rank record
     compare = tmp_path / "results" / "compare-gss" / "compare.json"
-    record = {"test": "Welch's t-test", "t": 2.5, "df": 1.9, "p": 0.123,
-              "groups": {"softmax": {"runs": ["/moved/softmax-seed1", "/moved/softmax-seed2"]},
-                         "gss": {"runs": ["/moved/gss-seed1", "/moved/gss-seed2"]}}}
+    record = {
+        "test": "Welch's t-test",
+        "t": 2.5,
+        "df": 1.9,
+        "p": 0.123,
+        "groups": {
+            "softmax": {"runs": ["/moved/softmax-seed1", "/moved/softmax-seed2"]},
+            "gss": {"runs": ["/moved/gss-seed1", "/moved/gss-seed2"]},
+        },
+    }
     write_json(compare, record)
     _, table = table_of(study, tmp_path, "softmax,gss")  # plans 3 seeds, 2 finished
     assert table["heads"]["gss"]["t_test_vs_softmax"]["p"] == 0.123  # by run name: moved
@@ -262,8 +340,9 @@ def test_the_table_reads_compare_only_when_it_covers_these_runs(study, tmp_path)
 def test_the_table_reads_the_committed_runs_records(study, tmp_path):
     """The study's own finished runs (benchmarks/results/replication/runs), as committed."""
     runs = SCRIPT.parents[0] / "results" / "replication" / "runs"
-    args = study.parse_arguments(["--epochs", "2", "--extra-seeds", "0", "--runs", str(runs),
-                                  "--results", str(tmp_path)])
+    args = study.parse_arguments(
+        ["--epochs", "2", "--extra-seeds", "0", "--runs", str(runs), "--results", str(tmp_path)]
+    )
     planned = study.plan(args)
     finished = study.finished_runs(args, planned)
     if not finished:
@@ -294,8 +373,9 @@ def test_the_dynamic_stage_is_done_by_its_records_with_these_statistics(study, t
     for name in ("eval-test-best-first1000.json", "dynamic-eval-test-best-first1000.json"):
         (directory / name).write_bytes((tmp_path / "other" / "mos-seed1" / name).read_bytes())
     assert study.is_done(args, task)
-    more = study.parse_arguments(study_argv(tmp_path, "softmax,mos",
-                                            "--dynamic-stats-batches", "20"))
+    more = study.parse_arguments(
+        study_argv(tmp_path, "softmax,mos", "--dynamic-stats-batches", "20")
+    )
     assert not study.is_done(more, task)  # other statistics: to be redone
     assert study.timing_key(task) == "dynamic:mos"
     assert study.estimate_seconds(args, task) == study.PRIOR_STAGE_SECONDS["dynamic"]
@@ -328,11 +408,22 @@ def test_dynamic_knobs_scale_eta_and_epsilon_to_a_full_pass(study, tmp_path, bat
     assert float(knobs[5]) == pytest.approx(defaults.epsilon * scale, rel=1e-12)
 
 
-def test_the_dynamic_stage_scores_the_slice_statically_then_dynamically(study, tmp_path,
-                                                                         monkeypatch):
+def test_the_dynamic_stage_scores_the_slice_statically_then_dynamically(
+    study, tmp_path, monkeypatch
+):
     directory = tiny_run(tmp_path, lines=300)
-    args = study.parse_arguments(["--runs", str(tmp_path), "--results", str(tmp_path / "r"),
-                                  "--dynamic-tokens", "500", "--dynamic-stats-batches", "3"])
+    args = study.parse_arguments(
+        [
+            "--runs",
+            str(tmp_path),
+            "--results",
+            str(tmp_path / "r"),
+            "--dynamic-tokens",
+            "500",
+            "--dynamic-stats-batches",
+            "3",
+        ]
+    )
     called = []
     monkeypatch.setattr(study, "highrank", lambda args, *words, **_: called.append(words))
     monkeypatch.setattr(study, "run_dir", lambda args, run: directory)
@@ -394,12 +485,31 @@ def test_the_whole_study_runs_and_resumes_on_a_tiny_corpus(study, tmp_path):
     for split, lines in (("train", 300), ("valid", 40), ("test", 40)):
         text = "\n".join(" ".join(words[(i * 7 + j) % 30] for j in range(8)) for i in range(lines))
         (corpus / f"{split}.txt").write_text(text + "\n")
-    tiny = [f"--data.dir={corpus}", "--model.d_embed=8", "--model.n_layers=1",
-            "--train.batch_size=4", "--train.bptt=8", "--train.eval_batch_size=2",
-            "--train.log_every=10"]
-    argv = ["--heads", "softmax,mos", "--seeds", "2", "--extra-seeds", "0", "--epochs", "2",
-            "--rank-contexts", "50", "--runs", str(tmp_path / "runs"),
-            "--results", str(tmp_path / "results")]
+    tiny = [
+        f"--data.dir={corpus}",
+        "--model.d_embed=8",
+        "--model.n_layers=1",
+        "--train.batch_size=4",
+        "--train.bptt=8",
+        "--train.eval_batch_size=2",
+        "--train.log_every=10",
+    ]
+    argv = [
+        "--heads",
+        "softmax,mos",
+        "--seeds",
+        "2",
+        "--extra-seeds",
+        "0",
+        "--epochs",
+        "2",
+        "--rank-contexts",
+        "50",
+        "--runs",
+        str(tmp_path / "runs"),
+        "--results",
+        str(tmp_path / "results"),
+    ]
     for override in tiny:
         argv.append(f"--override={override}")
     argv += ["--dynamic-tokens", "100", "--dynamic-stats-batches", "2"]
@@ -416,7 +526,7 @@ def test_the_whole_study_runs_and_resumes_on_a_tiny_corpus(study, tmp_path):
     commands = (tmp_path / "results" / "commands.txt").read_text().splitlines()
     assert study.main(argv) == 0  # a rerun trains nothing again
     again = (tmp_path / "results" / "commands.txt").read_text().splitlines()
-    assert not any(" train " in line for line in again[len(commands):])
+    assert not any(" train " in line for line in again[len(commands) :])
 
 
 def test_studies_of_some_heads_each_keep_every_heads_width(study, tmp_path):
@@ -424,3 +534,13 @@ def test_studies_of_some_heads_each_keep_every_heads_width(study, tmp_path):
     study.record_hidden_sizes(path, {"softmax": 650, "mos": 620})
     study.record_hidden_sizes(path, {"gss": 650, "plif": 635})
     assert json.loads(path.read_text()) == {"softmax": 650, "mos": 620, "gss": 650, "plif": 635}
+
+
+def test_a_head_whose_runs_have_no_rank_yet_gets_dashes(study, tmp_path):
+    runs = tmp_path / "runs"
+    fake_run(study, runs, "softmax", 1, 200.0, rank=201)
+    fake_run(study, runs, "gss", 1, 190.0)  # trained and evaluated; rank and KL still to come
+    assert study.main(study_argv(tmp_path, "softmax,gss", "--summarize")) == 0
+    markdown = (tmp_path / "results" / "summary.md").read_text()
+    row = next(line for line in markdown.splitlines() if line.startswith("| gss |"))
+    assert "190.00 (1 seed: mean only)" in row and "| - / - / - |" in row
