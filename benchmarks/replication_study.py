@@ -51,6 +51,9 @@ training run resumes from its last checkpoint (or restarts when it had none). Th
 directories live in ``benchmarks/results/replication/runs`` and are committed without their
 checkpoints and log-prob matrices (.gitignore), so that a later fresh clone holds every
 finished stage's records and continues with the rest.
+
+Several processes may share a study, each with its own ``--heads``; where their heads overlap,
+each skips a stage another finished since its plan was made or is running now (its lock held).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from highrank.locks import LOCK_FILE, LockedError, exclusive
 
 REPO = Path(__file__).resolve().parents[1]
 HEADS = ("softmax", "moc", "mos", "mixtape", "sigsoftmax", "gss", "plif")
@@ -228,6 +233,35 @@ def highrank(args: argparse.Namespace, *words: str, check: bool = True) -> int:
     if status != 0 and check:
         raise SystemExit(f"the study stopped: `{line}` exited with {status}; rerun to continue")
     return status
+
+
+def why_skip(args: argparse.Namespace, task: Task) -> str | None:
+    """Why a planned stage is not run now, or None: another process sharing the study (with
+    overlapping ``--heads``) finished it since the plan was made, is working on it, or has
+    not finished the run's training."""
+    if is_done(args, task):
+        return "done by another process"
+    if task.stage != "train" and not is_done(args, Task(task.run, "train")):
+        return "its training is not done (another process has it); rerun to continue"
+    lock = stage_lock(args, task)
+    if lock is None or not lock.is_file():
+        return None
+    try:
+        with exclusive(lock, f"{task.run.name} ({task.stage})"):
+            return None
+    except LockedError as error:
+        return str(error)
+
+
+def stage_lock(args: argparse.Namespace, task: Task) -> Path | None:
+    """The lock file a stage's highrank command takes (training: the run directory's; the
+    rank: its record's), or None for the stages that take none."""
+    directory = run_dir(args, task.run)
+    if task.stage == "train":
+        return directory / LOCK_FILE
+    if task.stage == "rank":
+        return directory / "analysis" / f"rank-{rank_tag(args)}.lock"
+    return None
 
 
 def train_words(args: argparse.Namespace, run: Run, d_hidden: int) -> list[str]:
@@ -829,6 +863,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = matched_hidden_sizes(args.heads)
     record_hidden_sizes(Path(args.results) / "hidden-sizes.json", sizes)
     for done, task in enumerate(tasks):
+        skip = why_skip(args, task)
+        if skip:
+            print(f"skipping {task.run.name} {task.stage}: {skip}", flush=True)
+            continue
         started = time.perf_counter()
         run_task(args, task, sizes[task.run.head])
         record_timing(args, task, time.perf_counter() - started)

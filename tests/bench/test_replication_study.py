@@ -544,3 +544,43 @@ def test_a_head_whose_runs_have_no_rank_yet_gets_dashes(study, tmp_path):
     markdown = (tmp_path / "results" / "summary.md").read_text()
     row = next(line for line in markdown.splitlines() if line.startswith("| gss |"))
     assert "190.00 (1 seed: mean only)" in row and "| - / - / - |" in row
+
+
+def test_stages_another_process_finished_or_holds_are_skipped(study, tmp_path):
+    """Two studies with overlapping --heads: each skips what the other finished since its plan
+    was made, or is working on now, instead of redoing it or stopping on its lock."""
+    import subprocess
+    import textwrap
+
+    args = study.parse_arguments(["--runs", str(tmp_path / "runs"), "--results", str(tmp_path)])
+    run = study.Run("mixtape", 3)
+    directory = tmp_path / "runs" / run.name
+    directory.mkdir(parents=True)
+    train, rank = study.Task(run, "train"), study.Task(run, "rank")
+    assert study.why_skip(args, train) is None  # nobody has it
+    assert "training is not done" in study.why_skip(args, rank)
+
+    holder = textwrap.dedent(
+        f"""
+        import fcntl, os, sys, time
+        handle = os.open({str(directory / ".lock")!r}, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        os.write(handle, f"{{os.getpid()}} highrank train\\n".encode())
+        print("held", flush=True)
+        sys.stdin.read()
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout.readline().strip() == "held"
+        why = study.why_skip(args, train)
+        assert why is not None and f"pid {process.pid}" in why
+    finally:
+        process.communicate("", timeout=30)
+    assert study.why_skip(args, train) is None  # the holder is gone: its lock with it
+
+    (directory / "study-train.done").write_text("")
+    assert study.why_skip(args, train) == "done by another process"
+    assert study.why_skip(args, rank) is None
