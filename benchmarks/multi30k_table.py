@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -97,14 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def machine(threads: int) -> dict:
     import torch
 
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [
-        line.split(":", 1)[1].strip()
-        for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
-        if line.startswith("model name")
-    ]
+    from highrank.bench.heads import cpu_model
+
     return {
-        "processor": names[0] if names else platform.processor() or platform.machine(),
+        "processor": cpu_model(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
         "torch": torch.__version__,

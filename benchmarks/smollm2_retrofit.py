@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -122,10 +121,9 @@ def settings(args) -> dict:
 def machine(threads: int) -> dict:
     import torch
 
-    model_name = next((line.split(":", 1)[1].strip() for line in
-                       Path("/proc/cpuinfo").read_text().splitlines()
-                       if line.startswith("model name")), platform.processor())
-    return {"cpu": model_name, "cpus": os.cpu_count(), "torch_threads": threads,
+    from highrank.bench.heads import cpu_model
+
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": threads,
             "torch": torch.__version__, "note": "shared with other jobs while it ran"}
 
 

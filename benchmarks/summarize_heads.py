@@ -5,17 +5,24 @@ python benchmarks/summarize_heads.py benchmarks/results/heads-cpu-*/heads.json
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 VOCABS = (10_000, 33_278, 100_000)
 
 
-def main(paths: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("heads_json", nargs="+", help="heads.json files of `highrank bench heads`")
+    paths = parser.parse_args(argv).heads_json
     cells: dict[tuple[str, int], dict] = {}
     for path in paths:
-        for row in json.loads(Path(path).read_text(encoding="utf-8"))["rows"]:
+        try:
+            rows = json.loads(Path(path).read_text(encoding="utf-8"))["rows"]
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"{path}: not a heads.json of `highrank bench heads` ({error})")
+        for row in rows:
             cells[row["case"], row["vocab_size"]] = row
     cases = list(dict.fromkeys(case for case, _ in cells))
     for case in cases:
@@ -32,4 +39,4 @@ def _ratio(row: dict | None, key: str) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

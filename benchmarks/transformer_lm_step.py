@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from highrank.bench.heads import cpu_model
 from highrank.config import load_config
 from highrank.model import build_model, count_parameters
 from highrank.train.transformer import ADAM_BETA1, ADAM_EPSILON, adamw_groups
@@ -102,7 +103,7 @@ def main() -> None:
     record = {
         "command": "python benchmarks/transformer_lm_step.py "
         f"--heads {args.heads} --rounds {args.rounds} --threads {args.threads}",
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_model(),
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
         "torch": torch.__version__,

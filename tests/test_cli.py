@@ -65,7 +65,16 @@ def test_demo_help_names_every_option(capsys):
         main(["demo", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--rank", "--dim", "--vocab", "--contexts", "--heads", "--steps", "--seed"):
+    for option in (
+        "--rank",
+        "--dim",
+        "--vocab",
+        "--contexts",
+        "--heads",
+        "--steps",
+        "--seed",
+        "--mixtape-frequent-fraction",
+    ):
         assert option in text
     assert "--out" in text
 

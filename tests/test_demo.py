@@ -13,6 +13,8 @@ from highrank.demo import (
     PLOT_FILE,
     RESULTS_FILE,
     DemoSettings,
+    build_model,
+    demo_knobs,
     fit_head,
     format_table,
     mean_entropy,
@@ -172,6 +174,8 @@ def test_mos_beats_softmax_when_the_bound_binds():
         ({"heads": ("softmax", "nope")}, ["'nope'", "mixtape"]),
         ({"heads": ()}, ["heads"]),
         ({"heads": ("mos", "mos")}, ["twice", "mos"]),
+        ({"mixtape_frequent_fraction": 0.0}, ["mixtape_frequent_fraction", "(0, 1]"]),
+        ({"mixtape_frequent_fraction": 1.5}, ["mixtape_frequent_fraction", "1.5"]),
     ],
 )
 def test_bad_settings_name_the_field(changes, words):
@@ -184,3 +188,12 @@ def test_bad_settings_name_the_field(changes, words):
 def test_a_binding_bound_gives_no_note():
     assert TINY.notes() == []
     assert "no bottleneck" in DemoSettings(rank=8, dim=7, vocab=24, contexts=16).notes()[0]
+
+
+def test_mixtape_gets_the_asked_share_of_tokens_with_their_own_gates():
+    """Every token by default (synthetic ids have no frequency order); the paper's 0.1 on ask."""
+    default, paper = DemoSettings(), DemoSettings(mixtape_frequent_fraction=0.1)
+    assert demo_knobs("mixtape", default)["frequent_fraction"] == 1.0
+    assert demo_knobs("mixtape", paper)["frequent_fraction"] == 0.1
+    _, head = build_model("mixtape", paper)
+    assert head.n_frequent == 25  # floor(0.1 x 256)

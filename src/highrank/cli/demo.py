@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=non_negative_int, default=d.seed, help="random seed (default %(default)s)"
     )
     parser.add_argument(
+        "--mixtape-frequent-fraction",
+        type=float,
+        default=d.mixtape_frequent_fraction,
+        help="share of tokens with their own Mixtape gates (default 1.0: every token; the "
+        "paper's 0.1 shares one prior among 90%% of the tokens)",
+    )
+    parser.add_argument(
         "--threads",
         type=positive_int,
         default=d.threads,
@@ -75,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             heads=args.heads,
             steps=args.steps,
             seed=args.seed,
+            mixtape_frequent_fraction=args.mixtape_frequent_fraction,
             threads=args.threads,
         )
     except ValueError as error:
