@@ -456,9 +456,21 @@ def summary_table(args: argparse.Namespace, runs: list[Run], finished: list[Run]
         "missing_runs": missing_runs,
         "missing_stages": missing_stages,
         "runs": per_run,
-        "heads": {head: head_row(args, head, per_run) for head in heads},
+        "heads": with_holm({head: head_row(args, head, per_run) for head in heads}),
         "rank_vs_perplexity": rank_correlation(per_run),
     }
+
+
+def with_holm(heads: dict) -> dict:
+    """Each head's t-test against softmax gains ``p_holm``, its p-value adjusted by Holm's
+    method over all the heads tested (``holm_tests`` of them): one study, several tests."""
+    from highrank.analysis.significance import holm_adjusted
+
+    tests = [row["t_test_vs_softmax"] for row in heads.values()]
+    tests = [test for test in tests if "p" in test]
+    for test, adjusted in zip(tests, holm_adjusted([t["p"] for t in tests]), strict=True):
+        test.update(p_holm=adjusted, holm_tests=len(tests))
+    return heads
 
 
 def head_row(args: argparse.Namespace, head: str, per_run: dict) -> dict:
@@ -585,7 +597,7 @@ def summary_markdown(args: argparse.Namespace, table: dict) -> str:
 def markdown_rows(args: argparse.Namespace, heads: dict, epsilons: list[str]) -> list[str]:
     effective = " / ".join(epsilons) or "-"
     lines = [
-        f"| head | seeds | test ppl (mean +- sd) | p vs softmax | Press rank | eff. rank "
+        f"| head | seeds | test ppl (mean +- sd) | p vs softmax (Holm) | Press rank | eff. rank "
         f"({effective}) | KL | first {args.dynamic_tokens:,} test tokens: ppl static -> dynamic |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -595,7 +607,7 @@ def markdown_rows(args: argparse.Namespace, heads: dict, epsilons: list[str]) ->
         if runs < 2:
             ppl += " (1 seed: mean only)"
         test = row["t_test_vs_softmax"]
-        p_value = f"{test['p']:.3g}" if "p" in test else "-"
+        p_value = f"{test['p']:.3g} ({test['p_holm']:.3g})" if "p" in test else "-"
         no_record = {"n": 0, "mean": None, "sd": None}  # this head's runs have no rank yet
         ranks = " / ".join(
             cell(row["effective_rank"].get(e, no_record), ".0f", runs) for e in epsilons
@@ -630,7 +642,8 @@ def markdown_notes(args: argparse.Namespace, table: dict) -> list[str]:
         if "p" in test:
             lines.append(
                 f"- {head}: {test['test']}, t = {test['t']:.3g}, df = {test['df']:.3g}, "
-                f"p = {test['p']:.3g} ({test['source']})"
+                f"p = {test['p']:.3g}, Holm-adjusted over the {test['holm_tests']} tests "
+                f"{test['p_holm']:.3g} ({test['source']})"
             )
         elif head != "softmax":
             lines.append(f"- {head}: none: {test['skipped']}")

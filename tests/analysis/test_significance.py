@@ -15,6 +15,7 @@ from highrank.analysis.significance import (
     CompareError,
     compare_groups,
     compare_runs,
+    holm_adjusted,
     pearson,
     read_perplexity,
     read_press_rank,
@@ -245,3 +246,18 @@ def test_compare_finds_rank_records_by_the_tag_analyze_rank_gave_them(tiny_run, 
     others = [fake_run(tmp_path / f"o{i}", 41.0 + i, 7 + i) for i in range(3)]
     skipped = compare_runs({"A": [run, others[0]], "B": others[1:]})["rank_vs_perplexity"]
     assert "rank-test-best.json" in skipped["skipped"] and "--rank-tag" in skipped["skipped"]
+
+
+def test_holm_adjusted_p_values_by_hand():
+    """m = 4: sorted 0.005, 0.01, 0.03, 0.04 scale by 4, 3, 2, 1 to 0.02, 0.03, 0.06, 0.04;
+    the running maximum makes the last 0.06; results come back in the order given."""
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm_adjusted([0.5, 0.6]) == [1.0, 1.0]  # capped at 1, then monotone
+    assert holm_adjusted([0.2]) == [0.2]  # one test: nothing to adjust
+    assert holm_adjusted([]) == []
+
+
+@pytest.mark.parametrize("values", [[0.1, 1.5], [-0.1], [float("nan")], [[0.1, 0.2]]])
+def test_holm_refuses_what_is_not_a_p_value(values):
+    with pytest.raises(CompareError, match="p-values"):
+        holm_adjusted(values)

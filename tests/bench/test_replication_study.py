@@ -584,3 +584,32 @@ def test_stages_another_process_finished_or_holds_are_skipped(study, tmp_path):
     (directory / "study-train.done").write_text("")
     assert study.why_skip(args, train) == "done by another process"
     assert study.why_skip(args, rank) is None
+
+
+def test_each_heads_p_value_is_also_holm_adjusted_over_the_heads_tested(study, tmp_path):
+    ppls = {
+        "softmax": [200.0, 203.0, 201.0],
+        "mos": [190.0, 196.0, 188.0],
+        "gss": [199.0, 204.0, 202.0],
+        "moc": [250.0, 262.0],
+    }
+    for head, values in ppls.items():
+        for seed, ppl in enumerate(values, start=1):
+            fake_run(study, tmp_path / "runs", head, seed, ppl, rank=200 + seed)
+    _, table = table_of(study, tmp_path, "softmax,mos,gss,moc")
+    raw = {
+        head: stats.ttest_ind(ppls["softmax"], ppls[head], equal_var=False).pvalue
+        for head in ("mos", "gss", "moc")
+    }
+    ordered = sorted(raw, key=raw.get)  # Holm by hand: x3, x2, x1, then a running maximum
+    expected, running = {}, 0.0
+    for factor, head in zip((3, 2, 1), ordered, strict=True):
+        running = max(running, min(1.0, factor * raw[head]))
+        expected[head] = running
+    for head in raw:
+        test = table["heads"][head]["t_test_vs_softmax"]
+        assert test["holm_tests"] == 3
+        assert test["p_holm"] == pytest.approx(expected[head], rel=1e-9)
+    assert "p_holm" not in table["heads"]["softmax"]["t_test_vs_softmax"]
+    markdown = study.summary_markdown(study.parse_arguments(["--heads", "softmax,mos"]), table)
+    assert f"({expected['gss']:.3g})" in markdown and "Holm-adjusted over the 3 tests" in markdown

@@ -10,7 +10,10 @@ across models.
 
 :func:`compare_groups` is Student's t-test (pooled variance, df = n_a + n_b - 2) or, with
 ``welch=True``, Welch's (df by Welch-Satterthwaite), computed by SciPy's ``ttest_ind``;
-:func:`pearson` is SciPy's ``pearsonr``.
+:func:`pearson` is SciPy's ``pearsonr``. Several heads compared with one reference are several
+tests: :func:`holm_adjusted` gives Holm's (1979) step-down adjusted p-values, so that "p < 0.05
+after adjustment" holds for the family of comparisons (SciPy adjusts only for the false
+discovery rate).
 
     highrank eval runs/softmax-s1 --split test    # ... for every run: eval-test-best.json
     highrank compare runs/softmax-s* -- runs/mos-s* --names softmax,mos --out results/
@@ -135,6 +138,22 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> Correlation:
             )
     result = stats.pearsonr(u, v)
     return Correlation(r=float(result.statistic), p=float(result.pvalue), n=int(u.size))
+
+
+def holm_adjusted(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given (Holm 1979, "A simple sequentially
+    rejective multiple test procedure"): with the m p-values sorted, p_(1) <= ... <= p_(m),
+    the i-th becomes max over j <= i of min(1, (m - j + 1) p_(j)). Rejecting where the adjusted
+    value is below alpha controls the family-wise error rate at alpha."""
+    values = np.asarray(p_values, dtype=np.float64)
+    if values.ndim != 1 or np.any(~np.isfinite(values)) or np.any((values < 0) | (values > 1)):
+        raise CompareError(f"p-values must be a list of numbers in [0, 1]; got {list(p_values)}")
+    m = values.size
+    order = np.argsort(values, kind="stable")
+    scaled = np.minimum(1.0, (m - np.arange(m)) * values[order])  # (m - j + 1) p_(j), j from 1
+    adjusted = np.empty(m)
+    adjusted[order] = np.maximum.accumulate(scaled)
+    return adjusted.tolist()
 
 
 # ---- reading run directories ---------------------------------------------------------------
