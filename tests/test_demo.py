@@ -85,6 +85,7 @@ def test_results_json_has_the_settings_and_every_head(tiny_run):
     assert on_disk["settings"]["heads"] == list(HEADS)
     assert on_disk["true_rank"] == TINY.rank == on_disk["true_press_rank"]
     assert on_disk["softmax_rank_bound"] == TINY.dim + 2
+    assert on_disk["machine"]["cpu"] and on_disk["machine"]["torch_threads"] == TINY.threads
     assert list(on_disk["heads"]) == list(HEADS)
     for entry in on_disk["heads"].values():
         assert isinstance(entry["kl"], float) and entry["kl"] > 0

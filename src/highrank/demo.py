@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from highrank.analysis.rank import press_rank
+from highrank.bench.heads import machine_info
 from highrank.heads import HEADS, OutputHead, build_head
 
 RESULTS_FILE = "results.json"
@@ -312,7 +313,8 @@ def run_demo(settings: DemoSettings, out_dir: str | Path, progress: bool = True)
 
     Returns the results dictionary that was written (see ``results.json``'s layout below):
     ``settings``, ``true_rank`` (r), ``true_press_rank``, ``true_entropy``,
-    ``softmax_rank_bound`` (d + 2), ``total_seconds`` and ``heads``: for every head
+    ``softmax_rank_bound`` (d + 2), ``total_seconds``, ``machine`` (where the seconds were
+    measured) and ``heads``: for every head
     ``kl``, ``rank``, ``params``, ``seconds``, ``knobs`` and ``curve`` {``step``, ``kl``}.
     """
     start = time.perf_counter()
@@ -329,6 +331,7 @@ def run_demo(settings: DemoSettings, out_dir: str | Path, progress: bool = True)
         "true_entropy": mean_entropy(target),
         "softmax_rank_bound": settings.dim + 2,
         "total_seconds": time.perf_counter() - start,
+        "machine": machine_info("cpu") | {"torch_threads": settings.threads},
         "heads": heads,
     }
     write_results(results, out_dir)
