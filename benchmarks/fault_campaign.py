@@ -8,6 +8,7 @@ About 15-20 minutes on the shared 2-vCPU machine (each command pays torch's impo
 """
 
 # ruff: noqa: E501  (a script of long report lines)
+import argparse
 import json
 import random
 import shutil
@@ -16,9 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-R = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/highrank-fault-campaign")
+MARKER = ".highrank-fault-campaign"  # a folder the campaign made, so it may delete it again
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+parser.add_argument("work_dir", nargs="?", default="/tmp/highrank-fault-campaign")
+R = Path(parser.parse_args().work_dir)
+if R.exists() and any(R.iterdir()) and not (R / MARKER).is_file():
+    parser.error(f"{R} holds files of something else (no {MARKER}): name a new or empty folder")
 shutil.rmtree(R, ignore_errors=True)
 R.mkdir(parents=True)
+(R / MARKER).write_text("")
 HR = [sys.executable, "-m", "highrank"]
 rng = random.Random(0)
 corpus = R / "corpus"
