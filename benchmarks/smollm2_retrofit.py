@@ -199,7 +199,7 @@ def build(name: str, args):
     from highrank.heads import build_head
 
     kind, knobs, from_lm_head = head_knobs(name, args)
-    weight = torch.load(args.work_dir / "lm_head.pt")["weight"]  # (V, d)
+    weight = torch.load(args.work_dir / "lm_head.pt", weights_only=True)["weight"]  # (V, d)
     head = build_head(kind, d_in=weight.shape[1], vocab_size=weight.shape[0], **knobs)
     if from_lm_head:  # SmolLM2's lm_head has no bias: the head's bias stays 0
         with torch.no_grad():
@@ -237,7 +237,7 @@ def stage_eval(name: str, args) -> dict:
     torch.manual_seed(0)
     head = build(name, args)
     if name != "zero_step":
-        state = torch.load(args.work_dir / f"state-{name}.pt", weights_only=False)
+        state = torch.load(args.work_dir / f"state-{name}.pt", weights_only=True)
         head.load_state_dict(state["head"])
     record = {}
     for split in ("valid", "test"):

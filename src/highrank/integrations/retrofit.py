@@ -369,7 +369,7 @@ def _load_train_state(path: Path, head, optimizer, budget, history: list) -> int
     """Steps already done (0 when there is no state); fills ``history`` in place."""
     if not path.exists():
         return 0
-    state = torch.load(path, weights_only=False)
+    state = _read_train_state(path)
     if state["budget"] != asdict(budget):
         raise ValueError(
             f"{path} was trained with budget {state['budget']}, not {asdict(budget)}; "
@@ -381,6 +381,26 @@ def _load_train_state(path: Path, head, optimizer, budget, history: list) -> int
     random.setstate(state["python_rng"])
     history.extend(state["history"])
     return len(history)
+
+
+def _read_train_state(path: Path) -> dict:
+    """The saved training state at ``path``, read with ``weights_only`` (tensors, numbers,
+    strings and containers only): a crafted file cannot run code when a run resumes."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling refused, truncated zip, bad CRC, ...
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(
+            f"{path} cannot be read as a head's training state ({type(error).__name__}: "
+            f"{reason}); delete it to train again"
+        ) from None
+    missing = [key for key in _TRAIN_STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise ValueError(f"{path} is not a head's training state (lacks {', '.join(missing)})")
+    return state
+
+
+_TRAIN_STATE_KEYS = ("budget", "head", "optimizer", "history", "rng", "python_rng")
 
 
 # ---- 3. evaluation ------------------------------------------------------------------------------
