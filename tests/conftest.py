@@ -15,6 +15,7 @@ SMALL_KNOBS: dict[str, dict] = {
     "sigsoftmax": {},
     "gss": {},
     "plif": {"n_pieces": 1000},
+    "mlp_softmax": {"mlp_width": 7},
 }
 
 # Knobs that switch on every source of training-time randomness a head has.
@@ -22,6 +23,7 @@ STOCHASTIC_KNOBS: dict[str, dict] = {
     "moc": {"latent_dropout": 0.3},
     "mos": {"latent_dropout": 0.3},
     "mixtape": {"gate_noise": 0.1, "gate_dropout": 0.2, "component_dropout": 0.2},
+    "mlp_softmax": {"latent_dropout": 0.3},
 }
 
 

@@ -23,7 +23,7 @@ from highrank.demo import (
     run_demo,
     true_log_probs,
 )
-from highrank.heads import HEADS
+from highrank.heads import PAPER_HEADS
 
 # d + 2 = 4 < r = 8: the softmax bound binds. Every head fits in well under a second.
 TINY = DemoSettings(rank=8, dim=2, vocab=24, contexts=16, steps=40, seed=3)
@@ -82,11 +82,11 @@ def test_results_json_has_the_settings_and_every_head(tiny_run):
     out, results = tiny_run
     on_disk = json.loads((out / RESULTS_FILE).read_text())
     assert on_disk["settings"]["rank"] == TINY.rank
-    assert on_disk["settings"]["heads"] == list(HEADS)
+    assert on_disk["settings"]["heads"] == list(PAPER_HEADS)
     assert on_disk["true_rank"] == TINY.rank == on_disk["true_press_rank"]
     assert on_disk["softmax_rank_bound"] == TINY.dim + 2
     assert on_disk["machine"]["cpu"] and on_disk["machine"]["torch_threads"] == TINY.threads
-    assert list(on_disk["heads"]) == list(HEADS)
+    assert list(on_disk["heads"]) == list(PAPER_HEADS)
     for entry in on_disk["heads"].values():
         assert isinstance(entry["kl"], float) and entry["kl"] > 0
         assert isinstance(entry["rank"], int) and 1 <= entry["rank"] <= TINY.contexts
@@ -107,14 +107,14 @@ def test_plot_is_a_non_empty_png(tiny_run):
 def test_table_and_reading_name_every_head_and_the_bound(tiny_run):
     _, results = tiny_run
     table = format_table(results)
-    assert all(name in table for name in HEADS)
+    assert all(name in table for name in PAPER_HEADS)
     assert "d + 2 = 4" in reading(results)
 
 
 def test_same_seed_gives_identical_numbers(tiny_run, tmp_path):
     _, first = tiny_run
     again = run_demo(TINY, tmp_path, progress=False)
-    for name in HEADS:
+    for name in PAPER_HEADS:
         assert again["heads"][name]["kl"] == first["heads"][name]["kl"], name
         assert again["heads"][name]["curve"] == first["heads"][name]["curve"], name
         assert again["heads"][name]["rank"] == first["heads"][name]["rank"], name

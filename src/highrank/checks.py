@@ -37,6 +37,13 @@ def check_finite(name: str, value: object) -> float:
     return float(value)
 
 
+def check_bool(name: str, value: object) -> bool:
+    """A switch: True or False (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false; got {value!r}")
+    return value
+
+
 def check_dropout_time_dim(value: object) -> int | None:
     """The time axis over which dropout masks are shared (an int), or None for none."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

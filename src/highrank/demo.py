@@ -55,7 +55,7 @@ from torch import nn
 
 from highrank.analysis.rank import press_rank
 from highrank.bench.heads import machine_info
-from highrank.heads import HEADS, OutputHead, build_head
+from highrank.heads import HEADS, PAPER_HEADS, OutputHead, build_head
 
 RESULTS_FILE = "results.json"
 PLOT_FILE = "kl_curves.png"
@@ -88,7 +88,7 @@ class DemoSettings:
     dim: int = 8
     vocab: int = 256
     contexts: int = 256
-    heads: tuple[str, ...] = field(default_factory=lambda: tuple(HEADS))
+    heads: tuple[str, ...] = field(default_factory=lambda: PAPER_HEADS)
     steps: int = 2000
     seed: int = 0
     lr: float = 0.02

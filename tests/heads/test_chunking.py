@@ -99,7 +99,7 @@ def test_auto_chunking_matches_the_whole_batch(make_head, name, monkeypatch):
     monkeypatch.setattr(mixtape, "MIN_AUTO_CHUNK_TOKENS", 4)
     head = make_head(name).eval()
     # Mixtape (S = 15 of 50): 50 logits + 12 x 15 per token, so 1 token, raised to 4.
-    fused = {"softmax": 7, "moc": 7, "mos": 7 // 3, "mixtape": 4}
+    fused = {"softmax": 7, "moc": 7, "mos": 7 // 3, "mixtape": 4, "mlp_softmax": 7}
     expected_chunk = fused.get(name, 5)
     assert head._resolve_chunk_size("auto", "mean") == expected_chunk
     hidden, target = torch.randn(30, 12), torch.randint(0, 50, (30,))

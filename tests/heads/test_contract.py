@@ -13,7 +13,7 @@ from highrank.heads import HEADS, build_head
 
 HEAD_NAMES = list(HEADS)
 SHAPES = [(24,), (3, 8)]  # leading shapes: [N, d] and [B, T, d]
-HEADS_WITH_TRAINING_NOISE = {"moc", "mos", "mixtape"}
+HEADS_WITH_TRAINING_NOISE = {"moc", "mos", "mixtape", "mlp_softmax"}
 
 
 def _inputs(lead, d_in=12, vocab_size=50, scale=1.0):

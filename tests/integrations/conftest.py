@@ -50,13 +50,15 @@ BASES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 @pytest.fixture
 def attached():
-    """``attached(base, head, stochastic=False, **knobs)``: a tiny ``base`` ("gpt2"/"llama")
-    with the head attached (small knobs; ``stochastic`` switches on its dropouts), eval mode."""
+    """``attached(base, head, stochastic=False, init="paper", **knobs)``: a tiny ``base``
+    ("gpt2"/"llama") with the head attached (small knobs; ``stochastic`` switches on its
+    dropouts), eval mode. The paper's random init by default: every parameter of the head is
+    live from the start, which tests the wrapper hardest (test_warm_start.py tests "base")."""
     from highrank.integrations.hf import attach_head
 
-    def make(base: str, head: str, *, stochastic: bool = False, **knobs):
+    def make(base: str, head: str, *, stochastic: bool = False, init: str = "paper", **knobs):
         merged = {**SMALL_KNOBS[head], **(STOCHASTIC_KNOBS.get(head, {}) if stochastic else {})}
-        return attach_head(BASES[base](), head, **{**merged, **knobs}).eval()
+        return attach_head(BASES[base](), head, init=init, **{**merged, **knobs}).eval()
 
     return make
 

@@ -257,7 +257,7 @@ def test_save_and_reload_with_automodel_gives_the_same_model(attached, tmp_path,
 
 
 def test_tying_survives_training_and_reload(tmp_path, token_batch):
-    model = hf.attach_head(tiny_gpt2(), "sigsoftmax")
+    model = hf.attach_head(tiny_gpt2(), "sigsoftmax", init="paper")
     assert model.head.weight is model.get_input_embeddings().weight
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model(token_batch[0], labels=token_batch[1]).loss.backward()

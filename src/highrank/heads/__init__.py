@@ -2,6 +2,9 @@
 
 ``HEADS`` maps a short name to each class; ``build_head(name, d_in=..., vocab_size=..., **knobs)``
 builds one and rejects unknown names and knobs with the valid choices listed.
+``PAPER_HEADS`` are the seven heads of the papers; ``mlp_softmax`` is the rank-bounded
+capacity control of the warm-start study. ``base_init_knobs`` gives the knobs with which a
+head can start exactly at a trained softmax (``OutputHead.start_at_base``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import inspect
 from highrank.heads.base import OutputHead
 from highrank.heads.gss import GeneralizedSigSoftmax
 from highrank.heads.mixtape import Mixtape
+from highrank.heads.mlp_softmax import MLPSoftmax
 from highrank.heads.moc import MixtureOfContexts
 from highrank.heads.mos import MixtureOfSoftmaxes
 from highrank.heads.plif import PiecewiseLinearSoftmax
@@ -25,7 +29,34 @@ HEADS: dict[str, type[OutputHead]] = {
     "sigsoftmax": SigSoftmax,
     "gss": GeneralizedSigSoftmax,
     "plif": PiecewiseLinearSoftmax,
+    "mlp_softmax": MLPSoftmax,
 }
+PAPER_HEADS: tuple[str, ...] = tuple(name for name in HEADS if name != "mlp_softmax")
+INITS = ("paper", "base")
+
+
+def base_init_knobs(name: str, knobs: dict) -> dict:
+    """``knobs`` plus those head ``name`` needs to start at a softmax (``init="base"``); a
+    ValueError in one line when it cannot, or when ``knobs`` contradict them."""
+    head_class = _head_class(name)
+    if head_class.BASE_INIT_KNOBS is None:
+        raise ValueError(f"head {name!r} cannot start at the base model: {head_class.NO_BASE_INIT}")
+    clashing = {k: knobs[k] for k, v in head_class.BASE_INIT_KNOBS.items()
+                if k in knobs and knobs[k] != v}
+    if clashing:
+        needed = ", ".join(f"{k}={head_class.BASE_INIT_KNOBS[k]!r}" for k in clashing)
+        raise ValueError(
+            f"head {name!r} starts at the base model only with {needed}; got "
+            + ", ".join(f"{k}={v!r}" for k, v in clashing.items())
+            + " (use init='paper' to keep them)"
+        )
+    return {**knobs, **head_class.BASE_INIT_KNOBS}
+
+
+def check_init(init: object) -> str:
+    if init not in INITS:
+        raise ValueError(f"init must be one of {', '.join(map(repr, INITS))}; got {init!r}")
+    return init
 
 
 def head_knobs(name: str) -> dict[str, object]:
@@ -62,6 +93,11 @@ def _head_class(name: str) -> type[OutputHead]:
 
 __all__ = [
     "HEADS",
+    "INITS",
+    "PAPER_HEADS",
+    "base_init_knobs",
+    "check_init",
+    "MLPSoftmax",
     "OutputHead",
     "build_head",
     "head_knobs",

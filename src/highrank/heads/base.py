@@ -204,6 +204,20 @@ class OutputHead(nn.Module):
             return self.log_prob(hidden)
         return self.loss(hidden, target)
 
+    # Knobs that give the head the structure ``start_at_base`` needs (e.g. residual contexts);
+    # ``build_head(..., init="base")`` applies them. None: the head cannot start at a softmax.
+    BASE_INIT_KNOBS: dict | None = {}
+    # Why a head cannot start at the base softmax (one line), when BASE_INIT_KNOBS is None.
+    NO_BASE_INIT = ""
+
+    def start_at_base(self, projection: nn.Linear | None = None) -> None:
+        """Set the head's own parameters so that it computes ``log_softmax(E g' + b)`` exactly:
+        the softmax over its decoder E and bias b, which ``attach_head`` and ``--init-from``
+        copy from the model being extended (g' = g, or ``projection(g)`` when d_in != d_embed:
+        the replaced softmax's projection). E and b are left as they are."""
+        raise ValueError(f"{type(self).__name__} cannot start at the base softmax: "
+                         f"{self.NO_BASE_INIT or 'it has no start_at_base'}")
+
     def parameter_groups(self, lr: float) -> list[dict]:
         """Optimizer parameter groups; heads whose paper prescribes a separate lr override it."""
         return [{"params": [p for p in self.parameters() if p.requires_grad], "lr": lr}]

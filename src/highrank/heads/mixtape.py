@@ -14,6 +14,11 @@ a K-way softmax per token; gate sharing gives the V - S rare tokens one prior pe
 their logits are a single matmul with the mixed context sum_k pi_k h_k and no K x V gate tensor
 is ever built for them. S = floor(frequent_fraction x V) over frequency-ordered ids.
 
+``residual_contexts=True`` (for starting at a trained softmax; ``heads/residual.py``) uses
+h_k = g' + Z_k tanh(H_k g + a_k) with Z_k zero at init: with four equal contexts every
+token's logit is sum_k pi_{x,k} (g' . w_x) = g' . w_x, since the tree's priors sum to 1,
+whatever the gates, so Mixtape starts as that softmax exactly.
+
 Regularisers of the paper (Sec. 3.4; Sec. 4.1 uses them for language modelling): Gaussian
 noise on the pre-activation priors (``gate_noise``), dropout on the gate features t_j
 (``gate_dropout``) and on the component contexts h_k (``component_dropout``), and weight
@@ -35,10 +40,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from highrank.checks import check_dropout_time_dim, check_positive_int, check_probability, is_number
+from highrank.checks import (
+    check_bool,
+    check_dropout_time_dim,
+    check_positive_int,
+    check_probability,
+    is_number,
+)
 from highrank.heads.base import OutputHead
 from highrank.heads.functional import apply_mask, sigmoid_tree_mix, widen
 from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
+from highrank.heads.residual import ResidualContexts
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
 N_GATES = N_COMPONENTS - 1
@@ -64,6 +76,8 @@ class Mixtape(OutputHead):
         component_dropout: dropout on the component contexts h_k.
         gate_weight_norm: weight-normalise the rows of U (the gate-feature matrices U_j) with
             a constant scale: each row's norm stays at its initial value (module docstring).
+        residual_contexts: h_k = g' + Z_k tanh(H_k g + a_k), Z_k = 0 at init, so that
+            ``start_at_base`` makes the head a given softmax (module docstring).
         dropout_time_dim: the time axis of ``hidden`` over which dropout masks are shared
             (locked dropout: 0 for AWD-LSTM's time-major ``(T, B, d)``, 1 for batch-first);
             None (default) draws an independent mask for every token.
@@ -84,6 +98,7 @@ class Mixtape(OutputHead):
         component_dropout: float = 0.0,
         gate_weight_norm: bool = False,
         dropout_time_dim: int | None = None,
+        residual_contexts: bool = False,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
         self.gate_dim = check_positive_int("gate_dim", gate_dim)
@@ -99,16 +114,30 @@ class Mixtape(OutputHead):
         self.dropout_time_dim = check_dropout_time_dim(dropout_time_dim)
 
         self.components = nn.Linear(d_in, N_COMPONENTS * self.d_embed)  # H_k, a_k
+        self.residual_contexts = check_bool("residual_contexts", residual_contexts)
+        self.residual_branch = (
+            ResidualContexts(d_in, self.d_embed, N_COMPONENTS, self.d_embed)
+            if residual_contexts
+            else None
+        )
         self.gate_features = nn.Linear(d_in, N_GATES * gate_dim)  # U_j, c_j
         self.context_gate = nn.Linear(d_in, N_GATES, bias=False)  # u_j
         self.token_gate = nn.Parameter(torch.empty(self.n_frequent, gate_dim))  # v_x
         self.token_gate_bias = nn.Parameter(torch.zeros(self.n_frequent, N_GATES))  # b_{x,j}
         nn.init.normal_(self.token_gate, std=gate_dim**-0.5)
-        if not isinstance(gate_weight_norm, bool):
-            raise ValueError(f"gate_weight_norm must be true or false; got {gate_weight_norm!r}")
-        self.gate_weight_norm = gate_weight_norm
+        self.gate_weight_norm = check_bool("gate_weight_norm", gate_weight_norm)
         if gate_weight_norm:
             _weight_norm_with_constant_scale(self.gate_features)
+
+    BASE_INIT_KNOBS = {"residual_contexts": True}
+
+    def start_at_base(self, projection: nn.Linear | None = None) -> None:
+        if self.residual_branch is None:
+            raise ValueError(
+                "Mixtape with the paper's contexts tanh(H_k g + a_k) cannot equal a softmax; "
+                "build it with residual_contexts=True (init='base' does)"
+            )
+        self.residual_branch.start_at_base(projection)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (
@@ -124,7 +153,10 @@ class Mixtape(OutputHead):
     def _contexts(self, h: torch.Tensor, component_mask: torch.Tensor | None) -> torch.Tensor:
         """The component contexts h_k ``(N, 4, d_embed)``."""
         contexts = apply_mask(torch.tanh(self.components(h)), component_mask)
-        return contexts.view(h.shape[0], N_COMPONENTS, self.d_embed)
+        contexts = contexts.view(h.shape[0], N_COMPONENTS, self.d_embed)
+        if self.residual_branch is not None:
+            contexts = self.residual_branch(h, contexts)  # g' + Z_k tanh(H_k g + a_k)
+        return contexts
 
     def _features(self, h: torch.Tensor, gate_mask: torch.Tensor | None) -> torch.Tensor:
         """The gate features t_j ``(N, 3, gate_dim)``."""
@@ -216,6 +248,7 @@ class Mixtape(OutputHead):
             f"gate_noise={self.gate_noise}, gate_dropout={self.gate_dropout}, "
             f"component_dropout={self.component_dropout}, "
             f"gate_weight_norm={self.gate_weight_norm}"
+            + (", residual_contexts=True" if self.residual_contexts else "")
         )
 
 

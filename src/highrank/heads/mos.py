@@ -9,6 +9,10 @@ The latent dropout (``dropoutl``) acts on all K x d_embed units, locked over tim
 ``dropout_time_dim`` names the time axis, as in the paper. The mixture is computed in log
 space (the authors' code used log(p + 1e-8), which caps log-probabilities at -18.4).
 The log-probability matrix is not bounded by rank d_embed + 2.
+
+``residual_contexts=True`` (for starting at a trained softmax; ``heads/residual.py``) uses
+h_k = g' + Z_k tanh(W_k g + a_k) with Z_k zero at init, so that the mixture starts as that
+softmax exactly and leaves it on the first optimiser step.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.checks import check_dropout_time_dim, check_positive_int, check_probability
+from highrank.checks import (
+    check_bool,
+    check_dropout_time_dim,
+    check_positive_int,
+    check_probability,
+)
 from highrank.heads.base import OutputHead
 from highrank.heads.functional import (
     apply_mask,
@@ -27,6 +36,7 @@ from highrank.heads.functional import (
     widen,
 )
 from highrank.heads.mixture_ce import mixture_cross_entropy_sum
+from highrank.heads.residual import ResidualContexts
 
 
 class ContextMixture(OutputHead):
@@ -42,6 +52,7 @@ class ContextMixture(OutputHead):
         n_components: int = 15,
         latent_dropout: float = 0.29,
         dropout_time_dim: int | None = None,
+        residual_contexts: bool = False,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
         self.n_components = check_positive_int("n_components", n_components)
@@ -49,6 +60,22 @@ class ContextMixture(OutputHead):
         self.dropout_time_dim = check_dropout_time_dim(dropout_time_dim)
         self.prior = nn.Linear(d_in, n_components, bias=False)
         self.latent = nn.Linear(d_in, n_components * self.d_embed)
+        self.residual_contexts = check_bool("residual_contexts", residual_contexts)
+        self.residual_branch = (
+            ResidualContexts(d_in, self.d_embed, n_components, self.d_embed)
+            if residual_contexts
+            else None
+        )
+
+    BASE_INIT_KNOBS = {"residual_contexts": True}
+
+    def start_at_base(self, projection: nn.Linear | None = None) -> None:
+        if self.residual_branch is None:
+            raise ValueError(
+                f"{type(self).__name__} with the paper's contexts tanh(W_k g + a_k) cannot "
+                "equal a softmax; build it with residual_contexts=True (init='base' does)"
+            )
+        self.residual_branch.start_at_base(projection)
 
     def auto_chunk_tokens(self) -> int:
         return self.fused_auto_chunk_tokens()
@@ -63,12 +90,16 @@ class ContextMixture(OutputHead):
         """``log pi (N, K)`` in float32 and the latent contexts ``h_k (N, K, d_embed)``."""
         log_prior = F.log_softmax(widen(self.prior(h)), dim=-1)
         latents = apply_mask(torch.tanh(self.latent(h)), latent_mask)
-        return log_prior, latents.view(h.shape[0], self.n_components, self.d_embed)
+        latents = latents.view(h.shape[0], self.n_components, self.d_embed)
+        if self.residual_branch is not None:
+            latents = self.residual_branch(h, latents)  # g' + Z_k tanh(W_k g + a_k)
+        return log_prior, latents
 
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, n_components={self.n_components}, "
             f"latent_dropout={self.latent_dropout}"
+            + (", residual_contexts=True" if self.residual_contexts else "")
         )
 
 
@@ -78,6 +109,8 @@ class MixtureOfSoftmaxes(ContextMixture):
     Args:
         n_components: K, the number of softmaxes (paper: 15 on PTB and WT2).
         latent_dropout: dropout on the K x d_embed latent units (paper: 0.29 PTB, locked).
+        residual_contexts: h_k = g' + Z_k tanh(W_k g + a_k), Z_k = 0 at init, so that
+            ``start_at_base`` makes the head a given softmax (module docstring).
         dropout_time_dim: the time axis of ``hidden`` over which dropout masks are shared
             (locked dropout: 0 for AWD-LSTM's time-major ``(T, B, d)``, 1 for batch-first);
             None (default) draws an independent mask for every token.

@@ -73,6 +73,11 @@ class PiecewiseLinearSoftmax(PointwiseSoftmax):
         else:
             self.register_buffer("slope_logits", theta)
 
+    def _start_transform_at_identity(self) -> None:
+        """Every slope 1 (theta = log(e - 1)): with the anchor f(low) = low, f is the identity."""
+        with torch.no_grad():
+            self.slope_logits.fill_(_SOFTPLUS_INVERSE_OF_ONE)
+
     def slopes(self) -> torch.Tensor:
         """Slope of every piece, softplus(theta) > 0: ``(n_pieces,)``."""
         return F.softplus(self.slope_logits)

@@ -16,5 +16,15 @@ from highrank.heads.softmax import PointwiseSoftmax
 class SigSoftmax(PointwiseSoftmax):
     """Sigsoftmax output layer; same knobs as :class:`highrank.heads.softmax.Softmax`."""
 
+    BASE_INIT_KNOBS = None
+    NO_BASE_INIT = (
+        "f(z) = z + log sigmoid(z) has no knob that makes it the identity, so it cannot "
+        "start at the base model's distribution (attach it with init='paper', or use gss, "
+        "which starts at slope 1)"
+    )
+
+    def _start_transform_at_identity(self) -> None:
+        raise ValueError(f"SigSoftmax cannot start at the base softmax: {self.NO_BASE_INIT}")
+
     def transform(self, logits: torch.Tensor) -> torch.Tensor:
         return logits + F.logsigmoid(logits)

@@ -16,6 +16,7 @@ from torch import nn
 
 from highrank.heads.base import OutputHead
 from highrank.heads.mixture_ce import mixture_cross_entropy_sum
+from highrank.heads.residual import copy_projection
 
 
 class PointwiseSoftmax(OutputHead):
@@ -42,6 +43,15 @@ class PointwiseSoftmax(OutputHead):
         rows = self._flatten_hidden(hidden)
         out = self.transform(self._decoder_logits(self._project(rows)))
         return out.reshape(*hidden.shape[:-1], self.vocab_size)
+
+    def start_at_base(self, projection: nn.Linear | None = None) -> None:
+        """f becomes the identity (``_start_transform_at_identity``) and g' the given
+        projection's, so the head is exactly the softmax it replaces."""
+        copy_projection(self.projection, projection)
+        self._start_transform_at_identity()
+
+    def _start_transform_at_identity(self) -> None:
+        """Make f the identity; it is one for Softmax."""
 
     def _project(self, h: torch.Tensor) -> torch.Tensor:
         return h if self.projection is None else self.projection(h)

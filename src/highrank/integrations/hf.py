@@ -26,10 +26,14 @@ What ``attach_head(model, name, **knobs)`` builds and initialises:
   shapes agree: when the base ties ``lm_head`` to the input embedding, E *is* that embedding
   (one shared Parameter, kept shared through save and load); otherwise ``lm_head.weight`` is
   copied into E (unless a ``d_embed`` knob changes its width: then E keeps the head's own
-  U(-0.1, 0.1) init); b is ``lm_head.bias`` or zeros. Everything else (MoS/MoC priors and
-  latents, Mixtape components and gates, a projection, PLIF slopes) keeps the head's own
-  initialisation from its paper. So ``attach_head(model, "softmax")`` computes exactly the
-  base model's distribution, and SigSoftmax/GSS start from its logits.
+  U(-0.1, 0.1) init); b is ``lm_head.bias`` or zeros. With ``init="base"`` (the default)
+  the head then starts exactly at the base model's distribution: MoS, MoC and Mixtape are
+  built with residual contexts h_k = g + Z_k tanh(W_k g + a_k), Z_k = 0
+  (``heads/residual.py``), GSS with a learned slope starting at k = 1 and PLIF with every
+  slope 1 (both then the identity); SigSoftmax has no such knob and is refused (one line).
+  With ``init="paper"`` everything but E and b (MoS/MoC priors and latents, Mixtape
+  components and gates, PLIF slopes) keeps its paper's random initialisation, and SigSoftmax
+  and GSS start from the base model's logits.
 * heads with internal dropout get ``dropout_time_dim=1``: hidden states are batch-first
   ``(B, T, d)``, so their masks are locked over each sequence as in the MoS/AWD-LSTM papers.
 * Mixtape gives its own gates to the ids below ``frequent_fraction x V``, which presumes ids
@@ -79,7 +83,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 from transformers.utils.generic import can_return_tuple
 
-from highrank.heads import HEADS, OutputHead, build_head, head_knobs
+from highrank.heads import (
+    HEADS,
+    OutputHead,
+    base_init_knobs,
+    build_head,
+    check_init,
+    head_knobs,
+)
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
 
 # Knobs the model wires itself; a user value would contradict the base model or the layout.
@@ -315,16 +326,25 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) ->
 # ---- attach_head -------------------------------------------------------------------------
 
 
-def attach_head(model: PreTrainedModel, name: str, **knobs) -> HighrankForCausalLM:
+def attach_head(
+    model: PreTrainedModel, name: str, *, init: str = "base", **knobs
+) -> HighrankForCausalLM:
     """``model`` (any transformers causal LM) with the highrank head ``name`` as its output layer.
 
     ``knobs`` are the head's own (``highrank.heads.head_knobs(name)``), e.g. ``n_components``
     for MoS or ``gate_dim`` for Mixtape; ``tied_weight`` and ``dropout_time_dim`` are wired
     from the base model. The body is reused, not copied; the head's decoder matrix and bias
     come from ``model``'s ``lm_head`` where the shapes agree (see the module docstring).
+
+    ``init="base"`` (default) starts the head exactly at the base model's distribution
+    (``OutputHead.start_at_base``; mixtures get residual contexts, GSS a learned slope from 1,
+    PLIF unit slopes); SigSoftmax cannot and says so. ``init="paper"`` keeps each paper's
+    random initialisation of everything but the decoder.
     """
     lm_head = _check_causal_lm(model)
     _check_head_and_knobs(name, knobs)
+    if check_init(init) == "base":
+        knobs = base_init_knobs(name, knobs)
     body = model.base_model
     embedding = model.get_input_embeddings()
     tied = embedding is not None and lm_head.weight is embedding.weight
@@ -339,6 +359,8 @@ def attach_head(model: PreTrainedModel, name: str, **knobs) -> HighrankForCausal
     )
     head = _build_head_for(config, body)
     _initialise_from_lm_head(head, lm_head, tied)
+    if init == "base":
+        _start_at_lm_head(head, lm_head)
     head.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     highrank_model = HighrankForCausalLM(config, body=body, head=head)
     highrank_model.generation_config = copy.deepcopy(model.generation_config)
@@ -354,6 +376,16 @@ def _initialise_from_lm_head(head: OutputHead, lm_head: nn.Module, tied: bool) -
     bias = getattr(lm_head, "bias", None)
     if bias is not None and head.bias.shape == bias.shape:
         head.bias.copy_(bias)
+
+
+def _start_at_lm_head(head: OutputHead, lm_head: nn.Module) -> None:
+    if head.weight.shape != lm_head.weight.shape:
+        raise ValueError(
+            f"init='base' needs the head's decoder to be lm_head's {tuple(lm_head.weight.shape)}"
+            f" matrix, but d_embed makes it {tuple(head.weight.shape)}; drop d_embed or use "
+            "init='paper'"
+        )
+    head.start_at_base()
 
 
 def _check_causal_lm(model: object) -> nn.Module:
