@@ -86,7 +86,11 @@ def test_toml_file_is_merged_onto_defaults(mos_file):
     assert (config.model.d_embed, config.model.d_hidden, config.model.d_last) == (280, 960, 620)
     assert config.model.n_layers == 3  # default kept
     assert config.head.name == "mos"
-    assert config.head.knobs == {"n_components": 15, "latent_dropout": 0.29, "residual_contexts": False}
+    assert config.head.knobs == {
+        "n_components": 15,
+        "latent_dropout": 0.29,
+        "residual_contexts": False,
+    }
     assert config.train.lr == 20.0 and isinstance(config.train.lr, float)  # int accepted
     assert config.train.batch_size == 12
     assert config.train.bptt == 70
@@ -316,7 +320,12 @@ def test_dump_leaves_unset_keys_out():
 def test_config_to_dict_shape():
     table = config_to_dict(load_config(None, ["head.name=mos"]))
     assert list(table) == [f.name for f in dataclasses.fields(Config)]
-    assert table["head"] == {"name": "mos", "n_components": 15, "latent_dropout": 0.29, "residual_contexts": False}
+    assert table["head"] == {
+        "name": "mos",
+        "n_components": 15,
+        "latent_dropout": 0.29,
+        "residual_contexts": False,
+    }
     assert table["model"]["d_last"] is None
 
 

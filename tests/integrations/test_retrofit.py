@@ -227,3 +227,18 @@ def head_from_lm_head_sized(d_in, vocab_size):
     from highrank.heads import build_head
 
     return build_head("softmax", d_in=d_in, vocab_size=vocab_size)
+
+
+def test_kl_from_a_reference_is_zero_for_itself_and_matches_a_direct_sum(llama, cache):
+    head = head_from_lm_head(llama, "softmax")
+    other = head_from_lm_head(llama, "softmax")
+    with torch.no_grad():
+        other.bias.normal_()
+    assert evaluate_head(head, cache, reference=head)["kl_from_reference"] == pytest.approx(
+        0.0, abs=1e-7)
+    got = evaluate_head(other, cache, block_tokens=5, reference=head)
+    p, q = head.log_prob(cache.rows(slice(None))), other.log_prob(cache.rows(slice(None)))
+    expected = float((p.exp() * (p - q)).sum(-1).mean())
+    assert got["kl_from_reference"] == pytest.approx(expected, rel=1e-5)
+    plain = evaluate_head(other, cache, block_tokens=5)
+    assert plain["kl_from_reference"] is None and plain["perplexity"] == got["perplexity"]

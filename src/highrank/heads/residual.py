@@ -12,8 +12,9 @@ distribution. With ``residual_contexts=True`` a head computes instead
 
 where g' is the softmax's context (g itself, or its learned projection when d_in != d_embed),
 and ``tanh(W_k g + a_k)`` is the paper's latent, dropout included. ``start_at_base`` sets
-every Z_k to zero (built, Z_k is random like any linear layer): then every h_k equals g', so every component is the base softmax and so is any mixture of them, whatever
-the priors or gates: MoS, MoC and Mixtape then compute log_softmax(E g' + b) exactly. The
+every Z_k to zero (built, Z_k is random like any linear layer): then every h_k equals g', so
+every component is the base softmax and so is any mixture of them, whatever the priors or
+gates: MoS, MoC and Mixtape then compute log_softmax(E g' + b) exactly. The
 extra parameters are not stuck there: the gradient of the loss with respect to Z_k is
 (dL/dh_k) tanh(W_k g + a_k)^T, which differs between components because each W_k is drawn
 at random (the LoRA idea: one factor random, the other zero), and weights them by their prior

@@ -413,11 +413,14 @@ def evaluate_head(
     block_tokens: int = 512,
     matrix_path: str | os.PathLike | None = None,
     matrix_rows: int | None = None,
+    reference: OutputHead | None = None,
 ) -> dict:
     """Perplexity ``exp(total NLL / N)`` of ``head`` over every token of ``cache`` (eval mode,
     no autograd, float32). With ``matrix_path`` the log-probabilities of the first
     ``matrix_rows`` tokens (all when None) are written there as a float32 ``(rows, V)``
-    ``.npy``, from the same forward pass, for the rank instruments."""
+    ``.npy``, from the same forward pass, for the rank instruments. With a ``reference`` head
+    (e.g. the base model's own), ``kl_from_reference`` is the mean over the tokens of
+    KL(p_reference || p_head) in nats: how far ``head`` has moved from it."""
     from highrank.analysis.logprob_matrix import write_matrix
 
     _check_head_fits(head, cache)
@@ -425,40 +428,53 @@ def evaluate_head(
     rows = len(cache) if matrix_rows is None else matrix_rows
     if matrix_path is not None and not 0 < rows <= len(cache):
         raise ValueError(f"matrix_rows must lie in 1..{len(cache)}; got {matrix_rows!r}")
-    totals = {"nll": 0.0, "seconds": 0.0}
+    totals = {"nll": 0.0, "seconds": 0.0, "kl": 0.0}
 
     def matrix_blocks() -> Iterator[torch.Tensor]:
-        for start, log_probs in _log_prob_blocks(head, cache, block_tokens, totals):
+        for start, log_probs in blocks:
             if start < rows:
                 yield log_probs[: rows - start]
 
-    was_training = head.training
-    head.eval()
+    modes = [(module, module.training) for module in (head, reference) if module is not None]
+    for module, _ in modes:
+        module.eval()
     try:
+        blocks = _log_prob_blocks(head, cache, block_tokens, totals, reference)
         if matrix_path is None:
-            for _ in _log_prob_blocks(head, cache, block_tokens, totals):
+            for _ in blocks:
                 pass
         else:
             write_matrix(matrix_path, matrix_blocks(), (rows, head.vocab_size))
+            for _ in blocks:  # the tokens after the matrix's rows still count
+                pass
     finally:
-        head.train(was_training)
+        for module, mode in modes:
+            module.train(mode)
     n = len(cache)
     return {
         "tokens": n,
         "nll_per_token": totals["nll"] / n,
         "perplexity": math.exp(totals["nll"] / n),
+        "kl_from_reference": totals["kl"] / n if reference is not None else None,
         "seconds": totals["seconds"],
         "matrix_rows": rows if matrix_path is not None else None,
     }
 
 
-def _log_prob_blocks(head, cache, block_tokens, totals) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(start, log_probs (b, V))`` per block of cached tokens; adds the NLL to ``totals``."""
+def _log_prob_blocks(
+    head, cache, block_tokens, totals, reference=None
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, log_probs (b, V))`` per block of cached tokens; adds the NLL (and the KL from
+    ``reference``) to ``totals``."""
     for start in range(0, len(cache), block_tokens):
         began = time.perf_counter()
         stop = min(start + block_tokens, len(cache))
+        hidden = cache.rows(slice(start, stop))
         with torch.no_grad():
-            log_probs = head.log_prob(cache.rows(slice(start, stop))).float()
+            log_probs = head.log_prob(hidden).float()
+            if reference is not None:
+                base = reference.log_prob(hidden).float()
+                totals["kl"] += float((base.exp() * (base - log_probs)).sum().double())
         target = cache.targets[start:stop]
         totals["nll"] -= float(log_probs.gather(1, target.unsqueeze(1)).double().sum())
         totals["seconds"] += time.perf_counter() - began
