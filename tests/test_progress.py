@@ -66,3 +66,12 @@ def test_train_and_eval_logs_to_a_file_hold_lines_not_bars(tmp_path, capsys, mon
     log = capsys.readouterr().err
     assert "\r" not in log and "eval: " in log
     assert Path(out / "eval-test-best.json").is_file()
+
+
+def test_lines_say_about_how_long_is_left(monkeypatch):
+    clock = iter(range(0, 10_000, 10))  # every call to monotonic advances 10 s
+    monkeypatch.setattr("highrank.progress.time.monotonic", lambda: next(clock))
+    out = io.StringIO()
+    bar = LineProgress(1000, "cache", "win", file=out, seconds=0)  # started at 0 s
+    bar.update(10)  # read at 20 s: 0.5 win/s, 990 to go: 1,980 s
+    assert out.getvalue().splitlines()[-1].endswith("0.5 win/s, about 33 min left")

@@ -106,7 +106,10 @@ class LineProgress:
         elapsed = time.monotonic() - self._started
         rate = (self.n - self._start_n) / elapsed if elapsed > 0 else 0.0
         tail = f", {self._postfix}" if self._postfix else ""
-        return f"{self.desc}: {done} {self.unit}{share}, {rate:,.0f} {self.unit}/s{tail}"
+        left = ""
+        if self.total and rate > 0 and self.n < self.total:
+            left = f", about {_duration((self.total - self.n) / rate)} left"
+        return f"{self.desc}: {done} {self.unit}{share}, {rate:,.1f} {self.unit}/s{left}{tail}"
 
     def _print(self) -> None:
         print(self.line(), file=self.file, flush=True)
@@ -117,6 +120,15 @@ class LineProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``7 min``, ``3.2 h``: a time estimate at the precision it deserves."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 __all__ = ["LineProgress", "interval_seconds", "progress_bar"]

@@ -30,6 +30,7 @@ from highrank.cli import (
     evaluate,
     finetune,
     report,
+    retrofit,
     train,
     translate,
 )
@@ -86,6 +87,11 @@ VERBS: list[Verb] = [
         "report",
         "one self-contained HTML page of what trained runs hold (tables and plots)",
         report,
+    ),
+    _verb(
+        "retrofit",
+        "a warm-started high-rank head on your own causal LM, trained and saved in one command",
+        retrofit,
     ),
 ]
 

@@ -120,6 +120,8 @@ AFTER_INTERRUPT = {
     "train": "continue from the last checkpoint with `highrank train --resume RUN_DIR`",
     "finetune": "continue from the last checkpoint with `highrank finetune RUN_DIR --resume`",
     "analyze": "run the same command again: a kept matrix and the saved Gram matrix are reused",
+    "retrofit": "run the same command again: the caches and the training continue from their "
+    "last checkpoint",
 }
 
 

@@ -327,7 +327,7 @@ def _keep_positions(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) ->
 
 
 def attach_head(
-    model: PreTrainedModel, name: str, *, init: str = "base", **knobs
+    model: PreTrainedModel, name: str, *, init: str = "base", untie: bool = False, **knobs
 ) -> HighrankForCausalLM:
     """``model`` (any transformers causal LM) with the highrank head ``name`` as its output layer.
 
@@ -339,7 +339,9 @@ def attach_head(
     ``init="base"`` (default) starts the head exactly at the base model's distribution
     (``OutputHead.start_at_base``; mixtures get residual contexts, GSS a learned slope from 1,
     PLIF unit slopes); SigSoftmax cannot and says so. ``init="paper"`` keeps each paper's
-    random initialisation of everything but the decoder.
+    random initialisation of everything but the decoder. ``untie=True`` gives the head its
+    own copy of a tied ``lm_head`` (training it then leaves the input embedding alone: what a
+    head trained on cached features of the frozen body needs).
     """
     lm_head = _check_causal_lm(model)
     _check_head_and_knobs(name, knobs)
@@ -347,7 +349,7 @@ def attach_head(
         knobs = base_init_knobs(name, knobs)
     body = model.base_model
     embedding = model.get_input_embeddings()
-    tied = embedding is not None and lm_head.weight is embedding.weight
+    tied = embedding is not None and lm_head.weight is embedding.weight and not untie
     vocab_size, d_in = lm_head.weight.shape
     config = HighrankConfig(
         base_config=model.config,

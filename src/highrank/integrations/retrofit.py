@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from highrank.heads import OutputHead, build_head
+from highrank.progress import progress_bar
 
 FEATURES_FILE = "features.npy"
 TARGETS_FILE = "targets.npy"
@@ -154,7 +155,8 @@ def cache_hidden_states(
 def _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress):
     """Run the body over windows ``done..W`` and write their rows, recording progress per batch."""
     n_windows, window = inputs.shape
-    started = time.perf_counter()
+    bar = progress_bar(total=n_windows, initial=done, desc=f"cache {directory.name}",
+                       unit="window", disable=not progress)
     for first in range(done, n_windows, batch_windows):
         last = min(first + batch_windows, n_windows)
         with torch.no_grad():
@@ -164,9 +166,8 @@ def _fill_features(body, inputs, features, directory, done, batch_windows, dtype
         features[first * window : last * window] = _to_storage(rows, dtype)
         features.flush()  # rows on disk before the progress record says so
         _write_json(directory / PROGRESS_FILE, {"windows_done": last, "complete": False})
-        if progress:
-            rate = (last - done) * window / (time.perf_counter() - started)
-            print(f"cached {last}/{n_windows} windows ({rate:.0f} tokens/s)", flush=True)
+        bar.update(last - first)
+    bar.close()
 
 
 def _start_or_resume(directory: Path, meta: dict, targets: torch.Tensor) -> int | None:
@@ -310,13 +311,14 @@ def train_head(
     start = _load_train_state(state_path, head, optimizer, budget, history)
     end = budget.steps if stop_after is None else min(budget.steps, start + stop_after)
     head.train()
-    for step in range(start, end):
-        history.append(_train_step(head, cache, budget, optimizer, base_lrs, step))
-        if progress:
-            print(f"step {step + 1}/{budget.steps} loss {history[-1]['loss']:.4f} "
-                  f"({history[-1]['seconds']:.2f} s)", flush=True)
-        if (step + 1) % checkpoint_every == 0 or step + 1 == end:
-            _save_train_state(state_path, head, optimizer, budget, history)
+    with progress_bar(total=budget.steps, initial=start, desc="train head", unit="step",
+                      disable=not progress) as bar:
+        for step in range(start, end):
+            history.append(_train_step(head, cache, budget, optimizer, base_lrs, step))
+            bar.update(1)
+            bar.set_postfix(loss=f"{history[-1]['loss']:.4f}")
+            if (step + 1) % checkpoint_every == 0 or step + 1 == end:
+                _save_train_state(state_path, head, optimizer, budget, history)
     head.eval()
     return training_summary(history, budget)
 

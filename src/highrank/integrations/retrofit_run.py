@@ -1,0 +1,445 @@
+"""``highrank retrofit``: a warm-started high-rank head on a user's own causal LM, one command.
+
+    highrank retrofit --hf MODEL --head mos --train FILE --valid FILE [--test FILE] --out DIR
+        [--mode frozen|lora|full] [--knob n_components=2] ...
+
+Three modes, one budget (Adam, linear warm-up then cosine decay, gradient-norm clip 1):
+
+* ``frozen``: the body is frozen; its final hidden states are cached once
+  (:func:`highrank.integrations.retrofit.cache_hidden_states`, ``OUT/cache-<split>``) and only
+  the head is trained on them. The cheapest protocol: every head sees the same features.
+* ``lora``: PEFT LoRA adapters on the body's attention and MLP projections, plus the whole
+  head, trained on the text's windows end to end; merged into the body when saved.
+* ``full``: every parameter, at a small learning rate: the protocol of Softmax-CPR (Chang &
+  McCallum; iesl/Softmax-CPR fine-tunes the whole GPT-2, lr 1e-5).
+
+The head starts at the base model's distribution (``attach_head(init="base")``), untied from
+the input embedding in frozen mode (the body must keep reading the embedding it was cached
+with). Before any long work the inputs are checked (the model loads, the head and knobs
+exist and are in range, each text holds at least one window, memory and disk suffice) and a
+bad one is one line. Then: valid/test perplexity of the base model and of the trained one on
+the model's own tokens (``results.json``), and ``OUT/model``, a ``HighrankForCausalLM`` with its
+tokenizer that ``AutoModelForCausalLM.from_pretrained`` reloads (after ``import
+highrank.integrations.hf``) and ``generate()`` uses.
+
+Resumable: the plan is kept in ``OUT/plan.json`` (a rerun with another plan is refused),
+caches continue from their last batch of windows, training from its last checkpoint
+(``OUT/state.pt``, weights-only), and finished steps are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from highrank.heads import HEADS, base_init_knobs, build_head, check_init
+from highrank.integrations.retrofit import (
+    TrainBudget,
+    batch_indices,
+    cache_hidden_states,
+    evaluate_head,
+    load_cache,
+    train_head,
+    training_summary,
+    window_tokens,
+)
+
+MODES = ("frozen", "lora", "full")
+DEFAULT_LR = {"frozen": 3e-4, "lora": 2e-4, "full": 1e-5}
+# The body's projections that LoRA adapts, by the names transformers' architectures use.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "fc1", "fc2", "Wqkv")
+
+
+class RetrofitError(ValueError):
+    """Input that the retrofit cannot use: one line naming it and what was expected."""
+
+
+@dataclass(frozen=True)
+class RetrofitPlan:
+    """Everything a retrofit run depends on (kept in ``OUT/plan.json``)."""
+
+    model: str
+    head: str
+    train: str
+    valid: str
+    out: str
+    test: str | None = None
+    mode: str = "frozen"
+    knobs: dict = field(default_factory=dict)
+    init: str = "base"
+    window: int = 256
+    max_train_tokens: int | None = None
+    max_eval_tokens: int | None = None
+    steps: int | None = None  # None: one pass over the training windows
+    batch_tokens: int = 512
+    lr: float | None = None  # None: DEFAULT_LR[mode]
+    warmup_steps: int = 20
+    seed: int = 0
+    lora_rank: int = 8
+    cache_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RetrofitError(f"--mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.head not in HEADS:
+            raise RetrofitError(f"unknown head {self.head!r}; choose one of: {', '.join(HEADS)}")
+        check_init(self.init)
+        for name in ("window", "batch_tokens", "lora_rank"):
+            _positive(name, getattr(self, name))
+        for name in ("max_train_tokens", "max_eval_tokens", "steps"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+
+    @property
+    def learning_rate(self) -> float:
+        return DEFAULT_LR[self.mode] if self.lr is None else self.lr
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise RetrofitError(f"--{name.replace('_', '-')} must be a positive integer; got {value!r}")
+
+
+# ---- the whole run ---------------------------------------------------------------------------
+
+
+def retrofit(plan: RetrofitPlan, *, progress: bool = True) -> dict:
+    """Check, (cache,) train, evaluate and save: ``results.json``'s contents."""
+    out = Path(plan.out)
+    _check_out(out, plan)
+    model, tokenizer = _load(plan)
+    ids = {split: _token_ids(plan, tokenizer, split) for split in _splits(plan)}
+    _check_plan_fits(plan, model, ids)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "plan.json", asdict(plan))
+    say = print if progress else (lambda *a, **k: None)
+    base_scores = {}
+    if plan.mode == "frozen":
+        hf_model, summary, scores, base_scores = _run_frozen(plan, model, ids, out, progress)
+    else:
+        hf_model, summary, scores, base_scores = _run_end_to_end(plan, model, ids, out, progress)
+    results = {"plan": asdict(plan), "base": base_scores, "trained": scores,
+               "training": {k: v for k, v in summary.items() if k != "history"}}
+    _save_model(hf_model, tokenizer, out / "model", plan)
+    _write_json(out / "results.json", results)
+    _write_json(out / "history.json", {"history": summary["history"]})
+    for split in ("valid", "test"):
+        if split in scores:
+            say(f"{split} perplexity: base {base_scores[split]['perplexity']:.3f}, "
+                f"{plan.head} {scores[split]['perplexity']:.3f}", flush=True)
+    say(f"saved {out / 'model'} (reload with AutoModelForCausalLM after "
+        "import highrank.integrations.hf)", flush=True)
+    return results
+
+
+def _splits(plan: RetrofitPlan) -> list[str]:
+    return ["train", "valid"] + (["test"] if plan.test else [])
+
+
+# ---- checks before any long work ---------------------------------------------------------------
+
+
+def _check_out(out: Path, plan: RetrofitPlan) -> None:
+    if out.exists() and not out.is_dir():
+        raise RetrofitError(f"--out {out} is a file; expected a folder (new or of this run)")
+    saved = out / "plan.json"
+    if saved.exists():
+        old = json.loads(saved.read_text())
+        changed = sorted(k for k, v in asdict(plan).items() if old.get(k) != v)
+        if changed:
+            raise RetrofitError(
+                f"{out} holds a retrofit with other settings ({', '.join(changed)}); give "
+                "another --out, or delete it to start again"
+            )
+
+
+def _load(plan: RetrofitPlan):
+    from highrank.analysis.hf_contexts import HFInputError, load_causal_lm
+
+    try:
+        return load_causal_lm(plan.model, progress=False)
+    except HFInputError as error:
+        raise RetrofitError(str(error)) from None
+
+
+def _token_ids(plan: RetrofitPlan, tokenizer, split: str) -> torch.Tensor:
+    from highrank.analysis.hf_contexts import HFInputError, text_token_ids
+
+    try:
+        ids = text_token_ids(tokenizer, getattr(plan, split))
+    except HFInputError as error:
+        raise RetrofitError(f"--{split}: {error}") from None
+    limit = plan.max_train_tokens if split == "train" else plan.max_eval_tokens
+    ids = ids if limit is None else ids[: limit + 1]
+    if ids.numel() < plan.window + 1:
+        raise RetrofitError(
+            f"--{split} {getattr(plan, split)} holds {ids.numel()} tokens, fewer than one window "
+            f"of {plan.window} plus its next token; give a longer text or a smaller --window"
+        )
+    return ids
+
+
+def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
+    """Head and knobs valid, window within the model's positions, memory and disk enough."""
+    from highrank.analysis.hf_contexts import max_positions
+
+    lm_head = model.get_output_embeddings()
+    vocab, width = lm_head.weight.shape
+    knobs = _head_knobs(plan)
+    try:
+        probe = build_head(plan.head, d_in=width, vocab_size=vocab, **knobs)
+    except (TypeError, ValueError) as error:
+        raise RetrofitError(f"--head {plan.head}: {error}") from None
+    positions = max_positions(model)
+    if positions is not None and plan.window > positions:
+        raise RetrofitError(f"--window {plan.window} exceeds the model's {positions} positions")
+    head_bytes = sum(p.numel() for p in probe.parameters()) * 4 * 4  # weights, grads, Adam
+    del probe
+    need = head_bytes + _activation_bytes(plan, vocab)
+    if plan.mode == "frozen":
+        cache_bytes = sum(t.numel() for t in ids.values()) * width * _dtype_bytes(plan)
+        free_disk = shutil.disk_usage(_existing_parent(Path(plan.out))).free
+        if cache_bytes > free_disk:
+            raise RetrofitError(
+                f"the feature caches need {cache_bytes / 2**30:.1f} GiB but "
+                f"{_existing_parent(Path(plan.out))} has {free_disk / 2**30:.1f} GiB free; "
+                "free space, lower --max-train-tokens or use --cache-dtype bfloat16"
+            )
+    else:
+        need += sum(p.numel() for p in model.parameters()) * 4 * (4 if plan.mode == "full" else 1)
+    available = _available_memory()
+    if available is not None and need > available:
+        raise RetrofitError(
+            f"this plan needs about {need / 2**30:.1f} GiB of memory but {available / 2**30:.1f}"
+            " GiB are available; lower --batch-tokens, use --mode frozen, or a smaller head"
+        )
+
+
+def _activation_bytes(plan: RetrofitPlan, vocab: int) -> int:
+    """The (tokens x components x V) logits of one batch, with their gradients, in float32."""
+    components = int(plan.knobs.get("n_components", 4 if plan.head == "mixtape" else 1))
+    return plan.batch_tokens * components * vocab * 4 * 3
+
+
+def _dtype_bytes(plan: RetrofitPlan) -> int:
+    return 2 if plan.cache_dtype == "bfloat16" else 4
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _available_memory() -> int | None:
+    from highrank.analysis.rank import available_memory_bytes
+
+    return available_memory_bytes("cpu")
+
+
+def _head_knobs(plan: RetrofitPlan) -> dict:
+    try:
+        return base_init_knobs(plan.head, plan.knobs) if plan.init == "base" else plan.knobs
+    except ValueError as error:
+        raise RetrofitError(str(error)) from None
+
+
+# ---- frozen: cached features, the head alone ----------------------------------------------------
+
+
+def _run_frozen(plan, model, ids, out: Path, progress: bool):
+    from highrank.integrations.hf import attach_head
+
+    caches = {
+        split: cache_hidden_states(model, ids[split], out / f"cache-{split}", window=plan.window,
+                                   dtype=plan.cache_dtype, source=str(plan.model),
+                                   progress=progress)
+        for split in ids
+    }
+    base_head = _base_softmax(model)
+    torch.manual_seed(plan.seed)
+    hf_model = attach_head(model, plan.head, init=plan.init, untie=True, **plan.knobs)
+    budget = _budget(plan, len(caches["train"]))
+    # Cached rows are single tokens, shuffled: dropout per token, not locked over a sequence.
+    locked, hf_model.head.dropout_time_dim = hf_model.head.dropout_time_dim, None
+    summary = train_head(hf_model.head, caches["train"], budget, out / "state.pt",
+                         checkpoint_every=10, progress=progress)
+    summary["trainable_parameters"] = sum(p.numel() for p in hf_model.head.parameters())
+    hf_model.head.dropout_time_dim = locked
+    scores, base_scores = {}, {}
+    for split in [s for s in ("valid", "test") if s in caches]:
+        base_scores[split] = evaluate_head(base_head, caches[split])
+        scores[split] = evaluate_head(hf_model.head, caches[split], reference=base_head)
+    return hf_model, summary, scores, base_scores
+
+
+def _base_softmax(model) -> nn.Module:
+    """The base model's own output layer as a highrank softmax (its exact distribution)."""
+    lm_head = model.get_output_embeddings()
+    head = build_head("softmax", d_in=lm_head.in_features, vocab_size=lm_head.out_features)
+    with torch.no_grad():
+        head.weight.copy_(lm_head.weight)
+        head.bias.copy_(lm_head.bias if lm_head.bias is not None else 0.0)
+    return head.eval()
+
+
+def _budget(plan: RetrofitPlan, train_tokens: int) -> TrainBudget:
+    if plan.batch_tokens > train_tokens:
+        raise RetrofitError(
+            f"--batch-tokens {plan.batch_tokens} exceeds the {train_tokens} training tokens"
+        )
+    steps = plan.steps or max(1, train_tokens // plan.batch_tokens)
+    return TrainBudget(steps=steps, batch_tokens=plan.batch_tokens, lr=plan.learning_rate,
+                       warmup_steps=min(plan.warmup_steps, steps), clip=1.0, seed=plan.seed)
+
+
+# ---- lora / full: the body trained too, on windows ---------------------------------------------
+
+
+def _run_end_to_end(plan, model, ids, out: Path, progress: bool):
+    from highrank.integrations.hf import attach_head
+
+    windows = {split: window_tokens(ids[split], plan.window) for split in ids}
+    base_scores = {split: _window_perplexity(model, *windows[split], base=True)
+                   for split in ("valid", "test") if split in windows}
+    torch.manual_seed(plan.seed)
+    hf_model = attach_head(model, plan.head, init=plan.init, **plan.knobs)
+    trainable = _make_trainable(hf_model, plan)
+    inputs, targets = windows["train"]
+    per_batch = max(1, plan.batch_tokens // plan.window)
+    budget = _budget(plan, inputs.shape[0] * plan.window)
+    budget = TrainBudget(**{**asdict(budget), "batch_tokens": per_batch,
+                            "steps": plan.steps or max(1, inputs.shape[0] // per_batch)})
+    summary = _train_windows(trainable, inputs, targets, budget, out / "state.pt", progress)
+    summary["trainable_parameters"] = sum(p.numel() for p in trainable.parameters()
+                                          if p.requires_grad)
+    trained = trainable.merge_and_unload() if plan.mode == "lora" else trainable
+    scores = {split: _window_perplexity(trained, *windows[split])
+              for split in ("valid", "test") if split in windows}
+    return trained, summary, scores, base_scores
+
+
+def _make_trainable(hf_model, plan: RetrofitPlan):
+    if plan.mode == "full":
+        return hf_model.train().requires_grad_(True)
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise RetrofitError("--mode lora needs the peft package: pip install peft") from None
+    targets = sorted({name.rsplit(".", 1)[-1] for name, module in hf_model.model.named_modules()
+                      if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS})
+    if not targets:
+        raise RetrofitError("found no attention or MLP projection in the body to adapt with LoRA")
+    config = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
+                        target_modules=rf"^model\..*\.({'|'.join(targets)})$",
+                        modules_to_save=["head"])
+    return get_peft_model(hf_model, config).train()
+
+
+def _train_windows(model, inputs, targets, budget: TrainBudget, state_path: Path, progress):
+    """Adam over batches of whole windows (``budget.batch_tokens`` counts windows here)."""
+    from highrank.progress import progress_bar
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=budget.lr)
+    history: list[dict] = []
+    start = _load_state(state_path, model, optimizer, budget, history)
+    with progress_bar(total=budget.steps, initial=start, desc="retrofit", unit="step",
+                      disable=not progress) as bar:
+        for step in range(start, budget.steps):
+            began = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = budget.lr * budget.lr_factor(step)
+            rows = batch_indices(budget, inputs.shape[0], step)
+            optimizer.zero_grad(set_to_none=True)
+            loss = model(input_ids=inputs[rows], shift_labels=targets[rows]).loss
+            loss.backward()
+            nn.utils.clip_grad_norm_(params, budget.clip)
+            optimizer.step()
+            history.append({"step": step + 1, "loss": float(loss.detach()),
+                            "lr": budget.lr * budget.lr_factor(step),
+                            "seconds": time.perf_counter() - began})
+            bar.update(1)
+            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
+            if (step + 1) % 10 == 0 or step + 1 == budget.steps:
+                _save_state(state_path, model, optimizer, budget, history)
+    model.eval()
+    return training_summary(history, budget)
+
+
+def _save_state(path: Path, model, optimizer, budget, history) -> None:
+    trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    state = {"budget": asdict(budget), "trainable": trainable,
+             "optimizer": optimizer.state_dict(), "history": history,
+             "rng": torch.get_rng_state(), "python_rng": random.getstate()}
+    temporary = path.with_name(f".{path.name}.partial")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def _load_state(path: Path, model, optimizer, budget, history: list) -> int:
+    if not path.exists():
+        return 0
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling refused, truncated, ...
+        raise RetrofitError(f"{path} cannot be read ({type(error).__name__}); delete it to "
+                            "train again") from None
+    if state.get("budget") != asdict(budget):
+        raise RetrofitError(f"{path} was trained with another budget; delete it to train again")
+    parameters = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state["trainable"].items():
+            parameters[name].copy_(value)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    random.setstate(state["python_rng"])
+    history.extend(state["history"])
+    return len(history)
+
+
+@torch.no_grad()
+def _window_perplexity(model, inputs, targets, *, base: bool = False, batch: int = 4) -> dict:
+    """Perplexity over every token of the windows: a base model's logits, or a highrank
+    model's normalised log-probabilities."""
+    model.eval()
+    nll, began = 0.0, time.perf_counter()
+    for first in range(0, inputs.shape[0], batch):
+        logits = model(input_ids=inputs[first:first + batch]).logits.float()
+        log_probs = torch.log_softmax(logits, dim=-1) if base else logits
+        picked = log_probs.gather(-1, targets[first:first + batch].unsqueeze(-1))
+        nll -= float(picked.double().sum())
+    n = targets.numel()
+    return {"tokens": n, "nll_per_token": nll / n, "perplexity": math.exp(nll / n),
+            "seconds": time.perf_counter() - began}
+
+
+# ---- saving ------------------------------------------------------------------------------------
+
+
+def _save_model(hf_model, tokenizer, folder: Path, plan: RetrofitPlan) -> None:
+    partial = folder.with_name(f".{folder.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    hf_model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    temporary = path.with_name(f".{path.name}.partial")
+    temporary.write_text(json.dumps(payload, indent=1, default=str))
+    os.replace(temporary, path)
+
+
+__all__ = ["MODES", "RetrofitError", "RetrofitPlan", "load_cache", "retrofit"]
