@@ -1,4 +1,4 @@
-"""The retrofit experiment on SmolLM2-135M-Instruct (Softmax-CPR protocol, on a CPU budget).
+"""The retrofit experiment on SmolLM2-135M-Instruct (frozen body, cached features, CPU budget).
 
     python benchmarks/smollm2_retrofit.py [--data-dir ../shared/data] [--work-dir DIR]
         [--out benchmarks/results/smollm2-retrofit] [--threads 2] [--commit]

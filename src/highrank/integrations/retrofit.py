@@ -1,10 +1,13 @@
 """Retrofitting a new output layer onto a frozen pretrained causal LM, on cached features.
 
-The protocol of Chang & McCallum (2023), "Revisiting the Architectures like Pointer Networks
-to Efficiently Improve the Next Word Distribution, Summarization Factuality, and Beyond"
-(the Softmax-CPR paper, Sec. 4): keep a pretrained Transformer LM's body frozen, and train
-only its output layer, replaced by the layer under study, so that every candidate head sees
-exactly the same hidden states. Because the body is frozen, its final hidden states (the
+The frozen-body protocol ("frozen mode" of ``highrank retrofit``): keep a pretrained
+Transformer LM's body frozen, and train only its output layer, replaced by the layer under
+study, so that every candidate head sees exactly the same hidden states. It is a cheaper
+protocol of its own, not Softmax-CPR's: Chang & McCallum (2023, "Revisiting the
+Architectures like Pointer Networks to Efficiently Improve the Next Word Distribution,
+Summarization Factuality, and Beyond"; iesl/Softmax-CPR) fine-tune the *whole* GPT-2 with
+the new head (one epoch of OpenWebText, lr 1e-5, batches of 4 x 200 tokens), which is
+``highrank retrofit --mode full``. Because the body is frozen, its final hidden states (the
 input of ``lm_head``: after the final norm) can be computed once and cached; every head is
 then trained and evaluated on the cache alone, which is what makes the comparison affordable.
 
