@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its last checkpoint, exactly (no CONFIG)",
     )
+    parser.add_argument(
+        "--init-from",
+        metavar="SOFTMAX_RUN",
+        help="start from a trained softmax run's best weights, with this config's head "
+        "warm-started at its distribution (same model settings but [head])",
+    )
     add_run_options(parser)
     add_overrides(parser)
 
@@ -86,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         args.parser.error("give either CONFIG (a new run) or --resume RUN_DIR, not both")
     command = ["highrank", "train", *([args.config] if args.config else [])]
     command += [*(["--resume", args.resume] if args.resume else []), *flags(args)]
+    if args.init_from is not None:
+        if args.resume is not None:
+            args.parser.error("--init-from starts a new run; it cannot go with --resume")
+        command += ["--init-from", args.init_from]
 
     def job() -> int:
         options = train_options(args)
@@ -94,7 +104,12 @@ def run(args: argparse.Namespace) -> int:
             result = training.resume(args.resume, **kwargs)
         else:
             config = load_config(args.config, args.overrides)
-            result = training.train(config, options=options, command=command)
+            if args.init_from is not None:
+                from highrank.train.warm_start import with_base_init
+
+                config = with_base_init(config)
+            result = training.train(config, options=options, command=command,
+                                    init_from=args.init_from)
         if distributed.is_writer():  # under torchrun: process 0 speaks for all
             print(result_line(result))
         return 0

@@ -44,6 +44,7 @@ from highrank.train.seq2seq import Seq2SeqRecipe, continue_translation, start_tr
 from highrank.train.state import Progress, TrainOptions, TrainResult
 from highrank.train.steps import resolve_device, seed_everything
 from highrank.train.transformer import TransformerRecipe
+from highrank.train.warm_start import init_from_run
 
 # model.backbone -> the recipe class that trains it.
 RECIPES: dict[str, Callable[..., Recipe]] = {
@@ -170,11 +171,17 @@ def _continue(
 
 
 def train(
-    config: Config, *, options: TrainOptions | None = None, command: Sequence[str] | None = None
+    config: Config,
+    *,
+    options: TrainOptions | None = None,
+    command: Sequence[str] | None = None,
+    init_from: str | os.PathLike | None = None,
 ) -> TrainResult:
     """Train the model ``config`` describes in a new run directory ``config.run.out_dir``.
 
-    ``command`` is written to command.txt (default: ``highrank train``).
+    ``command`` is written to command.txt (default: ``highrank train``). ``init_from``: a
+    trained softmax run whose model this one starts from, its head switched to
+    ``config.head`` at that softmax's distribution (:mod:`highrank.train.warm_start`).
     """
     options = options or TrainOptions()
     distributed.init_from_env()  # under torchrun: join the other processes
@@ -186,17 +193,23 @@ def train(
     with _lock(config.run.out_dir):
         _on_writer(RunDir(Path(config.run.out_dir)).remove_temporaries)
         if config.model.backbone == "seq2seq":  # parallel text and subwords, not a word corpus
+            if init_from is not None:
+                raise ConfigError("--init-from applies to language models, not translation")
             return start_translation(config, train_stage(config), options, command)
-        return _train_words(config, device, options, command)
+        return _train_words(config, device, options, command, init_from)
 
 
 def _train_words(
-    config: Config, device: torch.device, options: TrainOptions, command: list[str]
+    config: Config, device: torch.device, options: TrainOptions, command: list[str],
+    init_from: str | os.PathLike | None = None,
 ) -> TrainResult:
     corpus = _corpus(config)
     check_model_fits(config, len(corpus.vocab), device)
     seed_everything(config.train.seed)
-    model = build_model(config, len(corpus.vocab)).to(device)
+    model = build_model(config, len(corpus.vocab))
+    if init_from is not None:
+        init_from_run(model, init_from, corpus.vocab)
+    model = model.to(device)
     stage = train_stage(config)
     recipe = build_recipe(config, model, corpus, stage, device)
     _on_writer(lambda: _note_restart(RunDir(Path(config.run.out_dir))))
