@@ -9,7 +9,7 @@ export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 cache=${CACHE_DIR:-$HOME/.cache/highrank/smollm2-warm-start}
 pilot() {
     python benchmarks/smollm2_warm_start.py --cache-dir "$cache" --work-dir "$cache/pilot-lr-$1" \
-        --out "benchmarks/results/smollm2-warm-start/pilot/lr-$1" --lr "$1" --steps 50 \
+        --out "${OUT_ROOT:-benchmarks/results/smollm2-warm-start}/pilot/lr-$1" --lr "$1" --steps 50 \
         --warmup-steps 5 --heads own,mos2 --seeds 1 --no-rank --no-base --only train
 }
 (pilot 1e-4; pilot 1e-3) &
