@@ -61,6 +61,8 @@ def test_each_mode_trains_saves_and_reloads(texts, tmp_path, mode, capsys):
     expected = {"frozen": trainable == head, "lora": head < trainable < head + body,
                 "full": trainable == sum(p.numel() for p in saved.parameters())}
     assert expected[mode], (trainable, head, body)
+    # the trained head was saved (its residual matrices start at zero, and moved)
+    assert saved.head.residual_branch.residual.abs().sum() > 0
     for split in ("valid", "test"):
         trained = results["trained"][split]["perplexity"]
         assert trained == pytest.approx(reloaded_perplexity(out / "model", files[split]),
