@@ -354,7 +354,7 @@ def _progress_bar(settings: DemoSettings, enabled: bool):
     if not enabled:
         yield None
         return
-    from highrank.progress import progress_bar
+    from highrank.util.progress import progress_bar
 
     total = settings.steps * len(settings.heads)
     with progress_bar(total=total, desc="demo", unit="step", dynamic_ncols=True) as bar:

@@ -40,8 +40,8 @@ from torch import nn
 
 from highrank.data import Vocab, iter_batches
 from highrank.model import LanguageModel
-from highrank.progress import progress_bar
 from highrank.streaming import batch_view
+from highrank.util.progress import progress_bar
 
 # Krause et al. (2017) hyperparameters as used for AWD-LSTM-MoS (Yang et al., 2018, Sec. 3);
 # the keys are the keyword arguments of dynamic_evaluate (and the [dynamic_eval] config keys).
@@ -476,7 +476,7 @@ def _segments(
     source: torch.Tensor, bptt: int, progress: bool, desc: str, limit: int | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(input, target)`` segments of ``source`` in order (at most ``limit``), with a
-    progress bar when ``progress`` (:mod:`highrank.progress`)."""
+    progress bar when ``progress`` (:mod:`highrank.util.progress`)."""
     total = math.ceil((source.shape[0] - 1) / bptt)
     if limit is not None:
         total = min(total, limit)

@@ -27,8 +27,8 @@ from highrank.checkpoint import load_run_corpus
 from highrank.config import Config
 from highrank.data import Vocab, iter_batches
 from highrank.model import LanguageModel
-from highrank.progress import progress_bar
 from highrank.streaming import batch_view, split_stream
+from highrank.util.progress import progress_bar
 
 
 @dataclass(frozen=True, eq=False)

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from highrank.analysis.logprob_matrix import ContextRows, write_context_matrix
-from highrank.progress import progress_bar
+from highrank.util.progress import progress_bar
 
 DEFAULT_MAX_WINDOW = 1024
 # Logits entries of one batch of windows: 256 MB of float32 logits, about 6 times that at the

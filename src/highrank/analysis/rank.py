@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from highrank.progress import progress_bar
+from highrank.util.progress import progress_bar
 
 EFFECTIVE_RANK_EPSILONS = (1e-3, 1e-4, 1e-5)
 

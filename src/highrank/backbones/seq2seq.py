@@ -45,8 +45,8 @@ from highrank.backbones.transformer import (
     KVCache,
     TransformerStack,
 )
-from highrank.checks import check_positive_int
 from highrank.heads import HEADS, build_head
+from highrank.util.checks import check_positive_int
 
 
 class Memory(NamedTuple):
