@@ -65,6 +65,7 @@ from highrank.analysis.rank import (
     singular_values,
     streamed_singular_values,
 )
+from highrank.util.argtypes import positive_int
 
 DEFAULT_MIN_GAP = 100.0
 SPECTRUM = "singular values of the raw log-probability matrix (rows not centred)"
@@ -310,7 +311,6 @@ def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from highrank.analysis.hf_contexts import add_hf_arguments
-    from highrank.cli import positive_int
 
     parser.add_argument(
         "inputs",

@@ -72,6 +72,7 @@ from highrank.analysis.output import (
     write_text_atomic,
 )
 from highrank.model import LanguageModel
+from highrank.util.argtypes import positive_int
 
 DEFAULT_PAIRS = 10_000
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
@@ -411,8 +412,6 @@ def _cap(n: int, max_contexts: int | None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze kl``."""
-    from highrank.cli import positive_int
-
     add_run_arguments(parser, hf=True)
     parser.add_argument(
         "--pairs", type=positive_int, default=DEFAULT_PAIRS, help="context pairs (10000)"

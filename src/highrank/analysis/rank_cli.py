@@ -69,8 +69,8 @@ from highrank.analysis.rank import (
 )
 from highrank.analysis.spectrum import plot_spectrum
 from highrank.checkpoint import checkpoint_path
-from highrank.cli import positive_int
 from highrank.locks import LockedError, exclusive
+from highrank.util.argtypes import positive_int
 
 
 def analyze_run(

@@ -45,6 +45,7 @@ from highrank.analysis.output import record_tag, run_record_path, write_json, wr
 from highrank.data import Vocab
 from highrank.model import LanguageModel
 from highrank.streaming import streams_equal
+from highrank.util.argtypes import positive_int
 
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
 MARK = "*"  # before the reference token in a model's column
@@ -296,8 +297,6 @@ def parse_positions(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze topk``."""
-    from highrank.cli import positive_int
-
     add_run_arguments(parser, hf=True)
     choose = parser.add_mutually_exclusive_group(required=True)
     choose.add_argument(

@@ -11,34 +11,11 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from highrank.util.argtypes import int_list, non_negative_int, positive_int
+
 # ---- argument types: a bad value is an argparse error naming the option --------------------
-
-
-def positive_int(text: str) -> int:
-    """An integer > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
-    return value
-
-
-def int_list(text: str) -> list[int]:
-    """Comma-separated positive integers."""
-    return [positive_int(part) for part in text.split(",") if part.strip()]
+# (positive_int, non_negative_int and int_list live in highrank.util.argtypes: the analyses
+# declare options too, and must not import the command line)
 
 
 def head_list(text: str) -> tuple[str, ...]:
