@@ -33,9 +33,10 @@ The loop (:mod:`highrank.train.loop`) writes everything but the recipe's keys; t
 (:mod:`highrank.train.recipe`) own theirs. Runs written before training became a loop plus
 recipes have exactly this layout (tests/fixtures/run-v1).
 
-Writing (:func:`save_checkpoint`) goes to a temporary file in the same directory, is flushed
-and fsynced, replaces the target with ``os.replace`` and then fsyncs the directory, so a crash
-leaves either the old or the new file, never a partial one. A sha256 of the contents is stored
+Writing (:func:`save_checkpoint`, with the pieces of :mod:`highrank.util.atomic`) goes to a
+temporary file in the same directory, is flushed and fsynced, replaces the target with
+``os.replace`` and then fsyncs the directory, so a crash leaves either the old or the new
+file, never a partial one. A sha256 of the contents is stored
 under ``"digest"`` and checked on load. With ``keep_previous`` the file
 being replaced is kept as ``<name>.prev.pt``. A checkpoint with a NaN or inf in any floating
 tensor is refused (:class:`NonFiniteCheckpointError`): the previous file stays.
@@ -58,7 +59,6 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -72,6 +72,7 @@ from highrank.config import Config, config_from_dict
 from highrank.data import Corpus, Vocab
 from highrank.model import LanguageModel, build_model
 from highrank.streaming import open_corpus
+from highrank.util.atomic import fsync_directory, sync, temporary_beside
 
 FORMAT = "highrank-checkpoint"
 VERSION = 1
@@ -116,42 +117,26 @@ def save_checkpoint(
     path = Path(path)
     check_finite(payload, path)
     payload = {**payload, "digest": content_digest(payload)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, tmp = temporary_beside(path)
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with handle:
             torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+            sync(handle)
         # A torch.save file is a zip: a file without a readable zip directory is no "good" one.
         if keep_previous and path.is_file() and zipfile.is_zipfile(path):
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
     except (OSError, RuntimeError) as error:  # disk full, quota, I/O error (torch: RuntimeError)
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
         raise CheckpointError(
             f"cannot write checkpoint {path}: {reason}; nothing was replaced (the previous "
             "checkpoint is intact): free space, then resume from it"
         ) from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the renames durable; platforms that cannot open a directory just skip it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_directory(path.parent)
 
 
 def check_finite(payload: Mapping[str, Any], path: str | os.PathLike) -> None:

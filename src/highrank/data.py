@@ -39,7 +39,6 @@ import codecs
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -49,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from highrank.util.atomic import atomic_file, write_text_atomic
 
 EOS = "<eos>"
 UNK = "<unk>"
@@ -167,7 +168,7 @@ class Vocab:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the vocabulary as JSON (UTF-8) to ``path``, atomically."""
-        _atomic_write_bytes(Path(path), self.to_json().encode("utf-8"))
+        write_text_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocab:
@@ -457,7 +458,8 @@ def _write_cache(
     arrays = {"key": _text_array(key), "vocab": _text_array(vocab.to_json())}
     arrays |= {"meta": _text_array(meta), **ids}
     try:
-        _atomic_write(path, lambda f: np.savez(f, **arrays))
+        with atomic_file(path) as handle:
+            np.savez(handle, **arrays)
     except OSError as err:
         warnings.warn(
             f"could not write the token cache {path} ({err}); continuing without", stacklevel=3
@@ -495,29 +497,6 @@ def _check_cached(vocab: Vocab, ids: dict[str, np.ndarray], meta: dict) -> None:
             raise ValueError(f"cached {split} holds ids outside the vocabulary")
         if not isinstance(meta["lines"][split], int) or not isinstance(meta["oov"][split], int):
             raise ValueError("cached counts are not integers")
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Call ``write(file)`` on a temp file next to ``path``, fsync it, then rename over ``path``.
-
-    Readers see either the old file or the complete new one, never a partial write.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache or vocabulary is meant to be shared
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    _atomic_write(path, lambda handle: handle.write(data))
 
 
 # ---- batching -----------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
@@ -38,6 +37,7 @@ import torch
 from highrank.checkpoint import CHECKPOINT_DIR, VOCAB_FILE
 from highrank.config import Config, load_config, save_config
 from highrank.data import Vocab
+from highrank.util.atomic import write_bytes_atomic
 
 CONFIG_FILE = "config.toml"
 COMMAND_FILE = "command.txt"
@@ -260,7 +260,7 @@ class MetricsLog:
             kept.append(raw)
         text = b"".join(kept)
         if text != data:
-            _replace_bytes(self.path, text)
+            write_bytes_atomic(self.path, text)
 
     def _read(self) -> bytes:
         return self.path.read_bytes() if self.path.exists() else b""
@@ -313,20 +313,6 @@ def _parse_line(raw: bytes) -> dict[str, Any] | None:
 def _parse_lines(data: bytes) -> list[dict[str, Any]]:
     records = (_parse_line(raw) for raw in data.splitlines(keepends=True))
     return [r for r in records if r is not None]
-
-
-def _replace_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in its folder, then rename."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:

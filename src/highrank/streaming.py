@@ -70,6 +70,7 @@ from highrank.data import (
     batchify,
     default_cache_dir,
 )
+from highrank.util.atomic import sync
 
 # Bump when the tokenisation, the vocabulary rule or the cache layout changes.
 STREAM_VERSION = 1
@@ -225,7 +226,7 @@ def _count_and_write(files: list[Path], mode: str, out: Path) -> tuple[list[str]
             block_counts[: len(counts)] += counts
             counts, lines = block_counts, lines + n_lines
             handle.write(ids.tobytes())
-        _sync(handle)
+        sync(handle)
     return list(seen), counts, lines
 
 
@@ -236,7 +237,7 @@ def _remap_in_place(path: Path, remap: np.ndarray, block: int = 1 << 20) -> None
         while (ids := np.fromfile(handle, dtype=ID_DTYPE, count=block)).size:
             handle.seek(-ids.nbytes, os.SEEK_CUR)
             handle.write(remap[ids].tobytes())
-        _sync(handle)
+        sync(handle)
 
 
 def _encode_to(files: list[Path], vocab: Vocab, mode: str, out: Path) -> tuple[int, int]:
@@ -253,7 +254,7 @@ def _encode_to(files: list[Path], vocab: Vocab, mode: str, out: Path) -> tuple[i
                 oov += int(np.count_nonzero(ids == unk)) - tokens.count(UNK)
             lines += n_lines
             handle.write(ids.tobytes())
-        _sync(handle)
+        sync(handle)
     return lines, oov
 
 
@@ -278,11 +279,6 @@ def _encode_strict(tokens, stoi, path: Path, first_line: int, text: str, mode: s
             f"vocabulary ({len(vocab)} tokens) has no {UNK!r} to map it to; add {UNK!r} to the "
             f"train split or replace the {kind} in {path.name}"
         ) from None
-
-
-def _sync(handle) -> None:
-    handle.flush()
-    os.fsync(handle.fileno())
 
 
 # ---- the cache folder ---------------------------------------------------------------------

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from highrank.bitext import SpecialIds
-from highrank.data import _atomic_write_bytes
+from highrank.util.atomic import write_bytes_atomic, write_text_atomic
 
 MODEL_TYPES = ("bpe", "unigram")
 BOS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3  # fairseq's Dictionary order
@@ -236,7 +236,7 @@ class Subwords:
         folder = Path(run_dir).expanduser() / FOLDER
         entries = {}
         for side, vocab in self._vocabularies().items():
-            _atomic_write_bytes(folder / f"{vocab.name}.model", vocab.model_proto)
+            write_bytes_atomic(folder / f"{vocab.name}.model", vocab.model_proto)
             entries[side] = {
                 "model": f"{vocab.name}.model",
                 "sha256": hashlib.sha256(vocab.model_proto).hexdigest(),
@@ -250,7 +250,7 @@ class Subwords:
             "tgt_lang": self.tgt_lang,
             "vocabularies": entries,
         }
-        _atomic_write_bytes(folder / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
+        write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
         return folder
 
     def _vocabularies(self) -> dict[str, SubwordVocab]:

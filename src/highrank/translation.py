@@ -50,10 +50,11 @@ from highrank.checkpoint import (
     load_weights,
 )
 from highrank.config import Config
-from highrank.data import Vocab, _atomic_write_bytes
+from highrank.data import Vocab
 from highrank.decoding import beam_search, greedy_search
 from highrank.model import build_seq2seq
 from highrank.subwords import SubwordError, Subwords, SubwordSettings, learn_subwords
+from highrank.util.atomic import write_text_atomic
 
 
 def subword_settings(config: Config) -> SubwordSettings:
@@ -252,10 +253,10 @@ def write_translation(
     """Write the hypotheses (``out`` or ``RUN_DIR/<stem>.txt``) and the record
     ``RUN_DIR/<stem>.json``, each atomically; returns their paths."""
     text_path = Path(out) if out is not None else Path(run_dir) / f"{stem}.txt"
-    _atomic_write_bytes(text_path, "".join(h + "\n" for h in hypotheses).encode("utf-8"))
+    write_text_atomic(text_path, "".join(h + "\n" for h in hypotheses))
     record = {**record, "hypotheses": str(text_path)}
     json_path = Path(run_dir) / f"{stem}.json"
-    _atomic_write_bytes(json_path, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
+    write_text_atomic(json_path, json.dumps(record, indent=2) + "\n")
     return json_path, text_path
 
 

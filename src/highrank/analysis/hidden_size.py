@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from highrank.analysis.output import read_json, text_table, write_json, write_text_atomic
+from highrank.analysis.output import read_json, text_table, write_json
 from highrank.analysis.rank import (
     GRAM_BACKENDS,
     gram_resolution,
@@ -66,6 +66,7 @@ from highrank.analysis.rank import (
     streamed_singular_values,
 )
 from highrank.util.argtypes import positive_int
+from highrank.util.atomic import write_text_atomic
 
 DEFAULT_MIN_GAP = 100.0
 SPECTRUM = "singular values of the raw log-probability matrix (rows not centred)"

@@ -64,15 +64,10 @@ import torch
 from highrank.analysis.commands import add_run_arguments
 from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
 from highrank.analysis.logprob_matrix import head_rows, matrix_record, npy_layout
-from highrank.analysis.output import (
-    record_tag,
-    run_record_path,
-    text_table,
-    write_json,
-    write_text_atomic,
-)
+from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
 from highrank.model import LanguageModel
 from highrank.util.argtypes import positive_int
+from highrank.util.atomic import write_text_atomic
 
 DEFAULT_PAIRS = 10_000
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)

@@ -24,15 +24,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.output import (
-    ANALYSIS_DIR,
-    format_cell,
-    is_number,
-    read_json,
-    write_json,
-    write_text_atomic,
-)
+from highrank.analysis.output import ANALYSIS_DIR, format_cell, is_number, read_json, write_json
 from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS
+from highrank.util.atomic import write_text_atomic
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 62rem; margin: 2rem auto; color: #222; }

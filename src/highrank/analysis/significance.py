@@ -32,14 +32,8 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from highrank.analysis.output import (
-    read_json,
-    record_tag,
-    run_record_path,
-    text_table,
-    write_json,
-    write_text_atomic,
-)
+from highrank.analysis.output import read_json, record_tag, run_record_path, text_table, write_json
+from highrank.util.atomic import write_text_atomic
 
 SEPARATOR = "--"
 MIN_CORRELATION_POINTS = 3  # Pearson of two points is always +-1

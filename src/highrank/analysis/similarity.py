@@ -50,7 +50,8 @@ import torch
 from scipy import stats
 
 from highrank.analysis.commands import add_run_arguments
-from highrank.analysis.output import run_record_path, text_table, write_json, write_text_atomic
+from highrank.analysis.output import run_record_path, text_table, write_json
+from highrank.util.atomic import write_text_atomic
 
 MIN_PAIRS = 3  # Spearman of fewer pairs is meaningless (two points always give +-1)
 DEFAULT_DATA_DIR = Path("..") / "shared" / "data" / "word-sim"  # relative to the cwd

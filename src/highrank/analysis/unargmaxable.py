@@ -92,7 +92,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from highrank.analysis.output import text_table, write_json, write_text_atomic
+from highrank.analysis.output import text_table, write_json
+from highrank.util.atomic import write_text_atomic
 
 DEFAULT_RADIUS = 100.0
 DEFAULT_PATIENCE = 10  # braid reflections per token before the LP
