@@ -94,17 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def machine(threads: int) -> dict:
-    import torch
+    from highrank.util.machine import describe_machine
 
-    from highrank.bench.heads import cpu_model
-
-    return {
-        "processor": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "note": "a machine shared with other jobs unless said otherwise",
-    }
+    return describe_machine(
+        threads=threads, note="a machine shared with other jobs unless said otherwise"
+    )
 
 
 def head_overrides(head: str, args) -> list[str]:
@@ -387,8 +381,9 @@ def table(heads, out: Path, args) -> None:
                      })  # fmt: skip
     base = rows[0]["ms_per_sentence"]
     m = timing_record["machine"]
+    cpu, threads = m.get("cpu", m.get("processor")), m.get("torch_threads", m.get("threads"))
     lines = [
-        f"Multi30k en->de test2016; {m['processor']}, {m['cpu_count']} CPUs, {m['threads']} "
+        f"Multi30k en->de test2016; {cpu}, {m['cpu_count']} CPUs, {threads} "
         f"thread(s), torch {m['torch']} ({m['note']}); memory budget {args.memory_budget_mb:g} "
         f"MB peak RSS; time per batch at {timing_record['batch_tokens']} tokens"
         + (" (--tiny: a check of the pipeline, not a result)" if args.tiny else ""),

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -39,7 +38,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "streaming-corpus"
-MACHINE = "2-vCPU AMD EPYC, shared, torch 2.13.0 CPU"
 TYPES, MAX_VOCAB, SHARDS, SEED = 200_000, 100_000, 100, 0
 BATCH, BPTT = 64, 35
 
@@ -230,12 +228,12 @@ def corpus_for(tokens: int, work: Path) -> tuple[Path, dict]:
 
 def measure(tokens: int, args) -> dict:
     from highrank.streaming import BLOCK_BYTES
+    from highrank.util.machine import describe_machine
 
     corpus, info = corpus_for(tokens, args.work)
     cache = args.work / f"cache-{tokens}"
     result = {
-        "machine": MACHINE,
-        "platform": platform.platform(),
+        "machine": describe_machine(threads=1, note="shared with other jobs"),
         "threads": 1,
         "command": " ".join(["python", "benchmarks/streaming_corpus.py", *sys.argv[1:]]),
         "corpus": {k: info[k] for k in ("types", "exponent", "tokens", "bytes", "seed")},
@@ -275,13 +273,22 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def machine_text(results: list[dict]) -> str:
+    """The machine line of the first result (records before util.machine hold a string)."""
+    from highrank.util.machine import machine_line
+
+    machine = results[0]["machine"]
+    return machine if isinstance(machine, str) else machine_line(machine)
+
+
 def write_readme(results: list[dict]) -> None:
     commands = sorted({r["command"] for r in results})
     text = [
         "# Memory-mapped corpora at scale (`benchmarks/streaming_corpus.py`)",
         "",
-        f"Machine: {MACHINE}; every figure from a fresh subprocess on 1 thread, measured once "
-        "per size (the machine was shared with other jobs, so times are indicative).",
+        f"Machine: {machine_text(results)}; every figure from a fresh subprocess on 1 thread, "
+        "measured once per size (the machine was shared with other jobs, so times are "
+        "indicative).",
         "",
         "Commands: " + "; ".join(f"`{c}`" for c in commands),
         "",

@@ -54,8 +54,8 @@ import torch
 from torch import nn
 
 from highrank.analysis.rank import press_rank
-from highrank.bench.heads import machine_info
 from highrank.heads import HEADS, PAPER_HEADS, OutputHead, build_head
+from highrank.util.machine import describe_machine
 
 RESULTS_FILE = "results.json"
 PLOT_FILE = "kl_curves.png"
@@ -331,7 +331,7 @@ def run_demo(settings: DemoSettings, out_dir: str | Path, progress: bool = True)
         "true_entropy": mean_entropy(target),
         "softmax_rank_bound": settings.dim + 2,
         "total_seconds": time.perf_counter() - start,
-        "machine": machine_info("cpu") | {"torch_threads": settings.threads},
+        "machine": describe_machine(threads=settings.threads),
         "heads": heads,
     }
     write_results(results, out_dir)

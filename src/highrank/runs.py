@@ -4,7 +4,7 @@ Layout of ``config.run.out_dir``::
 
     config.toml         the resolved config (highrank.config.save_config); load_config reads it
     command.txt         the command line that started the run; resumes and finetunes append one
-    environment.json    python, torch, numpy versions, platform, threads, git commit (or null)
+    environment.json    the run id, the machine (highrank.util.machine), git commit (or null)
     vocab.json          the vocabulary (highrank.data.Vocab.save), id order
     metrics.jsonl       one JSON object per line: "kind": "step" every train.log_every steps,
                         "kind": "epoch" after each epoch's validation, "kind": "eval" after a
@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -31,13 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from highrank.checkpoint import CHECKPOINT_DIR, VOCAB_FILE
 from highrank.config import Config, load_config, save_config
 from highrank.data import Vocab
 from highrank.util.atomic import write_bytes_atomic
+from highrank.util.machine import describe_machine
 
 CONFIG_FILE = "config.toml"
 COMMAND_FILE = "command.txt"
@@ -156,19 +153,10 @@ class RunDir:
 
 
 def environment() -> dict[str, Any]:
-    """Versions and machine facts worth keeping beside a result."""
+    """The machine (:func:`highrank.util.machine.describe_machine`), the code's git commit and
+    the start time: what is worth keeping beside a result."""
     return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        **describe_machine(),
         "git_commit": git_commit(Path(__file__).resolve().parent),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
