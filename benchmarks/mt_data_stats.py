@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from highrank.bitext import SpecialIds, TokenBatches, encode_pairs, load_bitext  # noqa: E402
-from highrank.chars import bits_per_char  # noqa: E402
 from highrank.data import load_corpus  # noqa: E402
+from highrank.data.chars import bits_per_char  # noqa: E402
 from highrank.subwords import UNK_ID, SubwordSettings, learn_subwords  # noqa: E402
 
 

@@ -315,7 +315,7 @@ def dynamic_knobs(directory: Path, batches: int) -> list[str]:
     would grow by sqrt(N / M); scaling eta and epsilon by r = sqrt(M / N) keeps it, and the
     decay rates MS / sum_q mean(MS_q) do not depend on the scale of MS."""
     from highrank.config import load_config
-    from highrank.streaming import open_corpus
+    from highrank.data.streaming import open_corpus
 
     config = load_config(directory / "config.toml")
     settings = config.dynamic_eval

@@ -3,12 +3,12 @@
     python benchmarks/streaming_corpus.py --tokens 10000000 --tokens 100000000
 
 For each size: writes (once, reused when its zipf.json matches) a seeded Zipfian corpus
-(:mod:`highrank.zipf_corpus`: 200,000 word types, exponent 1, train in 100 shards as One
+(:mod:`highrank.data.zipf`: 200,000 word types, exponent 1, train in 100 shards as One
 Billion Word's, valid/test 1% of train each) under --work, then measures, each in a fresh
 Python subprocess (one torch thread) so that ``resource.getrusage`` peak RSS is its own:
 
-* ``baseline``: the peak RSS of importing highrank.streaming (Python, numpy, torch) alone;
-* ``build``: :func:`highrank.streaming.load_stream_corpus` with ``max_vocab = 100,000`` on an
+* ``baseline``: the peak RSS of importing highrank.data.streaming (Python, numpy, torch) alone;
+* ``build``: :func:`highrank.data.streaming.load_stream_corpus` with ``max_vocab = 100,000`` on an
   empty cache (hash, one-pass vocabulary with ids to disk, in-place remap, valid/test): wall
   and CPU seconds, peak RSS, the cache's bytes on disk;
 * ``cached``: the same call again (the cache hit: hashing the text and opening the maps);
@@ -64,13 +64,13 @@ def rss_now_mib() -> dict:
 
 
 def child_baseline(corpus: Path, cache: Path, args) -> dict:
-    import highrank.streaming  # noqa: F401  (what every other child imports)
+    import highrank.data.streaming  # noqa: F401  (what every other child imports)
 
     return {"peak_rss_mib": peak_rss_mib()}
 
 
 def child_build(corpus: Path, cache: Path, args) -> dict:
-    from highrank.streaming import load_stream_corpus
+    from highrank.data.streaming import load_stream_corpus
 
     shutil.rmtree(cache, ignore_errors=True)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -89,7 +89,7 @@ def child_build(corpus: Path, cache: Path, args) -> dict:
 
 
 def child_cached(corpus: Path, cache: Path, args) -> dict:
-    from highrank.streaming import load_stream_corpus
+    from highrank.data.streaming import load_stream_corpus
 
     wall = time.perf_counter()
     load_stream_corpus(corpus, max_vocab=MAX_VOCAB, cache_dir=cache)
@@ -98,7 +98,7 @@ def child_cached(corpus: Path, cache: Path, args) -> dict:
 
 def child_batches(corpus: Path, cache: Path, args) -> dict:
     from highrank.data import get_batch
-    from highrank.streaming import load_stream_corpus
+    from highrank.data.streaming import load_stream_corpus
 
     out = {}
     for batching in ("stream", "sentences"):
@@ -212,7 +212,7 @@ def run_child(name: str, corpus: Path, cache: Path, args) -> dict:
 
 def corpus_for(tokens: int, work: Path) -> tuple[Path, dict]:
     """The Zipf corpus of ``tokens`` train tokens under ``work`` (written once)."""
-    from highrank.zipf_corpus import write_zipf_corpus
+    from highrank.data.zipf import write_zipf_corpus
 
     folder = work / f"zipf-{tokens}"
     marker = folder / "zipf.json"
@@ -227,7 +227,7 @@ def corpus_for(tokens: int, work: Path) -> tuple[Path, dict]:
 
 
 def measure(tokens: int, args) -> dict:
-    from highrank.streaming import BLOCK_BYTES
+    from highrank.data.streaming import BLOCK_BYTES
     from highrank.util.machine import describe_machine
 
     corpus, info = corpus_for(tokens, args.work)

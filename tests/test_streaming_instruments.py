@@ -1,8 +1,8 @@
 """A ``data.memmap`` run is evaluated and analysed from its memory map (issue 11, item 2).
 
 ``highrank eval``, ``dynamic-eval`` (its gradient statistics read the train split) and the
-instruments of ``highrank analyze`` read the run's splits as :mod:`highrank.streaming`'s
-memory maps, laid out by :class:`~highrank.streaming.StreamBatches`, never as a whole tensor:
+instruments of ``highrank analyze`` read the run's splits as :mod:`highrank.data.streaming`'s
+memory maps, laid out by :class:`~highrank.data.streaming.StreamBatches`, never as a whole tensor:
 a run trained on a corpus larger than memory can be analysed. The numbers equal the
 in-memory path's (the same commands on the same run with the split read whole, as
 :func:`highrank.data.batchify` lays it out), exactly.
@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from highrank import streaming
 from highrank.analysis import contexts
 from highrank.cli import main
 from highrank.config import load_config
-from highrank.data import CorpusError, batchify
+from highrank.data import CorpusError, batchify, streaming
+from highrank.data.zipf import write_zipf_corpus
 from highrank.train import TrainOptions, train
-from highrank.zipf_corpus import write_zipf_corpus
 
 # A 1-layer AWD-LSTM of a few hundred parameters; a small learning rate keeps its next-token
 # distributions context-dependent (i.i.d. Zipf words would otherwise teach it a unigram).
@@ -81,7 +80,7 @@ def nothing_read_whole(monkeypatch):
         return batchify(ids, *args, **kwargs)
 
     monkeypatch.setattr(streaming.StreamCorpus, "split", refuse)
-    monkeypatch.setattr("highrank.data.load_corpus", refuse)
+    monkeypatch.setattr("highrank.data.corpus.load_corpus", refuse)
     for module in list(sys.modules.values()):  # every module that imported batchify by name
         if module.__name__.startswith("highrank") and vars(module).get("batchify") is batchify:
             monkeypatch.setattr(module, "batchify", guarded_batchify)

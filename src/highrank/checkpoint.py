@@ -70,8 +70,8 @@ import torch
 
 from highrank.config import Config, config_from_dict
 from highrank.data import Corpus, Vocab
+from highrank.data.streaming import open_corpus
 from highrank.model import LanguageModel, build_model
-from highrank.streaming import open_corpus
 from highrank.util.atomic import fsync_directory, sync, temporary_beside
 
 FORMAT = "highrank-checkpoint"

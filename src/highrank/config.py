@@ -17,7 +17,7 @@ the MoS values of Yang et al. 2018 are in the docstrings):
 
 * ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: the user cache, ~/.cache/highrank) —
   :func:`highrank.data.load_corpus`; for ``awd-lstm`` and ``transformer`` memmap, max_vocab,
-  batching (``stream`` | ``sentences``) — :func:`highrank.streaming.load_stream_corpus`; for
+  batching (``stream`` | ``sentences``) — :func:`highrank.data.streaming.load_stream_corpus`; for
   ``seq2seq`` (a parallel corpus, :mod:`highrank.bitext`)
   src_lang, tgt_lang, subword_type, subword_vocab_size, subword_joint (:mod:`highrank.subwords`).
 * ``[model]`` backbone (the model family: ``awd-lstm`` | ``seq2seq`` | ``transformer``), d_embed,
@@ -75,9 +75,9 @@ from pathlib import Path
 from typing import Any
 
 from highrank.data import MODES
+from highrank.data.streaming import BATCHINGS
 from highrank.heads import HEADS, head_knobs
 from highrank.optim import SWITCH_POLICIES
-from highrank.streaming import BATCHINGS
 
 BACKBONES = ("awd-lstm", "seq2seq", "transformer")  # model.backbone: the model families
 # Family -> section -> the keys of that section only this family (and any other family listing
@@ -173,7 +173,7 @@ class DataConfig:
         subword_vocab_size: (``seq2seq``) pieces per vocabulary, the four specials included.
         subword_joint: (``seq2seq``) one vocabulary for both languages.
         memmap: (``awd-lstm``, ``transformer``) read the corpus through
-            :func:`highrank.streaming.load_stream_corpus`: vocabulary in one streaming pass,
+            :func:`highrank.data.streaming.load_stream_corpus`: vocabulary in one streaming pass,
             token ids in a memory-mapped cache file, a split may be a folder of shards
             (``train/``), for corpora that do not fit in memory. Same ids and batches as the
             in-memory loader (false).

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from highrank.data import Vocab, iter_batches
+from highrank.data.streaming import batch_view
 from highrank.model import LanguageModel
-from highrank.streaming import batch_view
 from highrank.util.progress import progress_bar
 
 # Krause et al. (2017) hyperparameters as used for AWD-LSTM-MoS (Yang et al., 2018, Sec. 3);
@@ -467,7 +467,7 @@ def _gradients(
 def _batchify_on(model: nn.Module, ids: TokenIds, batch_size: int, name: str) -> torch.Tensor:
     """``batchify(ids, batch_size)`` ``(T, B)`` on the model's device; errors name ``name``.
     A memory map (a ``data.memmap`` run's split) is laid out as a view that reads each segment
-    from the map (:func:`highrank.streaming.batch_view`), never the whole split."""
+    from the map (:func:`highrank.data.streaming.batch_view`), never the whole split."""
     device = next(model.parameters()).device
     return batch_view(ids, batch_size, name=name).to(device)
 

@@ -26,8 +26,8 @@ import torch
 from highrank.checkpoint import load_run_corpus
 from highrank.config import Config
 from highrank.data import Vocab, iter_batches
+from highrank.data.streaming import batch_view, split_stream
 from highrank.model import LanguageModel
-from highrank.streaming import batch_view, split_stream
 from highrank.util.progress import progress_bar
 
 
@@ -118,7 +118,7 @@ def iter_contexts(
     name: str = "token stream",
 ) -> Iterator[ContextBlock]:
     """Blocks of contexts of the stream ``ids`` (a tensor, or a memory map read a segment at a
-    time: :func:`highrank.streaming.batch_view`), at most ``max_contexts`` in all.
+    time: :func:`highrank.data.streaming.batch_view`), at most ``max_contexts`` in all.
 
     The model is put in eval mode for the duration (its training flag is restored after);
     ``hidden`` is on the model's device, positions and targets on the CPU.

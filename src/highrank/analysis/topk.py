@@ -43,8 +43,8 @@ from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, 
 from highrank.analysis.logprob_matrix import head_rows
 from highrank.analysis.output import record_tag, run_record_path, write_json
 from highrank.data import Vocab
+from highrank.data.streaming import streams_equal
 from highrank.model import LanguageModel
-from highrank.streaming import streams_equal
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
 

@@ -38,8 +38,9 @@ def load_for_eval(args: argparse.Namespace):
 
 def split_ids(args: argparse.Namespace, corpus):
     """The split's token ids, the first ``--max-tokens`` of them when given: a memory map for
-    a ``data.memmap`` run (:func:`highrank.streaming.split_stream`; read a segment at a time)."""
-    from highrank.streaming import split_stream
+    a ``data.memmap`` run (:func:`highrank.data.streaming.split_stream`; read a segment at a
+    time)."""
+    from highrank.data.streaming import split_stream
 
     ids = split_stream(corpus, args.split)
     return ids if args.max_tokens is None else ids[: args.max_tokens]
@@ -53,7 +54,7 @@ def report_eval(args: argparse.Namespace, kind: str, result, extra: dict, corpus
     A character-level run's record also holds its bits per character.
     """
     from highrank.analysis.output import write_json
-    from highrank.chars import bits_per_char
+    from highrank.data.chars import bits_per_char
     from highrank.evaluate_records import data_facts, record_path
 
     data = data_facts(args, corpus)

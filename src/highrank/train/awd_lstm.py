@@ -45,6 +45,7 @@ from highrank.backbones import AWDLSTMState, variable_bptt_length
 from highrank.checkpoint import evaluation_state_dict
 from highrank.config import Config
 from highrank.data import Corpus, get_batch, iter_batches
+from highrank.data.streaming import epoch_view
 from highrank.model import LanguageModel
 from highrank.optim import (
     NonMonotoneTrigger,
@@ -54,7 +55,6 @@ from highrank.optim import (
     scaled_lr,
     switch_to_asgd,
 )
-from highrank.streaming import epoch_view
 from highrank.train.distributed import average, distribute, gather_columns, shard_columns
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.state import Progress

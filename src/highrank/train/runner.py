@@ -32,10 +32,10 @@ from highrank.config import (
     parse_override,
 )
 from highrank.data import Corpus
+from highrank.data.streaming import open_corpus
 from highrank.locks import run_lock
 from highrank.model import build_model, count_parameters
 from highrank.runs import RunDir, check_writable
-from highrank.streaming import open_corpus
 from highrank.train import distributed
 from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore
@@ -106,7 +106,7 @@ def _absolute_paths(config: Config) -> Config:
 
 
 def _corpus(config: Config) -> Corpus:
-    """In memory, or memory-mapped when data.memmap (:mod:`highrank.streaming`)."""
+    """In memory, or memory-mapped when data.memmap (:mod:`highrank.data.streaming`)."""
     return open_corpus(config.data, config.train.seed)
 
 

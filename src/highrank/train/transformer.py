@@ -51,8 +51,8 @@ from torch import nn
 
 from highrank.config import Config, ConfigError
 from highrank.data import Corpus, get_batch
+from highrank.data.streaming import epoch_view
 from highrank.model import LanguageModel
-from highrank.streaming import epoch_view
 from highrank.train.awd_lstm import Splits, head_chunk_size, load_splits, validation_loss
 from highrank.train.distributed import average, distribute, no_sync
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict

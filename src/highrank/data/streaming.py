@@ -56,19 +56,19 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-from highrank.data import (
+from highrank.data.corpus import (
     EOS,
     SPLITS,
     UNK,
     CorpusError,
     Vocab,
-    _check_directory,
-    _check_mode,
-    _check_split_name,
-    _empty_split_error,
-    _tokenize,
     batchify,
+    check_directory,
+    check_mode,
+    check_split_name,
     default_cache_dir,
+    empty_split_error,
+    tokenize,
 )
 from highrank.util.atomic import sync
 
@@ -220,7 +220,7 @@ def _count_and_write(files: list[Path], mode: str, out: Path) -> tuple[list[str]
     seen, counts, lines = _FirstSeen(), np.zeros(0, dtype=np.int64), 0
     with open(out, "wb") as handle:
         for _, _, text in iter_blocks(files):
-            tokens, n_lines = _tokenize(text, mode)
+            tokens, n_lines = tokenize(text, mode)
             ids = np.fromiter(map(seen.__getitem__, tokens), dtype=ID_DTYPE, count=len(tokens))
             block_counts = np.bincount(ids, minlength=len(seen))
             block_counts[: len(counts)] += counts
@@ -246,7 +246,7 @@ def _encode_to(files: list[Path], vocab: Vocab, mode: str, out: Path) -> tuple[i
     stoi, unk, lines, oov = vocab._stoi, vocab.unk_id, 0, 0
     with open(out, "wb") as handle:
         for path, first_line, text in iter_blocks(files):
-            tokens, n_lines = _tokenize(text, mode)
+            tokens, n_lines = tokenize(text, mode)
             if unk is None:
                 ids = _encode_strict(tokens, stoi, path, first_line, text, mode, vocab)
             else:
@@ -310,7 +310,7 @@ def _check_not_empty(files, split: str, tokens: int, lines: int, mode: str) -> N
         return
     paths = files[split]
     where = paths[0] if paths[0].name == f"{split}.txt" else paths[0].parent
-    raise _empty_split_error(where, split, sum(p.stat().st_size for p in paths), lines, mode)
+    raise empty_split_error(where, split, sum(p.stat().st_size for p in paths), lines, mode)
 
 
 def _read_cached(folder: Path, key: str) -> tuple[Vocab, dict] | None:
@@ -395,14 +395,14 @@ class StreamCorpus:
 
     def path(self, name: str) -> Path:
         """The file of split ``name``, or its shard folder."""
-        _check_split_name(name)
+        check_split_name(name)
         files = self.files[name]
         return files[0] if files[0].name == f"{name}.txt" else files[0].parent
 
     def split(self, name: str) -> torch.Tensor:
         """Split ``name`` as an in-memory int64 tensor (this reads it whole: fine for
         valid/test; train is meant to be read through :meth:`batchify`)."""
-        _check_split_name(name)
+        check_split_name(name)
         return torch.from_numpy(np.asarray(self.ids[name], dtype=np.int64))
 
     @property
@@ -420,7 +420,7 @@ class StreamCorpus:
     def batchify(self, name: str, batch_size: int) -> StreamBatches:
         """The ``(T, B)`` view of split ``name`` (sentence-shuffled for train when
         ``batching == "sentences"``)."""
-        _check_split_name(name)
+        check_split_name(name)
         order = None
         if name == "train" and self.batching == "sentences":
             order = SentenceOrder(sentence_ends(self.ids[name], self.vocab.eos_id), self.seed)
@@ -438,8 +438,8 @@ def load_stream_corpus(
 ) -> StreamCorpus:
     """Open (building once) the memory-mapped corpus of ``directory`` (see the module
     docstring); ``cache_dir`` defaults to :func:`highrank.data.default_cache_dir`."""
-    directory = _check_directory(directory)
-    _check_mode(mode)
+    directory = check_directory(directory)
+    check_mode(mode)
     if max_vocab is not None and (isinstance(max_vocab, bool) or max_vocab < 2):
         raise CorpusError(
             f"data.max_vocab = {max_vocab!r}; expected an int >= 2 (<eos> and <unk> at least)"
@@ -627,7 +627,7 @@ def open_corpus(data, seed: int = 0, *, directory: str | os.PathLike | None = No
     """The corpus a ``[data]`` config (:class:`highrank.config.DataConfig`) names: memory-mapped
     (:func:`load_stream_corpus`) when ``data.memmap``, else :func:`highrank.data.load_corpus`;
     ``directory`` overrides ``data.dir``; ``seed`` (train.seed) seeds sentence shuffling."""
-    from highrank.data import load_corpus
+    from highrank.data.corpus import load_corpus
 
     directory = directory or data.dir
     if not getattr(data, "memmap", False):
@@ -649,7 +649,7 @@ def split_stream(corpus, name: str) -> torch.Tensor | np.ndarray:
     the analyses read a run's split through, so a run trained from a memory map is evaluated
     and analysed from it too (:meth:`StreamCorpus.split` would read the split whole)."""
     if isinstance(corpus, StreamCorpus):
-        _check_split_name(name)
+        check_split_name(name)
         return corpus.ids[name]
     return corpus.split(name)
 

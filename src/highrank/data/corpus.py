@@ -11,9 +11,9 @@ lone ``<eos>``:
   dropped (Mikolov's character-level PTB does the same, writing the space as ``_``). The
   literal space was chosen over ``_`` because after normalisation it can only mean "word
   boundary", while ``_`` may occur in the text itself. On PTB this is Mikolov's ptb.char
-  symbol for symbol, ``<unk>`` spelled as its five characters as there (``highrank.chars``
+  symbol for symbol, ``<unk>`` spelled as its five characters as there (``highrank.data.chars``
   writes the files; tests/test_chars.py checks both): 5,017,482 / 393,042 / 442,423 tokens
-  with ``<eos>``, 50 types; :func:`highrank.chars.bits_per_char` converts its losses to BPC.
+  with ``<eos>``, 50 types; :func:`highrank.data.chars.bits_per_char` converts its losses to BPC.
 
 The vocabulary is built from the training split only and ordered by training frequency, most
 frequent first, ties broken by first appearance, so "the S most frequent tokens" are ids < S.
@@ -29,7 +29,7 @@ contiguous columns, time-major ``(T, B)``; :func:`get_batch` cuts ``(seq_len, B)
 targets one step ahead.
 
 Corpora that do not fit in memory (shard folders, ``data.max_vocab``, sentence-shuffled
-batching): :mod:`highrank.streaming`, the same tokenisation, vocabulary order and batches with
+batching): :mod:`highrank.data.streaming`, the same tokenisation, vocabulary order and batches with
 the ids memory-mapped (``data.memmap = true``).
 """
 
@@ -176,7 +176,7 @@ class Vocab:
         path = Path(path)
         if not path.is_file():
             raise CorpusError(f"vocabulary file {path} does not exist")
-        return cls.from_json(_decode_utf8(path, path.read_bytes()), source=str(path))
+        return cls.from_json(decode_utf8(path, path.read_bytes()), source=str(path))
 
 
 # ---- the corpus ---------------------------------------------------------------------------
@@ -201,12 +201,12 @@ class Corpus:
 
     def split(self, name: str) -> torch.Tensor:
         """The id stream of split ``name`` (one of :data:`SPLITS`)."""
-        _check_split_name(name)
+        check_split_name(name)
         return getattr(self, name)
 
     def path(self, name: str) -> Path:
         """The file split ``name`` was read from."""
-        _check_split_name(name)
+        check_split_name(name)
         return self.directory / f"{name}.txt"
 
     def batchify(self, name: str, batch_size: int) -> torch.Tensor:
@@ -229,8 +229,8 @@ def load_corpus(
         cache_dir: where token ids are cached; default :func:`default_cache_dir`.
         use_cache: False reads and tokenises afresh and writes no cache.
     """
-    directory = _check_directory(directory)
-    _check_mode(mode)
+    directory = check_directory(directory)
+    check_mode(mode)
     raw = {split: _read_split_bytes(directory, split) for split in SPLITS}
     key = _cache_key(raw, mode)
     cache_file = _cache_file(directory, mode, key, cache_dir)
@@ -251,17 +251,17 @@ def _build(
     vocab, ids, lines, oov = None, {}, {}, {}
     for split in SPLITS:
         path = directory / f"{split}.txt"
-        text = _decode_utf8(path, raw[split])
-        tokens, lines[split] = _tokenize(text, mode)
+        text = decode_utf8(path, raw[split])
+        tokens, lines[split] = tokenize(text, mode)
         if len(tokens) == lines[split]:  # only <eos>: no words (characters) at all
-            raise _empty_split_error(path, split, len(raw[split]), lines[split], mode)
+            raise empty_split_error(path, split, len(raw[split]), lines[split], mode)
         if vocab is None:
             vocab = Vocab.from_tokens(tokens)
         ids[split], oov[split] = _encode_stream(tokens, vocab, path, text, mode)
     return vocab, ids, lines, oov
 
 
-def _empty_split_error(
+def empty_split_error(
     path: Path, split: str, n_bytes: int, n_lines: int, mode: str
 ) -> CorpusError:
     """The error for a split file without a single word (character)."""
@@ -289,7 +289,7 @@ def _corpus_from_arrays(
 # ---- reading and tokenising ---------------------------------------------------------------
 
 
-def _check_directory(directory: str | os.PathLike) -> Path:
+def check_directory(directory: str | os.PathLike) -> Path:
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise CorpusError(
@@ -299,12 +299,12 @@ def _check_directory(directory: str | os.PathLike) -> Path:
     return directory
 
 
-def _check_mode(mode: str) -> None:
+def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise CorpusError(f"mode {mode!r} is not known; expected one of {', '.join(MODES)}")
 
 
-def _check_split_name(name: str) -> None:
+def check_split_name(name: str) -> None:
     if name not in SPLITS:
         raise CorpusError(f"split {name!r} is not known; expected one of {', '.join(SPLITS)}")
 
@@ -314,7 +314,7 @@ def _read_split_bytes(directory: Path, split: str) -> bytes:
     path = directory / f"{split}.txt"
     if not path.is_file():
         present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
-        shards = (directory / split).is_dir()  # the 1B-Word layout: highrank.streaming reads it
+        shards = (directory / split).is_dir()  # the 1B-Word layout: data.streaming reads it
         raise CorpusError(
             f"missing split file {path}; a corpus directory needs train.txt, valid.txt and "
             f"test.txt (PTB / WikiText-2 layout); {directory} holds: "
@@ -330,7 +330,7 @@ def _read_split_bytes(directory: Path, split: str) -> bytes:
         ) from None
 
 
-def _decode_utf8(path: Path, data: bytes) -> str:
+def decode_utf8(path: Path, data: bytes) -> str:
     """UTF-8 text of ``data``; an invalid byte, a byte-order mark or a NUL byte is reported
     with its offset and line (each would otherwise be swallowed into a word)."""
     if data.startswith(codecs.BOM_UTF8):
@@ -365,7 +365,7 @@ def _split_lines(text: str) -> list[str]:
     return lines
 
 
-def _tokenize(text: str, mode: str) -> tuple[list[str], int]:
+def tokenize(text: str, mode: str) -> tuple[list[str], int]:
     """``(tokens, number of lines)`` of ``text``: the line's tokens then ``<eos>``, per line."""
     lines = _split_lines(text)
     if mode == "word":
