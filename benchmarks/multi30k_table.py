@@ -182,8 +182,8 @@ def bleu_head(head: str, args, run: Path) -> dict:
 def load_models(heads, args, runs: Path):
     """One model per head (its run's config), the run's subwords, the train pairs."""
     from highrank.model import build_seq2seq
+    from highrank.mt.translation import saved_translation_data
     from highrank.runs import RunDir
-    from highrank.translation import saved_translation_data
 
     models, data = {}, None
     for head in heads:
@@ -215,7 +215,7 @@ def head_step(model, hidden, target, pad) -> float:
 def timing(heads, args, runs: Path) -> dict:
     import torch
 
-    from highrank.bitext import TokenBatches
+    from highrank.mt.bitext import TokenBatches
     from highrank.train.schedule import build_adamw
 
     torch.set_num_threads(args.threads)
@@ -263,7 +263,7 @@ def sentence_batch(data, config, sentences: int):
     padded into one batch: the indices and the batch."""
     import numpy as np
 
-    from highrank.bitext import collate
+    from highrank.mt.bitext import collate
 
     pairs = data.pairs("train")
     lengths = np.maximum(pairs.src_lengths, pairs.tgt_lengths) + 1

@@ -189,7 +189,7 @@ def test_translate_writes_hypotheses_and_a_bleu_record(trained, tmp_path, capsys
     assert 0.0 <= record["bleu"] <= 100.0 and record["signature"].startswith("nrefs:1")
     lines = out.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 12
-    from highrank.bleu import corpus_bleu
+    from highrank.mt.bleu import corpus_bleu
 
     test_de = Path(record["references"]).read_text(encoding="utf-8").splitlines()
     assert corpus_bleu(lines, test_de).score == pytest.approx(record["bleu"])

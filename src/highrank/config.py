@@ -18,8 +18,8 @@ the MoS values of Yang et al. 2018 are in the docstrings):
 * ``[data]`` dir, mode (``word`` | ``char``), cache_dir (unset: the user cache, ~/.cache/highrank) —
   :func:`highrank.data.load_corpus`; for ``awd-lstm`` and ``transformer`` memmap, max_vocab,
   batching (``stream`` | ``sentences``) — :func:`highrank.data.streaming.load_stream_corpus`; for
-  ``seq2seq`` (a parallel corpus, :mod:`highrank.bitext`)
-  src_lang, tgt_lang, subword_type, subword_vocab_size, subword_joint (:mod:`highrank.subwords`).
+  ``seq2seq`` (a parallel corpus, :mod:`highrank.mt.bitext`)
+  src_lang, tgt_lang, subword_type, subword_vocab_size, subword_joint (:mod:`highrank.mt.subwords`).
 * ``[model]`` backbone (the model family: ``awd-lstm`` | ``seq2seq`` | ``transformer``), d_embed,
   tie_weights, and
   the keys of the family: for ``awd-lstm`` d_hidden, n_layers, d_last (unset: d_embed),
@@ -47,7 +47,7 @@ the MoS values of Yang et al. 2018 are in the docstrings):
 * ``[dynamic_eval]`` lr, epsilon, prior_decay, batch_size, bptt, stats_batch_size (Krause
   et al. 2017).
 * ``[decode]`` (``seq2seq``) beam_size, length_penalty, max_len_a, max_len_b
-  (:mod:`highrank.translation`).
+  (:mod:`highrank.mt.translation`).
 * ``[run]`` out_dir, device.
 
 TOML has no null, so a key whose default is "unset" (None) is written by leaving it out.
@@ -167,9 +167,9 @@ class DataConfig:
         mode: ``"word"`` (whitespace tokens) or ``"char"`` (characters).
         cache_dir: where token-id caches go; None (unset): the user cache (~/.cache/highrank).
         src_lang, tgt_lang: (``seq2seq``) the file suffixes of the two sides of a parallel
-            corpus, ``{train,valid,test}.<lang>`` (:mod:`highrank.bitext`).
+            corpus, ``{train,valid,test}.<lang>`` (:mod:`highrank.mt.bitext`).
         subword_type: (``seq2seq``) SentencePiece ``"bpe"`` or ``"unigram"``, learned on the
-            train split only (:mod:`highrank.subwords`).
+            train split only (:mod:`highrank.mt.subwords`).
         subword_vocab_size: (``seq2seq``) pieces per vocabulary, the four specials included.
         subword_joint: (``seq2seq``) one vocabulary for both languages.
         memmap: (``awd-lstm``, ``transformer``) read the corpus through
@@ -403,7 +403,7 @@ class DynamicEvalConfig:
 
 @dataclass
 class DecodeConfig:
-    """Decoding a translation model (``seq2seq``; :mod:`highrank.decoding`).
+    """Decoding a translation model (``seq2seq``; :mod:`highrank.mt.decoding`).
 
     Attributes:
         beam_size: hypotheses kept per sentence; 1 is greedy search's output.

@@ -86,8 +86,8 @@ def input_errors() -> tuple[type[Exception], ...]:
     from highrank.config import ConfigError
     from highrank.data import CorpusError
     from highrank.locks import LockedError
+    from highrank.mt.subwords import SubwordError
     from highrank.runs import RunDirError
-    from highrank.subwords import SubwordError
 
     return ConfigError, CorpusError, CheckpointError, RunDirError, SubwordError, LockedError
 

@@ -49,7 +49,7 @@ from highrank.train.transformer import TransformerRecipe
 RECIPES: dict[str, Callable[..., Recipe]] = {
     "awd-lstm": AWDLSTMRecipe,
     "transformer": TransformerRecipe,
-    "seq2seq": Seq2SeqRecipe,  # its "corpus" is a highrank.translation.TranslationData
+    "seq2seq": Seq2SeqRecipe,  # its "corpus" is a highrank.mt.translation.TranslationData
 }
 
 # Keys a resumed run may change: they do not alter the computation already done (data.dir

@@ -3,15 +3,15 @@ a split and scoring it with BLEU.
 
 A translation run (``model.backbone = "seq2seq"``) keeps, besides what every run keeps
 (:mod:`highrank.runs`), its subword vocabulary under ``RUN_DIR/subwords/``
-(:mod:`highrank.subwords`: learned on the train split only when the run starts, reloaded on
+(:mod:`highrank.mt.subwords`: learned on the train split only when the run starts, reloaded on
 resume and for decoding) and, as ``vocab.json``, the target pieces in id order.
 
 Translating a split (:func:`translate_split`): sources are encoded, cut into batches of at most
-``train.max_tokens`` padded tokens in length order (:class:`highrank.bitext.TokenBatches`),
+``train.max_tokens`` padded tokens in length order (:class:`highrank.mt.bitext.TokenBatches`),
 decoded by beam search (or greedy search) with at most ``decode.max_len_a * S +
 decode.max_len_b`` tokens per sentence (``S``: the longest source of the batch, ``<eos>``
 included; never beyond ``model.max_len``), put back in file order and detokenised by the target
-vocabulary. BLEU (:mod:`highrank.bleu`) is sacreBLEU's on the raw target lines of the split.
+vocabulary. BLEU (:mod:`highrank.mt.bleu`) is sacreBLEU's on the raw target lines of the split.
 
 Records (:func:`write_translation`): ``RUN_DIR/translate-<split>-<checkpoint>-<search>.json``
 (BLEU, signature, settings, time) and the hypotheses, one per line, beside it as ``.txt`` (or
@@ -33,15 +33,6 @@ from typing import Any
 
 import torch
 
-from highrank.bitext import (
-    Bitext,
-    BitextSplit,
-    EncodedPairs,
-    SpecialIds,
-    TokenBatches,
-    encode_pairs,
-    load_bitext,
-)
 from highrank.checkpoint import (
     CheckpointError,
     checkpoint_path,
@@ -51,9 +42,18 @@ from highrank.checkpoint import (
 )
 from highrank.config import Config
 from highrank.data import Vocab
-from highrank.decoding import beam_search, greedy_search
 from highrank.model import build_seq2seq
-from highrank.subwords import SubwordError, Subwords, SubwordSettings, learn_subwords
+from highrank.mt.bitext import (
+    Bitext,
+    BitextSplit,
+    EncodedPairs,
+    SpecialIds,
+    TokenBatches,
+    encode_pairs,
+    load_bitext,
+)
+from highrank.mt.decoding import beam_search, greedy_search
+from highrank.mt.subwords import SubwordError, Subwords, SubwordSettings, learn_subwords
 from highrank.util.atomic import write_text_atomic
 
 
@@ -274,7 +274,7 @@ def evaluate_bleu(
     """Translate ``split`` with a run's checkpoint, score it, write the record and the
     hypotheses; returns the record. ``search`` defaults to the run's ``[decode]`` with
     ``search_changes`` (beam_size=, length_penalty=, greedy=, ...) applied."""
-    from highrank.bleu import corpus_bleu
+    from highrank.mt.bleu import corpus_bleu
 
     model, config, subwords, payload = load_translation_run(run_dir, which, device=device)
     search = search or Search.from_config(config, **search_changes)

@@ -261,7 +261,7 @@ Encoder = Callable[[list[str]], list[list[int]]]
 
 def encode_pairs(split: BitextSplit, encode_src: Encoder, encode_tgt: Encoder) -> EncodedPairs:
     """Ids of every pair of ``split``; ``encode_*`` map a list of lines to lists of ids
-    (e.g. ``highrank.subwords.SubwordVocab.encode_lines``)."""
+    (e.g. ``highrank.mt.subwords.SubwordVocab.encode_lines``)."""
     src, tgt = encode_src(list(split.src)), encode_tgt(list(split.tgt))
     for side, ids, path in (("source", src, split.src_path), ("target", tgt, split.tgt_path)):
         if len(ids) != len(split):
