@@ -132,8 +132,8 @@ def write_json(path: Path, record: dict) -> None:
 
 
 def train_head(head: str, args, run: Path, data_dir: Path) -> dict:
-    from highrank.checkpoint import load_checkpoint
-    from highrank.runs import read_metrics
+    from highrank.runs.checkpoint import load_checkpoint
+    from highrank.runs.run_dir import read_metrics
 
     config = REPO / "configs" / "multi30k" / f"transformer-{head}.toml"
     steps = ["--max-steps", str(TINY_STEPS)] if args.tiny else []
@@ -183,7 +183,7 @@ def load_models(heads, args, runs: Path):
     """One model per head (its run's config), the run's subwords, the train pairs."""
     from highrank.model import build_seq2seq
     from highrank.mt.translation import saved_translation_data
-    from highrank.runs import RunDir
+    from highrank.runs.run_dir import RunDir
 
     models, data = {}, None
     for head in heads:

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from highrank.runs import read_metrics  # noqa: E402
+from highrank.runs.run_dir import read_metrics  # noqa: E402
 from highrank.util.machine import describe_machine  # noqa: E402
 
 

@@ -12,9 +12,10 @@ import torch
 
 import highrank.train.awd_lstm as awd_recipe
 import highrank.train.runner as runner
-from highrank.checkpoint import load_checkpoint, load_run
 from highrank.config import load_config
-from highrank.runs import read_metrics
+from highrank.model import load_run
+from highrank.runs.checkpoint import load_checkpoint
+from highrank.runs.run_dir import read_metrics
 from highrank.train import (
     TrainingError,
     TrainOptions,

@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("sentencepiece", reason="translation needs the mt extra (sentencepiece)")
 pytest.importorskip("sacrebleu", reason="translation needs the mt extra (sacrebleu)")
 
-from highrank.checkpoint import load_checkpoint  # noqa: E402
 from highrank.cli import main  # noqa: E402
 from highrank.config import ConfigError, load_config  # noqa: E402
-from highrank.runs import read_metrics  # noqa: E402
+from highrank.runs.checkpoint import load_checkpoint  # noqa: E402
+from highrank.runs.run_dir import read_metrics  # noqa: E402
 from highrank.train import TrainOptions, resume, train  # noqa: E402
 from highrank.train.schedule import lr_factor  # noqa: E402
 

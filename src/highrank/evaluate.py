@@ -97,7 +97,7 @@ def default_bptt(config) -> int:
 def refuse_transformer_dynamic_eval(config) -> None:
     """Dynamic evaluation (segments of 5, state carried) is defined for recurrent models: a
     Transformer window would see only its own 5 tokens, so the figure would mean nothing."""
-    from highrank.runs import RunDirError
+    from highrank.runs.run_dir import RunDirError
 
     if config.model.backbone != "awd-lstm":
         raise RunDirError(

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from highrank.checkpoint import checkpoint_path
+from highrank.runs.checkpoint import checkpoint_path
 
 
 def file_sha256(path: str | os.PathLike) -> str:

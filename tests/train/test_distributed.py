@@ -21,7 +21,7 @@ from highrank.config import ConfigError, load_config
 from highrank.data import load_corpus
 from highrank.model import build_model
 from highrank.optim import switch_to_asgd
-from highrank.runs import read_metrics
+from highrank.runs.run_dir import read_metrics
 from highrank.train import distributed
 
 DEADLINE = 120.0  # seconds for all the processes of one test, imports included

@@ -23,11 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from highrank.checkpoint import load_run_corpus
 from highrank.config import Config
 from highrank.data import Vocab, iter_batches
 from highrank.data.streaming import batch_view, split_stream
-from highrank.model import LanguageModel
+from highrank.model import LanguageModel, load_run_corpus
 from highrank.util.progress import progress_bar
 
 

@@ -264,7 +264,7 @@ def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP,
     ``d_embed`` and whether the knee matches it (:func:`matches_hidden_size`)."""
     from highrank.analysis.output import record_tag, run_record_path
     from highrank.analysis.rank_cli import analyze_run as rank_run
-    from highrank.runs import RunDir
+    from highrank.runs.run_dir import RunDir
 
     run = RunDir.open(run_dir)  # a clear error for a folder that is no run
     tag = record_tag(
@@ -291,7 +291,7 @@ def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -
     """A rank record at ``path`` computed from the run's present checkpoint file with the
     same split, contexts and corpus (the settings a rank record stores)."""
     from highrank.analysis.rank_cli import _file_fingerprint
-    from highrank.checkpoint import checkpoint_path
+    from highrank.runs.checkpoint import checkpoint_path
 
     if not path.is_file():
         return False

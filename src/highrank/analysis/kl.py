@@ -537,7 +537,7 @@ def _hf_records(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _matrix_record(run_dir: str, path: str, args: argparse.Namespace, options: dict) -> dict:
     """The KL record of ``run_dir`` from the matrix at ``path``, after checking the matrix
     is the run's log-probabilities of ``args.split`` in stream order."""
-    from highrank.runs import RunDir
+    from highrank.runs.run_dir import RunDir
 
     run = RunDir.open(run_dir)
     vocab_size = len(run.load_vocab())

@@ -68,8 +68,8 @@ from highrank.analysis.rank import (
     resolve_backend,
 )
 from highrank.analysis.spectrum import plot_spectrum
-from highrank.checkpoint import checkpoint_path
-from highrank.locks import LockedError, exclusive
+from highrank.runs.checkpoint import checkpoint_path
+from highrank.runs.locks import LockedError, exclusive
 from highrank.util.argtypes import positive_int
 
 
@@ -300,7 +300,7 @@ def _run_bptt(run_dir: Path) -> int:
     """The segment length the run's saved config implies (read without loading the model)."""
     from highrank.config import load_config
     from highrank.evaluate import default_bptt
-    from highrank.runs import RunDirError
+    from highrank.runs.run_dir import RunDirError
 
     path = run_dir / "config.toml"
     if not path.is_file():
@@ -340,7 +340,7 @@ def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -
 def _file_fingerprint(path: Path) -> dict[str, Any]:
     """Name, size and modification time: a rewritten checkpoint no longer matches."""
     if not path.is_file():
-        from highrank.checkpoint import CheckpointError, missing_best_hint
+        from highrank.runs.checkpoint import CheckpointError, missing_best_hint
 
         if path.name == "best.pt":  # the same hint as every verb
             raise CheckpointError(missing_best_hint(path.parent.parent))

@@ -47,11 +47,11 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
     """Everything :func:`write_report` shows about one run, read from its directory."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
-        from highrank.runs import RunDirError
+        from highrank.runs.run_dir import RunDirError
 
         raise RunDirError(f"{run_dir} is not a run directory of `highrank train` (no config.toml)")
     from highrank.config import load_config
-    from highrank.runs import read_metrics
+    from highrank.runs.run_dir import read_metrics
 
     config = load_config(run_dir / "config.toml")
     metrics = (

@@ -298,7 +298,7 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze similarity``: score each run, write its record, print the table."""
-    from highrank.checkpoint import load_run
+    from highrank.model import load_run
 
     try:
         paths = benchmark_paths(resolve_data_dir(args.data_dir), args.benchmarks)

@@ -82,12 +82,12 @@ def add_overrides(parser: argparse.ArgumentParser) -> None:
 
 def input_errors() -> tuple[type[Exception], ...]:
     """Errors in what the user gave (config, corpus, run directory): exit status 2."""
-    from highrank.checkpoint import CheckpointError
     from highrank.config import ConfigError
     from highrank.data import CorpusError
-    from highrank.locks import LockedError
     from highrank.mt.subwords import SubwordError
-    from highrank.runs import RunDirError
+    from highrank.runs.checkpoint import CheckpointError
+    from highrank.runs.locks import LockedError
+    from highrank.runs.run_dir import RunDirError
 
     return ConfigError, CorpusError, CheckpointError, RunDirError, SubwordError, LockedError
 
@@ -103,7 +103,7 @@ AFTER_INTERRUPT = {
 def guarded(verb: str, job: Callable[[], int]) -> int:
     """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130
     (SIGTERM 143 when training stopped on it), naming what was saved."""
-    from highrank.checkpoint import NonFiniteCheckpointError
+    from highrank.runs.checkpoint import NonFiniteCheckpointError
     from highrank.train import Interrupted, TrainingError
 
     try:

@@ -31,7 +31,7 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
 
 def load_for_eval(args: argparse.Namespace):
     """The run's model, config and corpus, checked against the run's vocabulary."""
-    from highrank.checkpoint import load_run_corpus
+    from highrank.model import load_run_corpus
 
     return load_run_corpus(args.run_dir, args.which, data_dir=args.data_dir)
 
@@ -137,7 +137,7 @@ def _is_translation_run(run_dir: str) -> bool:
     """Whether RUN_DIR's config is a seq2seq one (False when it cannot be read: the
     perplexity path then says what is wrong)."""
     from highrank.config import ConfigError, load_config
-    from highrank.runs import CONFIG_FILE
+    from highrank.runs.run_dir import CONFIG_FILE
 
     try:
         return load_config(f"{run_dir}/{CONFIG_FILE}").model.backbone == "seq2seq"

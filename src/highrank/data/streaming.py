@@ -356,7 +356,7 @@ def _write_cache(folder: Path, files, mode: str, max_vocab: int | None, key: str
 def _build_lock(folder: Path) -> Iterator[None]:
     """A blocking ``flock`` on ``<folder>.lock``, so that processes started together (torchrun)
     build a cache once: the others wait, then read it. The kernel releases it if the holder
-    dies; the small lock file stays (as :mod:`highrank.locks` explains)."""
+    dies; the small lock file stays (as :mod:`highrank.runs.locks` explains)."""
     if fcntl is None:  # pragma: no cover - Windows: no lock
         yield
         return

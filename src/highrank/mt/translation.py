@@ -2,7 +2,7 @@
 a split and scoring it with BLEU.
 
 A translation run (``model.backbone = "seq2seq"``) keeps, besides what every run keeps
-(:mod:`highrank.runs`), its subword vocabulary under ``RUN_DIR/subwords/``
+(:mod:`highrank.runs.run_dir`), its subword vocabulary under ``RUN_DIR/subwords/``
 (:mod:`highrank.mt.subwords`: learned on the train split only when the run starts, reloaded on
 resume and for decoding) and, as ``vocab.json``, the target pieces in id order.
 
@@ -33,13 +33,6 @@ from typing import Any
 
 import torch
 
-from highrank.checkpoint import (
-    CheckpointError,
-    checkpoint_path,
-    config_of,
-    load_checkpoint,
-    load_weights,
-)
 from highrank.config import Config
 from highrank.data import Vocab
 from highrank.model import build_seq2seq
@@ -54,6 +47,13 @@ from highrank.mt.bitext import (
 )
 from highrank.mt.decoding import beam_search, greedy_search
 from highrank.mt.subwords import SubwordError, Subwords, SubwordSettings, learn_subwords
+from highrank.runs.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    config_of,
+    load_checkpoint,
+    load_weights,
+)
 from highrank.util.atomic import write_text_atomic
 
 

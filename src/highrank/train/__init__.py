@@ -36,7 +36,8 @@ Public API::
 ``last.pt`` is saved every ``train.checkpoint_every`` steps, at every epoch end and when
 ``TrainOptions.max_steps`` stops a run after that many steps in total: resuming it continues
 bit-identically (same losses, same weights) on the same machine. The run directory and
-checkpoint layouts are described in :mod:`highrank.runs` and :mod:`highrank.checkpoint`.
+checkpoint layouts are described in :mod:`highrank.runs.run_dir` and
+:mod:`highrank.runs.checkpoint`.
 """
 
 from highrank.train.awd_lstm import (

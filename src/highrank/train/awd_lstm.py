@@ -42,7 +42,6 @@ from typing import Any, NamedTuple
 import torch
 
 from highrank.backbones import AWDLSTMState, variable_bptt_length
-from highrank.checkpoint import evaluation_state_dict
 from highrank.config import Config
 from highrank.data import Corpus, get_batch, iter_batches
 from highrank.data.streaming import epoch_view
@@ -55,6 +54,7 @@ from highrank.optim import (
     scaled_lr,
     switch_to_asgd,
 )
+from highrank.runs.checkpoint import evaluation_state_dict
 from highrank.train.distributed import average, distribute, gather_columns, shard_columns
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.state import Progress

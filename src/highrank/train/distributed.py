@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from highrank.config import ConfigError
-from highrank.runs import RunDir
+from highrank.runs.run_dir import RunDir
 from highrank.train.reporting import RunLog
 from highrank.train.state import Progress
 

@@ -15,14 +15,6 @@ from typing import Any
 
 import torch
 
-from highrank.checkpoint import (
-    CheckpointError,
-    config_of,
-    load_checkpoint,
-    load_resumable,
-    load_weights,
-    missing_best_hint,
-)
 from highrank.config import (
     Config,
     ConfigError,
@@ -33,9 +25,17 @@ from highrank.config import (
 )
 from highrank.data import Corpus
 from highrank.data.streaming import open_corpus
-from highrank.locks import run_lock
 from highrank.model import build_model, count_parameters
-from highrank.runs import RunDir, check_writable
+from highrank.runs.checkpoint import (
+    CheckpointError,
+    config_of,
+    load_checkpoint,
+    load_resumable,
+    load_weights,
+    missing_best_hint,
+)
+from highrank.runs.locks import run_lock
+from highrank.runs.run_dir import RunDir, check_writable
 from highrank.train import distributed
 from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore

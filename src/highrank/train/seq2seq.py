@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from highrank.checkpoint import CheckpointError, load_weights
 from highrank.config import Config, ConfigError
 from highrank.model import build_seq2seq
 from highrank.mt.translation import (
@@ -42,7 +41,8 @@ from highrank.mt.translation import (
     learn_translation_data,
     saved_translation_data,
 )
-from highrank.runs import RunDir, RunDirError
+from highrank.runs.checkpoint import CheckpointError, load_weights
+from highrank.runs.run_dir import RunDir, RunDirError
 from highrank.train import distributed
 from highrank.train.awd_lstm import head_chunk_size
 from highrank.train.loop import Trainer, restore

@@ -10,7 +10,7 @@ Layout of ``config.run.out_dir``::
                         "kind": "epoch" after each epoch's validation, "kind": "eval" after a
                         mid-epoch one (see highrank.train.reporting); never a half line (a
                         failed write is cut off; a resume keeps whole lines only)
-    .lock               held (flock) while a train / resume / finetune runs: highrank.locks
+    .lock               held (flock) while a train / resume / finetune runs: highrank.runs.locks
     checkpoints/        last.pt (+ last.prev.pt), best.pt, finetune-last.pt, finetuned.pt
     tensorboard/        the same scalars, when the optional ``tensorboard`` package imports
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from highrank.checkpoint import CHECKPOINT_DIR, VOCAB_FILE
+from highrank.runs.checkpoint import CHECKPOINT_DIR, VOCAB_FILE
 from highrank.config import Config, load_config, save_config
 from highrank.data import Vocab
 from highrank.util.atomic import write_bytes_atomic
