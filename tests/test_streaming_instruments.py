@@ -170,7 +170,7 @@ def test_no_command_reads_a_mapped_split_whole(mapped_run, tmp_path, nothing_rea
 
 def test_instruments_are_handed_the_memory_map(mapped_run, monkeypatch):
     """What the analyses and dynamic evaluation read is the cache's memory map itself."""
-    import highrank.evaluate as evaluate
+    import highrank.evaluate.dynamic as evaluate
 
     loaded = contexts.load_run_split(mapped_run, "train")
     assert isinstance(loaded.ids, np.memmap)
@@ -238,7 +238,7 @@ def test_split_stream_copies_nothing(mapped_run):
 
 def test_a_shard_folder_test_split_is_evaluated_like_the_file_it_was_cut_from(mapped_run, tmp_path):
     """The record's data sha256 of a shard folder is over its shards (a folder has no bytes)."""
-    from highrank.evaluate_records import file_sha256, split_sha256
+    from highrank.evaluate.records import file_sha256, split_sha256
 
     corpus = Path(load_config(mapped_run / "config.toml").data.dir)
     sharded = tmp_path / "sharded"

@@ -66,7 +66,7 @@ class RunSplit:
     def bptt(self) -> int:
         """The run's segment length (:func:`highrank.evaluate.default_bptt`: a Transformer's
         training window, 70 for AWD-LSTM)."""
-        from highrank.evaluate import default_bptt
+        from highrank.evaluate.perplexity import default_bptt
 
         return default_bptt(self.config)
 

@@ -299,7 +299,7 @@ def _ensure_hf_matrix(
 def _run_bptt(run_dir: Path) -> int:
     """The segment length the run's saved config implies (read without loading the model)."""
     from highrank.config import load_config
-    from highrank.evaluate import default_bptt
+    from highrank.evaluate.perplexity import default_bptt
     from highrank.runs.run_dir import RunDirError
 
     path = run_dir / "config.toml"

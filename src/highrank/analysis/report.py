@@ -173,7 +173,7 @@ def _eval_value(run: dict[str, Any], prefix: str) -> float | None:
 
 def _sources(runs: list[dict[str, Any]]) -> str:
     """One line per figure shown: which checkpoint and data it came from."""
-    from highrank.evaluate_records import describe
+    from highrank.evaluate.records import describe
 
     lines = []
     for run in runs:

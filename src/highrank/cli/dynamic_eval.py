@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from highrank.data.streaming import split_stream
-    from highrank.evaluate import (
+    from highrank.evaluate.dynamic import (
         dynamic_evaluate,
         gradient_statistics,
         refuse_transformer_dynamic_eval,

@@ -55,7 +55,7 @@ def report_eval(args: argparse.Namespace, kind: str, result, extra: dict, corpus
     """
     from highrank.analysis.output import write_json
     from highrank.data.chars import bits_per_char
-    from highrank.evaluate_records import data_facts, record_path
+    from highrank.evaluate.records import data_facts, record_path
 
     data = data_facts(args, corpus)
     if corpus is not None and corpus.mode == "char":  # <eos> counted: it stands for a newline
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.evaluate import default_bptt, evaluate_perplexity, write_token_nll
+    from highrank.evaluate.perplexity import default_bptt, evaluate_perplexity, write_token_nll
 
     if args.bleu or _is_translation_run(args.run_dir):
         return guarded("eval", lambda: translate(args))
