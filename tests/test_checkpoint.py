@@ -12,7 +12,6 @@ import torch
 
 from highrank.config import load_config
 from highrank.model import load_run
-from highrank.optim import switch_to_asgd
 from highrank.runs.checkpoint import (
     CheckpointError,
     NonFiniteCheckpointError,
@@ -26,6 +25,7 @@ from highrank.runs.checkpoint import (
 )
 from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, resume, train
+from highrank.train.asgd import switch_to_asgd
 
 QUIET = TrainOptions(progress=False)
 

@@ -35,7 +35,7 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   the model wires itself (:data:`MODEL_SET_KNOBS`) are not configurable here. A loaded config
   holds every knob, defaults filled in, so the written config records them.
 * ``[train]`` batch_size, bptt, max_seq_len_delta, lr, weight_decay, clip, epochs, optimizer
-  (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.optim`), nonmono, switch_epoch,
+  (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.train.asgd`), nonmono, switch_epoch,
   seed, eval_batch_size, test_batch_size, log_every, checkpoint_every, checkpoint_minutes,
   chunk_size (unset: "auto"), max_nonfinite_skips.
   ``seq2seq`` reads max_tokens, label_smoothing, warmup_steps, lr_schedule, adam_beta2,
@@ -77,9 +77,10 @@ from typing import Any
 from highrank.data import MODES
 from highrank.data.streaming import BATCHINGS
 from highrank.heads import HEADS, head_knobs
-from highrank.optim import SWITCH_POLICIES
 
 BACKBONES = ("awd-lstm", "seq2seq", "transformer")  # model.backbone: the model families
+# train.optimizer: the SGD -> ASGD switch policies of highrank.train.asgd (which reads them here)
+SWITCH_POLICIES = ("nt-asgd", "et-asgd", "sgd")
 # Family -> section -> the keys of that section only this family (and any other family listing
 # them too) reads; a key listed for no family is read by every family.
 STREAM_DATA_KEYS = ("memmap", "max_vocab", "batching")  # the stream LMs' corpus on disk
@@ -1107,6 +1108,7 @@ __all__ = [
     "FAMILY_KEYS",
     "MODEL_SET_KNOBS",
     "SECTIONS",
+    "SWITCH_POLICIES",
     "Config",
     "ConfigError",
     "DataConfig",

@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 from highrank.config import ConfigError, load_config
 from highrank.data import load_corpus
 from highrank.model import build_model
-from highrank.optim import switch_to_asgd
 from highrank.runs.run_dir import read_metrics
 from highrank.train import distributed
+from highrank.train.asgd import switch_to_asgd
 
 DEADLINE = 120.0  # seconds for all the processes of one test, imports included
 WORDS = [f"w{i}" for i in range(30)]

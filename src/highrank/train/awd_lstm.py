@@ -19,7 +19,7 @@ window of a single token, and finetuning caps windows at bptt + finetune.max_seq
 After each epoch (the loop validates; :meth:`AWDLSTMRecipe.validate`): validation loss (batch
 train.eval_batch_size, segments of bptt, state carried, ``exp(total NLL / tokens)`` =
 perplexity) with the ASGD *averaged* weights once switched; then the switch policy
-(:mod:`highrank.optim`: NT-ASGD, ET-ASGD, or plain SGD) may switch to averaged SGD.
+(:mod:`highrank.train.asgd`: NT-ASGD, ET-ASGD, or plain SGD) may switch to averaged SGD.
 Finetuning (stage ``"finetune"``) restarts averaged SGD from ``best.pt`` with finetune.lr and
 stops by the same non-monotone rule (MoS ``finetune.py``).
 
@@ -46,7 +46,8 @@ from highrank.config import Config
 from highrank.data import Corpus, get_batch, iter_batches
 from highrank.data.streaming import epoch_view
 from highrank.model import LanguageModel
-from highrank.optim import (
+from highrank.runs.checkpoint import evaluation_state_dict
+from highrank.train.asgd import (
     NonMonotoneTrigger,
     SwitchTrigger,
     averaged_parameters,
@@ -54,7 +55,6 @@ from highrank.optim import (
     scaled_lr,
     switch_to_asgd,
 )
-from highrank.runs.checkpoint import evaluation_state_dict
 from highrank.train.distributed import average, distribute, gather_columns, shard_columns
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.state import Progress
