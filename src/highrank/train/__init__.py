@@ -44,8 +44,6 @@ from highrank.train.awd_lstm import (
     AWDLSTMRecipe,
     StepOutcome,
     build_optimizer,
-    evaluate_loss,
-    head_chunk_size,
     optimization_step,
     training_loss,
 )
@@ -71,7 +69,8 @@ from highrank.train.state import (
     TrainOptions,
     TrainResult,
 )
-from highrank.train.steps import resolve_device, seed_everything
+from highrank.train.steps import head_chunk_size, resolve_device, seed_everything
+from highrank.train.stream import evaluate_loss
 
 __all__ = [
     "FINETUNE_OVERRIDES",

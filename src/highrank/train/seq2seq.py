@@ -44,12 +44,17 @@ from highrank.mt.translation import (
 from highrank.runs.checkpoint import CheckpointError, load_weights
 from highrank.runs.run_dir import RunDir, RunDirError
 from highrank.train import distributed
-from highrank.train.awd_lstm import head_chunk_size
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.schedule import build_adamw, lr_factor, set_lr
 from highrank.train.state import Progress, TrainOptions, TrainResult
-from highrank.train.steps import backward_or_skip, clip_or_skip, resolve_device, seed_everything
+from highrank.train.steps import (
+    backward_or_skip,
+    clip_or_skip,
+    head_chunk_size,
+    resolve_device,
+    seed_everything,
+)
 
 ADAM_BETA1, ADAM_EPSILON = 0.9, 1e-9  # Vaswani et al. 2017, Sec. 5.3
 

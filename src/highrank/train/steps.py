@@ -1,4 +1,5 @@
-"""Pieces of a training step that every recipe shares: the non-finite guard and the setup.
+"""Pieces of a training step that every recipe shares: the non-finite guard, the head's chunk
+size, and the setup.
 
 A step whose loss or gradient norm is NaN/inf changes nothing: no backward pass for a
 non-finite loss, gradients zeroed for a non-finite norm, no optimizer step. The recipe returns
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from highrank.config import ConfigError
+from highrank.config import Config, ConfigError
 
 
 def backward_or_skip(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
@@ -41,6 +42,14 @@ def clip_or_skip(
         optimizer.zero_grad(set_to_none=True)
         return f"gradient norm was {float(norm)}"
     return ""
+
+
+def head_chunk_size(config: Config) -> int | str:
+    """``train.chunk_size``, or ``"auto"`` when unset: the heads' default, chunks of about
+    2**21 logits, which bounds memory and avoids allocating (N, K, V) tensors every step (on
+    2 CPU cores the small MoS recipe, K = 5, ran about 1,300 tokens/s unchunked at best and
+    2,600 with "auto"; the small softmax recipe 5,100 and 6,600)."""
+    return "auto" if config.train.chunk_size is None else config.train.chunk_size
 
 
 def seed_everything(seed: int) -> None:
@@ -70,4 +79,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-__all__ = ["backward_or_skip", "clip_or_skip", "resolve_device", "seed_everything"]
+__all__ = [
+    "backward_or_skip",
+    "clip_or_skip",
+    "head_chunk_size",
+    "resolve_device",
+    "seed_everything",
+]
