@@ -149,8 +149,8 @@ def steps_job(corpus: str, overrides: list[str], steps: int, asgd_after: int | N
     """``steps`` training steps of a fresh recipe (ASGD from step ``asgd_after`` on): each step's
     logged NLL, then the gradients, weights and ASGD averages."""
     from highrank.train.runner import build_recipe, train_stage
+    from highrank.train.startup import seed_everything
     from highrank.train.state import Progress
-    from highrank.train.steps import seed_everything
 
     cfg = config(Path(corpus), Path(corpus) / "unused", *overrides)
     data = load_corpus(cfg.data.dir, cache_dir=str(Path(corpus) / "cache"))

@@ -13,7 +13,13 @@ Layout::
     saving.py     the stage's checkpoints: payload, last (by steps and by time), best
     interrupts.py SIGINT / SIGTERM caught, acted on between two steps
     reporting.py  metrics.jsonl, TensorBoard, the progress bar, the validation line
-    steps.py      the non-finite guard pieces every recipe uses; seeding; the device
+    steps.py      the non-finite guard pieces every recipe uses; the head's chunk size
+    startup.py    seeding; the device
+    stream.py     what the stream-LM recipes (AWD-LSTM, Transformer) share: batches, validation
+    asgd.py       SGD -> averaged SGD switch policies (NT-ASGD, ET-ASGD) and the averages
+    transformer.py, seq2seq.py   the recipes of the other two families
+    schedule.py   AdamW groups and learning-rate schedules shared by those two
+    distributed.py  torchrun / DDP
 
 Adding a model family's schedule (e.g. the Transformer's: AdamW, warm-up then cosine or
 inverse-sqrt decay, gradient accumulation, bf16 autocast, fixed-length windows, evaluation
@@ -60,6 +66,7 @@ from highrank.train.runner import (
     resume,
     train,
 )
+from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import (
     Interrupted,
     Meter,
@@ -69,7 +76,7 @@ from highrank.train.state import (
     TrainOptions,
     TrainResult,
 )
-from highrank.train.steps import head_chunk_size, resolve_device, seed_everything
+from highrank.train.steps import head_chunk_size
 from highrank.train.stream import evaluate_loss
 
 __all__ = [

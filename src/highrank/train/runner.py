@@ -41,8 +41,8 @@ from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import Recipe, Stage
 from highrank.train.seq2seq import Seq2SeqRecipe, continue_translation, start_translation
+from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import Progress, TrainOptions, TrainResult
-from highrank.train.steps import resolve_device, seed_everything
 from highrank.train.transformer import TransformerRecipe
 
 # model.backbone -> the recipe class that trains it.

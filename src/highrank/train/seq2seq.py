@@ -47,14 +47,9 @@ from highrank.train import distributed
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.schedule import build_adamw, lr_factor, set_lr
+from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import Progress, TrainOptions, TrainResult
-from highrank.train.steps import (
-    backward_or_skip,
-    clip_or_skip,
-    head_chunk_size,
-    resolve_device,
-    seed_everything,
-)
+from highrank.train.steps import backward_or_skip, clip_or_skip, head_chunk_size
 
 ADAM_BETA1, ADAM_EPSILON = 0.9, 1e-9  # Vaswani et al. 2017, Sec. 5.3
 
