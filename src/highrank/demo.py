@@ -55,6 +55,7 @@ from torch import nn
 
 from highrank.analysis.rank import press_rank
 from highrank.heads import HEADS, PAPER_HEADS, OutputHead, build_head
+from highrank.util.checks import check_positive_int
 from highrank.util.machine import describe_machine
 
 RESULTS_FILE = "results.json"
@@ -99,7 +100,7 @@ class DemoSettings:
 
     def __post_init__(self) -> None:
         for name in ("rank", "dim", "vocab", "contexts", "steps", "n_components", "threads"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0; got {self.seed!r}")
         for name in ("lr", "logit_scale"):
@@ -448,8 +449,3 @@ def reading(results: dict) -> str:
 
 def _breaks(entry: dict, bound: int, softmax_kl: float) -> bool:
     return entry["rank"] > bound and entry["kl"] < 0.95 * softmax_kl
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
