@@ -290,7 +290,7 @@ def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP,
 def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -> bool:
     """A rank record at ``path`` computed from the run's present checkpoint file with the
     same split, contexts and corpus (the settings a rank record stores)."""
-    from highrank.analysis.rank_cli import _file_fingerprint
+    from highrank.analysis.rank_cli import file_fingerprint
     from highrank.runs.checkpoint import checkpoint_path
 
     if not path.is_file():
@@ -302,7 +302,7 @@ def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -
         "split": rank_options.get("split", "test"),
         "max_contexts": rank_options.get("max_contexts"),
         "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
-        "checkpoint_file": _file_fingerprint(checkpoint_path(run_dir, which)),
+        "checkpoint_file": file_fingerprint(checkpoint_path(run_dir, which)),
     }
     return all(record.get(key) == value for key, value in expected.items())
 

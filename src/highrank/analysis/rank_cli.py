@@ -107,7 +107,7 @@ def analyze_run(
         "batch_size": batch_size,
         "bptt": bptt,
         "max_contexts": max_contexts,
-        "checkpoint_file": _file_fingerprint(checkpoint_path(run_dir, which)),
+        "checkpoint_file": file_fingerprint(checkpoint_path(run_dir, which)),
         "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -337,7 +337,7 @@ def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -
     return loaded.config.head.name
 
 
-def _file_fingerprint(path: Path) -> dict[str, Any]:
+def file_fingerprint(path: Path) -> dict[str, Any]:
     """Name, size and modification time: a rewritten checkpoint no longer matches."""
     if not path.is_file():
         from highrank.runs.checkpoint import CheckpointError, missing_best_hint
