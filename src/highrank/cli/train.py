@@ -73,10 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank import train as training
-    from highrank.config import load_config
-    from highrank.train import distributed
-
     if args.config is None and args.resume is None:
         args.parser.error(
             "nothing to train: give a config file (a new run, e.g. highrank train "
@@ -88,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     command += [*(["--resume", args.resume] if args.resume else []), *flags(args)]
 
     def job() -> int:
+        from highrank import train as training
+        from highrank.config import load_config
+        from highrank.train import distributed
+
         options = train_options(args)
         if args.resume:
             kwargs = {"overrides": args.overrides, "options": options, "command": command}
