@@ -24,6 +24,28 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "highrank"
 
+# The layers of ARCHITECTURE.md, bottom first: a module imports only modules of its own layer
+# or of layers before it (the longest matching prefix decides a module's layer).
+LAYERS = [
+    ("highrank.util",),
+    ("highrank", "highrank.data", "highrank.heads"),
+    ("highrank.config",),
+    ("highrank.runs",),
+    (
+        "highrank.backbones",
+        "highrank.mt",
+        "highrank.mt.bitext",
+        "highrank.mt.subwords",
+        "highrank.mt.decoding",
+        "highrank.mt.bleu",
+    ),
+    ("highrank.model",),
+    ("highrank.mt.translation",),
+    ("highrank.train", "highrank.evaluate"),
+    ("highrank.analysis",),
+    ("highrank.demo", "highrank.bench", "highrank.integrations"),
+    ("highrank.cli", "highrank.__main__"),
+]
 # What the files-and-formats layers (runs/, config/) must never reach, even indirectly.
 ABOVE_RUNS_AND_CONFIG = (
     "highrank.model",
@@ -119,6 +141,28 @@ def test_the_graph_is_read():
     assert any(t == "highrank.runs.checkpoint" for t, _ in graph["highrank.model"])
     # a function-level import counts: cli/train.py imports highrank.train inside run()
     assert any(t == "highrank.train" for t, _ in graph["highrank.cli.train"])
+
+
+def _layer(module: str) -> int:
+    matches = [
+        (len(prefix), index)
+        for index, layer in enumerate(LAYERS)
+        for prefix in layer
+        if module == prefix or (prefix != "highrank" and module.startswith(prefix + "."))
+    ]
+    assert matches, f"{module} is in no layer of LAYERS: add it (and to ARCHITECTURE.md)"
+    return max(matches)[1]
+
+
+def test_every_module_imports_only_its_own_layer_and_those_below():
+    offenders = [
+        f"{_where(module, target)}: {module} (layer {_layer(module)}) imports {target} "
+        f"(layer {_layer(target)})"
+        for module, edges in imports().items()
+        for target, _ in edges
+        if _layer(target) > _layer(module)
+    ]
+    assert not offenders, "\n".join(offenders)
 
 
 def test_nothing_below_the_command_line_imports_it():
