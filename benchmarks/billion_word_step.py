@@ -41,9 +41,10 @@ from pathlib import Path
 
 import torch
 
-from highrank.bench.heads import machine_info, proc_status_kib, reset_peak_rss
+from highrank.bench.heads import proc_status_kib, reset_peak_rss
 from highrank.config import load_config
 from highrank.model import build_model, count_parameters
+from highrank.util.machine import describe_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 100_000
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
         f"--threads {args.threads} --vocab {args.vocab} --width {args.width}",
         "vocab": args.vocab,
         "width": args.width,
-        "machine": machine_info("cpu"),
+        "machine": describe_machine(),
         "threads": args.threads,
         "batch": args.batch,
         "bptt": args.bptt,

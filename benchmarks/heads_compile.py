@@ -36,8 +36,9 @@ sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
 
-from highrank.bench.heads import BPTT, HEAD_SHAPES, machine_info, time_interleaved  # noqa: E402
+from highrank.bench.heads import BPTT, HEAD_SHAPES, time_interleaved  # noqa: E402
 from highrank.heads import build_head  # noqa: E402
+from highrank.util.machine import describe_machine  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "heads-compile"
 
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": "inductor",
         "fullgraph": True,
     }
-    results = {"machine": machine_info("cpu"), "settings": settings, "heads": {}}
+    results = {"machine": describe_machine(), "settings": settings, "heads": {}}
     if record_path.exists():
         previous = json.loads(record_path.read_text())
         if previous.get("settings") == settings:

@@ -245,9 +245,9 @@ def markdown(result: dict) -> str:
 
 def machine() -> str:
     sys.path.insert(0, str(REPO / "src"))
-    from highrank.bench.heads import machine_info
+    from highrank.util.machine import describe_machine
 
-    info = machine_info("cpu")
+    info = describe_machine()
     return f"{info['cpu']}, {info['cpu_count']} CPUs, torch {info['torch']}"
 
 

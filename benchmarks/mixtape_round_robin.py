@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from highrank.bench.heads import BASELINE, CASES, build_step, machine_info
+from highrank.bench.heads import BASELINE, CASES, build_step
+from highrank.util.machine import describe_machine
 
 LABELS = {
     "naive softmax": BASELINE,
@@ -64,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     json_path = args.out / "round-robin.json"
     result = json.loads(json_path.read_text()) if json_path.exists() else {"rows": []}
-    result["machine"] = machine_info("cpu")
+    result["machine"] = describe_machine()
     result["settings"] = {**vars(args), "out": str(args.out)}
     done = {row["vocab_size"] for row in result["rows"]}
     for vocab in (int(text) for text in args.vocab.split(",")):

@@ -5,9 +5,9 @@
         [--out benchmarks/results/mt-data]
 
 Multi30k en->de (``<data>/multi30k``, raw text): pairs per split; the subword vocabulary
-learned on train (joint BPE 8,000 by default, ``highrank.subwords``); subword tokens per side
+learned on train (joint BPE 8,000 by default, ``highrank.mt.subwords``); subword tokens per side
 and split (``<eos>`` not counted), ``<unk>`` tokens, longest sentence; batches per epoch at
-each ``max_tokens`` (``highrank.bitext.TokenBatches``: train shuffled with ``--seed``, epochs
+each ``max_tokens`` (``highrank.mt.bitext.TokenBatches``: train shuffled with ``--seed``, epochs
 0-2, as the count varies a little with the shuffled tie order; valid/test in length order) and
 the share of real tokens among the padded ones per side.
 
@@ -34,10 +34,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from highrank.bitext import SpecialIds, TokenBatches, encode_pairs, load_bitext  # noqa: E402
-from highrank.chars import bits_per_char  # noqa: E402
 from highrank.data import load_corpus  # noqa: E402
-from highrank.subwords import UNK_ID, SubwordSettings, learn_subwords  # noqa: E402
+from highrank.data.chars import bits_per_char  # noqa: E402
+from highrank.mt.bitext import SpecialIds, TokenBatches, encode_pairs, load_bitext  # noqa: E402
+from highrank.mt.subwords import UNK_ID, SubwordSettings, learn_subwords  # noqa: E402
 
 
 def multi30k_stats(folder: Path, settings: SubwordSettings, max_tokens: list[int], seed: int):

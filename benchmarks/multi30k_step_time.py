@@ -21,11 +21,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from highrank.bitext import TokenBatches  # noqa: E402
 from highrank.config import load_config  # noqa: E402
 from highrank.model import build_seq2seq  # noqa: E402
+from highrank.mt.bitext import TokenBatches  # noqa: E402
+from highrank.mt.translation import learn_translation_data  # noqa: E402
 from highrank.train.schedule import build_adamw  # noqa: E402
-from highrank.translation import learn_translation_data  # noqa: E402
 
 HEADS = ("softmax", "mos", "mixtape")
 

@@ -94,17 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def machine(threads: int) -> dict:
-    import torch
+    from highrank.util.machine import describe_machine
 
-    from highrank.bench.heads import cpu_model
-
-    return {
-        "processor": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "note": "a machine shared with other jobs unless said otherwise",
-    }
+    return describe_machine(
+        threads=threads, note="a machine shared with other jobs unless said otherwise"
+    )
 
 
 def head_overrides(head: str, args) -> list[str]:
@@ -138,8 +132,8 @@ def write_json(path: Path, record: dict) -> None:
 
 
 def train_head(head: str, args, run: Path, data_dir: Path) -> dict:
-    from highrank.checkpoint import load_checkpoint
-    from highrank.runs import read_metrics
+    from highrank.runs.checkpoint import load_checkpoint
+    from highrank.runs.run_dir import read_metrics
 
     config = REPO / "configs" / "multi30k" / f"transformer-{head}.toml"
     steps = ["--max-steps", str(TINY_STEPS)] if args.tiny else []
@@ -188,8 +182,8 @@ def bleu_head(head: str, args, run: Path) -> dict:
 def load_models(heads, args, runs: Path):
     """One model per head (its run's config), the run's subwords, the train pairs."""
     from highrank.model import build_seq2seq
-    from highrank.runs import RunDir
-    from highrank.translation import saved_translation_data
+    from highrank.mt.translation import saved_translation_data
+    from highrank.runs.run_dir import RunDir
 
     models, data = {}, None
     for head in heads:
@@ -221,7 +215,7 @@ def head_step(model, hidden, target, pad) -> float:
 def timing(heads, args, runs: Path) -> dict:
     import torch
 
-    from highrank.bitext import TokenBatches
+    from highrank.mt.bitext import TokenBatches
     from highrank.train.schedule import build_adamw
 
     torch.set_num_threads(args.threads)
@@ -269,7 +263,7 @@ def sentence_batch(data, config, sentences: int):
     padded into one batch: the indices and the batch."""
     import numpy as np
 
-    from highrank.bitext import collate
+    from highrank.mt.bitext import collate
 
     pairs = data.pairs("train")
     lengths = np.maximum(pairs.src_lengths, pairs.tgt_lengths) + 1
@@ -387,8 +381,9 @@ def table(heads, out: Path, args) -> None:
                      })  # fmt: skip
     base = rows[0]["ms_per_sentence"]
     m = timing_record["machine"]
+    cpu, threads = m.get("cpu", m.get("processor")), m.get("torch_threads", m.get("threads"))
     lines = [
-        f"Multi30k en->de test2016; {m['processor']}, {m['cpu_count']} CPUs, {m['threads']} "
+        f"Multi30k en->de test2016; {cpu}, {m['cpu_count']} CPUs, {threads} "
         f"thread(s), torch {m['torch']} ({m['note']}); memory budget {args.memory_budget_mb:g} "
         f"MB peak RSS; time per batch at {timing_record['batch_tokens']} tokens"
         + (" (--tiny: a check of the pipeline, not a result)" if args.tiny else ""),

@@ -41,11 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.bench.heads import machine_info
 from highrank.config import Config, load_config
 from highrank.data import get_batch, load_corpus
 from highrank.model import LanguageModel, build_model, count_parameters
 from highrank.train import build_optimizer, head_chunk_size, optimization_step, seed_everything
+from highrank.util.machine import describe_machine
 
 # Every AWD-LSTM regulariser off; dropout_hidden and dropout_output stay (a plain LM has them).
 REGULARIZERS_OFF = (
@@ -355,7 +355,7 @@ def _record(config, settings, runners, seconds, tokens, difference) -> dict:
     )
     return {
         "benchmark": "plain-lstm-vs-awd",
-        "machine": machine_info("cpu") | {"torch_threads": settings.threads},
+        "machine": describe_machine(threads=settings.threads),
         "settings": dataclasses.asdict(settings)
         | {
             "data_dir": str(config.data.dir),

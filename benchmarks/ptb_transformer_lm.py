@@ -130,7 +130,7 @@ def rank(args, run: Path) -> dict:
 
 
 def row(experiment: str, head: str, run: Path, evals: dict, ranks: dict) -> dict:
-    from highrank.runs import read_metrics
+    from highrank.runs.run_dir import read_metrics
 
     records = read_metrics(run / "metrics.jsonl")
     validations = [r for r in records if r["kind"] in ("epoch", "eval")]

@@ -44,7 +44,8 @@ from highrank.analysis.rank import (  # noqa: E402
     press_rank_from_singular_values,
     rank_report_file,
 )
-from highrank.bench.heads import machine_info, proc_status_kib, reset_peak_rss  # noqa: E402
+from highrank.bench.heads import proc_status_kib, reset_peak_rss  # noqa: E402
+from highrank.util.machine import describe_machine  # noqa: E402
 
 METHODS = ("numpy", "gram", "gram-torch", "gram-scipy")  # gram: the default backend
 
@@ -141,7 +142,7 @@ def main() -> None:
         "matrix": str(args.matrix),
         "shape": list(shape),
         "repeats": args.repeats,
-        "machine": machine_info("cpu"),
+        "machine": describe_machine(),
         **result,
     }
     print(json.dumps(result["summary"], indent=2))

@@ -69,7 +69,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from highrank.locks import LOCK_FILE, LockedError, exclusive
+from highrank.runs.locks import LOCK_FILE, LockedError, exclusive
 
 REPO = Path(__file__).resolve().parents[1]
 HEADS = ("softmax", "moc", "mos", "mixtape", "sigsoftmax", "gss", "plif")
@@ -315,7 +315,7 @@ def dynamic_knobs(directory: Path, batches: int) -> list[str]:
     would grow by sqrt(N / M); scaling eta and epsilon by r = sqrt(M / N) keeps it, and the
     decay rates MS / sum_q mean(MS_q) do not depend on the scale of MS."""
     from highrank.config import load_config
-    from highrank.streaming import open_corpus
+    from highrank.data.streaming import open_corpus
 
     config = load_config(directory / "config.toml")
     settings = config.dynamic_eval
@@ -684,7 +684,7 @@ def draw_figures(args: argparse.Namespace, table: dict, finished: list[Run]) -> 
 def training_metrics(path: Path) -> tuple[list[dict], list[dict]]:
     """The step and epoch records of the training stage of a ``metrics.jsonl``; a step or
     epoch logged twice (a resumed run) counts once, its last record."""
-    from highrank.runs import read_metrics
+    from highrank.runs.run_dir import read_metrics
 
     kept: dict[tuple, dict] = {}
     for record in read_metrics(path):

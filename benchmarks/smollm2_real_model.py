@@ -92,12 +92,9 @@ class Model:
 
 
 def machine(threads: int) -> dict:
-    import torch
+    from highrank.util.machine import describe_machine
 
-    from highrank.bench.heads import cpu_model
-
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch_threads": threads,
-            "torch": torch.__version__, "note": "shared with other jobs while it ran"}
+    return describe_machine(threads=threads, note="shared with other jobs while it ran")
 
 
 def matrix_path(args) -> Path:

@@ -3,12 +3,12 @@
     python benchmarks/streaming_corpus.py --tokens 10000000 --tokens 100000000
 
 For each size: writes (once, reused when its zipf.json matches) a seeded Zipfian corpus
-(:mod:`highrank.zipf_corpus`: 200,000 word types, exponent 1, train in 100 shards as One
+(:mod:`highrank.data.zipf`: 200,000 word types, exponent 1, train in 100 shards as One
 Billion Word's, valid/test 1% of train each) under --work, then measures, each in a fresh
 Python subprocess (one torch thread) so that ``resource.getrusage`` peak RSS is its own:
 
-* ``baseline``: the peak RSS of importing highrank.streaming (Python, numpy, torch) alone;
-* ``build``: :func:`highrank.streaming.load_stream_corpus` with ``max_vocab = 100,000`` on an
+* ``baseline``: the peak RSS of importing highrank.data.streaming (Python, numpy, torch) alone;
+* ``build``: :func:`highrank.data.streaming.load_stream_corpus` with ``max_vocab = 100,000`` on an
   empty cache (hash, one-pass vocabulary with ids to disk, in-place remap, valid/test): wall
   and CPU seconds, peak RSS, the cache's bytes on disk;
 * ``cached``: the same call again (the cache hit: hashing the text and opening the maps);
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -39,7 +38,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "streaming-corpus"
-MACHINE = "2-vCPU AMD EPYC, shared, torch 2.13.0 CPU"
 TYPES, MAX_VOCAB, SHARDS, SEED = 200_000, 100_000, 100, 0
 BATCH, BPTT = 64, 35
 
@@ -66,13 +64,13 @@ def rss_now_mib() -> dict:
 
 
 def child_baseline(corpus: Path, cache: Path, args) -> dict:
-    import highrank.streaming  # noqa: F401  (what every other child imports)
+    import highrank.data.streaming  # noqa: F401  (what every other child imports)
 
     return {"peak_rss_mib": peak_rss_mib()}
 
 
 def child_build(corpus: Path, cache: Path, args) -> dict:
-    from highrank.streaming import load_stream_corpus
+    from highrank.data.streaming import load_stream_corpus
 
     shutil.rmtree(cache, ignore_errors=True)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -91,7 +89,7 @@ def child_build(corpus: Path, cache: Path, args) -> dict:
 
 
 def child_cached(corpus: Path, cache: Path, args) -> dict:
-    from highrank.streaming import load_stream_corpus
+    from highrank.data.streaming import load_stream_corpus
 
     wall = time.perf_counter()
     load_stream_corpus(corpus, max_vocab=MAX_VOCAB, cache_dir=cache)
@@ -100,7 +98,7 @@ def child_cached(corpus: Path, cache: Path, args) -> dict:
 
 def child_batches(corpus: Path, cache: Path, args) -> dict:
     from highrank.data import get_batch
-    from highrank.streaming import load_stream_corpus
+    from highrank.data.streaming import load_stream_corpus
 
     out = {}
     for batching in ("stream", "sentences"):
@@ -214,7 +212,7 @@ def run_child(name: str, corpus: Path, cache: Path, args) -> dict:
 
 def corpus_for(tokens: int, work: Path) -> tuple[Path, dict]:
     """The Zipf corpus of ``tokens`` train tokens under ``work`` (written once)."""
-    from highrank.zipf_corpus import write_zipf_corpus
+    from highrank.data.zipf import write_zipf_corpus
 
     folder = work / f"zipf-{tokens}"
     marker = folder / "zipf.json"
@@ -229,13 +227,13 @@ def corpus_for(tokens: int, work: Path) -> tuple[Path, dict]:
 
 
 def measure(tokens: int, args) -> dict:
-    from highrank.streaming import BLOCK_BYTES
+    from highrank.data.streaming import BLOCK_BYTES
+    from highrank.util.machine import describe_machine
 
     corpus, info = corpus_for(tokens, args.work)
     cache = args.work / f"cache-{tokens}"
     result = {
-        "machine": MACHINE,
-        "platform": platform.platform(),
+        "machine": describe_machine(threads=1, note="shared with other jobs"),
         "threads": 1,
         "command": " ".join(["python", "benchmarks/streaming_corpus.py", *sys.argv[1:]]),
         "corpus": {k: info[k] for k in ("types", "exponent", "tokens", "bytes", "seed")},
@@ -275,13 +273,22 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def machine_text(results: list[dict]) -> str:
+    """The machine line of the first result (records before util.machine hold a string)."""
+    from highrank.util.machine import machine_line
+
+    machine = results[0]["machine"]
+    return machine if isinstance(machine, str) else machine_line(machine)
+
+
 def write_readme(results: list[dict]) -> None:
     commands = sorted({r["command"] for r in results})
     text = [
         "# Memory-mapped corpora at scale (`benchmarks/streaming_corpus.py`)",
         "",
-        f"Machine: {MACHINE}; every figure from a fresh subprocess on 1 thread, measured once "
-        "per size (the machine was shared with other jobs, so times are indicative).",
+        f"Machine: {machine_text(results)}; every figure from a fresh subprocess on 1 thread, "
+        "measured once per size (the machine was shared with other jobs, so times are "
+        "indicative).",
         "",
         "Commands: " + "; ".join(f"`{c}`" for c in commands),
         "",

@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from highrank.bench.heads import machine_info  # noqa: E402
-from highrank.runs import read_metrics  # noqa: E402
+from highrank.runs.run_dir import read_metrics  # noqa: E402
+from highrank.util.machine import describe_machine  # noqa: E402
 
 
 def run_recipe(head: str, data: Path, scratch: Path) -> dict:
@@ -70,7 +70,7 @@ def main() -> int:
     kept = json.loads(out.read_text(encoding="utf-8"))["rows"] if out.is_file() else []
     fresh = {row["head"] for row in rows}
     result = {
-        "machine": machine_info("cpu"),
+        "machine": describe_machine(),
         "rows": [row for row in kept if row["head"] not in fresh] + rows,
     }
     out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

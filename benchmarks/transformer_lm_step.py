@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -24,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from highrank.bench.heads import cpu_model
 from highrank.config import load_config
 from highrank.model import build_model, count_parameters
 from highrank.train.transformer import ADAM_BETA1, ADAM_EPSILON, adamw_groups
+from highrank.util.machine import describe_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 PTB_VOCAB, PTB_TRAIN_TOKENS = 10_000, 929_589
@@ -103,10 +102,7 @@ def main() -> None:
     record = {
         "command": "python benchmarks/transformer_lm_step.py "
         f"--heads {args.heads} --rounds {args.rounds} --threads {args.threads}",
-        "machine": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "threads": args.threads,
-        "torch": torch.__version__,
+        "machine": describe_machine(threads=args.threads),
         "load_average_after": load,
         "rows": rows,
     }

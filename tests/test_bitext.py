@@ -1,4 +1,4 @@
-"""highrank.bitext: reading aligned files (and their errors), token-bounded batches, resume."""
+"""highrank.mt.bitext: reading aligned files (and their errors), token-bounded batches, resume."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from highrank.bitext import (
+from highrank.mt.bitext import (
     BitextSplit,
     CorpusError,
     EncodedPairs,
@@ -275,8 +275,9 @@ def test_core_package_imports_no_translation_extra():
     mt extra; importing bitext, subwords and bleu loads no extra either (they import it on use)."""
     code = (
         "import sys, highrank, highrank.heads, highrank.model, highrank.data\n"
-        "assert not {'highrank.bitext', 'highrank.subwords', 'highrank.bleu'} & set(sys.modules)\n"
-        "import highrank.bitext, highrank.subwords, highrank.bleu\n"
+        "mt = {'highrank.mt.bitext', 'highrank.mt.subwords', 'highrank.mt.bleu'}\n"
+        "assert not mt & set(sys.modules)\n"
+        "import highrank.mt.bitext, highrank.mt.subwords, highrank.mt.bleu\n"
         "assert not {'sentencepiece', 'sacrebleu'} & set(sys.modules), sys.modules.keys()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,4 +1,4 @@
-"""highrank.bleu: sacreBLEU's corpus BLEU against known answers and closed forms."""
+"""highrank.mt.bleu: sacreBLEU's corpus BLEU against known answers and closed forms."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("sacrebleu", reason="BLEU needs the 'mt' extra: pip install 'highrank[mt]'")
 
-from highrank.bleu import corpus_bleu  # noqa: E402
+from highrank.mt.bleu import corpus_bleu  # noqa: E402
 
 
 def test_identical_hypotheses_score_100():
@@ -55,7 +55,7 @@ def test_mismatched_counts_and_bad_entries_are_named():
 
 
 def test_missing_sacrebleu_says_how_to_install(monkeypatch):
-    from highrank import bleu
+    from highrank.mt import bleu
 
     monkeypatch.setitem(sys.modules, "sacrebleu", None)  # import now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'highrank\[mt\]'"):

@@ -1,4 +1,4 @@
-"""highrank.chars: Mikolov's ptb.char format, agreement with data.mode="char", bits per char."""
+"""highrank.data.chars: Mikolov's ptb.char format, agreement with data.mode="char", BPC."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from highrank.chars import bits_per_char, char_symbols, ptb_char_text, write_ptb_char
 from highrank.data import EOS, CorpusError, load_corpus
+from highrank.data.chars import bits_per_char, char_symbols, ptb_char_text, write_ptb_char
 
 SHARED_PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
 

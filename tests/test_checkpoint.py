@@ -1,4 +1,4 @@
-"""highrank.checkpoint: atomic writes, weights_only loading, RNG round trips, fallbacks."""
+"""highrank.runs.checkpoint: atomic writes, weights_only loading, RNG round trips, fallbacks."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ import numpy as np
 import pytest
 import torch
 
-from highrank.checkpoint import (
+from highrank.config import load_config
+from highrank.model import load_run
+from highrank.runs.checkpoint import (
     CheckpointError,
     NonFiniteCheckpointError,
     capture_rng,
     evaluation_state_dict,
     load_checkpoint,
     load_resumable,
-    load_run,
     previous_path,
     restore_rng,
     save_checkpoint,
 )
-from highrank.config import load_config
-from highrank.optim import switch_to_asgd
-from highrank.runs import read_metrics
+from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, resume, train
+from highrank.train.asgd import switch_to_asgd
 
 QUIET = TrainOptions(progress=False)
 

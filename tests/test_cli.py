@@ -53,6 +53,26 @@ def test_python_dash_m_help_lists_every_verb():
     assert all(verb.name in done.stdout for verb in VERBS)
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "c.toml", "--train.lr=20", "--checkpoint-every", "5", "--head.name", "mos"],
+        ["finetune", "r", "--resume", "--finetune.lr", "5", "--max-steps", "3"],
+        ["config", "show", "--vocab-size", "7"],
+        ["eval", "r", "--split", "valid", "--beam", "2"],
+        ["demo", "--rank", "3", "--heads", "softmax,mos"],
+        ["analyze", "rank", "r", "--split", "valid"],
+    ],
+)
+def test_the_lazy_parser_of_main_parses_as_the_whole_one(argv):
+    """main() declares a verb's options (and the config keys) only when they are used."""
+    from highrank.cli import build_parser
+
+    whole, lazy = (vars(build_parser(lazy=flag).parse_args(argv)) for flag in (False, True))
+    assert whole.pop("parser").prog == lazy.pop("parser").prog
+    assert whole == lazy
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-import highrank.config as config_module
+import highrank.config.schema as config_module
 from highrank.config import (
     FAMILY_KEYS,
     ConfigError,

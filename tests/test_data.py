@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from highrank import data
 from highrank.data import (
     EOS,
     UNK,
@@ -21,6 +20,7 @@ from highrank.data import (
     iter_batches,
     load_corpus,
 )
+from highrank.data import corpus as data
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -170,7 +170,7 @@ def _forbid_tokenising(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("tokenised again although the cache should have been used")
 
-    monkeypatch.setattr(data, "_tokenize", fail)
+    monkeypatch.setattr(data, "tokenize", fail)
 
 
 def test_second_load_comes_from_the_cache(tmp_path, cache, monkeypatch):

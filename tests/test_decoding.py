@@ -1,4 +1,4 @@
-"""Greedy and beam search (highrank.decoding) on tiny encoder-decoder Transformers: beam 1 is
+"""Greedy and beam search (highrank.mt.decoding) on tiny encoder-decoder Transformers: beam 1 is
 greedy for every head, an exhaustive beam finds what brute-force enumeration finds under the
 GNMT length penalty, scores are the teacher-forced log-probabilities, a padded batch decodes as
 its sentences one by one, and the EOS/pad/BOS and max_len rules hold."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from highrank.backbones.seq2seq import TransformerSeq2Seq
-from highrank.decoding import beam_search, greedy_search, length_penalty
 from highrank.heads import HEADS
+from highrank.mt.decoding import beam_search, greedy_search, length_penalty
 from tests.conftest import SMALL_KNOBS
 
-BOS, PAD, EOS = 0, 1, 2  # highrank.subwords' ids (fairseq's order)
+BOS, PAD, EOS = 0, 1, 2  # highrank.mt.subwords' ids (fairseq's order)
 IDS = {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD}
 SIZES = {"d_model": 16, "n_heads": 2, "d_ff": 24, "n_encoder_layers": 1, "n_decoder_layers": 2}
 

@@ -16,13 +16,13 @@ from highrank.data import CorpusError, Vocab
 from highrank.evaluate import (
     DYNAMIC_EVAL_DEFAULTS,
     EvalResult,
-    _scoring_mode,
     decay_rates,
     dynamic_evaluate,
     evaluate_perplexity,
     gradient_statistics,
     write_token_nll,
 )
+from highrank.evaluate.scoring import scoring_mode
 from highrank.model import build_model
 
 V = 20
@@ -319,7 +319,7 @@ def test_weight_drop_and_every_dropout_are_off_while_adapting(monkeypatch):
     assert seen and not any(seen)
     # In the adapting mode two forward passes with gradients on agree exactly.
     tokens = _stream(12).view(6, 2)
-    with _scoring_mode(model, adapting=True):
+    with scoring_mode(model, adapting=True):
         first, _ = model.nll(tokens[:-1], tokens[1:])
         second, _ = model.nll(tokens[:-1], tokens[1:])
         assert first.requires_grad

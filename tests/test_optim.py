@@ -1,4 +1,4 @@
-"""highrank.optim: NT/ET switch triggers, torch's ASGD averaging, averaged weights, lr scaling."""
+"""highrank.train.asgd: NT/ET switch triggers, torch's ASGD averaging, averaged weights, lr."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from highrank.heads import build_head
-from highrank.optim import (
+from highrank.train.asgd import (
     FixedEpochTrigger,
     NeverTrigger,
     NonMonotoneTrigger,

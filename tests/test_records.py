@@ -11,7 +11,7 @@ import pytest
 
 from highrank.analysis.significance import compare_runs
 from highrank.cli import main
-from highrank.evaluate_records import file_sha256
+from highrank.evaluate.records import file_sha256
 from highrank.train import TrainOptions, train
 from tests.train.test_interrupts import corpus as corpus  # the fixture
 from tests.train.test_interrupts import tiny

@@ -1,5 +1,6 @@
-"""highrank.streaming: the one-pass vocabulary, data.max_vocab, memory-mapped ids, shard folders,
-stream views, sentence-shuffled batching (and its exact resume), bad input; highrank.zipf_corpus.
+"""highrank.data.streaming: the one-pass vocabulary, data.max_vocab, memory-mapped ids, shard
+folders, stream views, sentence-shuffled batching (and its exact resume), bad input;
+highrank.data.zipf.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from highrank import streaming
 from highrank.config import ConfigError, load_config
-from highrank.data import EOS, UNK, CorpusError, Vocab, batchify, get_batch, load_corpus
-from highrank.runs import read_metrics
-from highrank.streaming import epoch_view, frequency_order, load_stream_corpus
+from highrank.data import EOS, UNK, CorpusError, Vocab, batchify, get_batch, load_corpus, streaming
+from highrank.data.streaming import epoch_view, frequency_order, load_stream_corpus
+from highrank.data.zipf import write_zipf_corpus, zipf_probabilities
+from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, resume, train
-from highrank.zipf_corpus import write_zipf_corpus, zipf_probabilities
 
 # Blank lines, a tab, a no-break space inside a word, multi-byte characters, a literal <unk>,
 # \r (whitespace to str.split), a last line without "\n": the tokenisation's corner cases.
@@ -361,8 +361,8 @@ def test_a_sentence_shuffled_run_resumes_exactly(lm_corpus, tmp_path, cache, fam
 def test_eval_reads_a_max_vocab_run_through_its_memory_map(lm_corpus, tmp_path, cache, capsys):
     """`highrank eval` opens the run's corpus as it trained on it: truncated to data.max_vocab
     (the in-memory loader would give another vocabulary and be refused)."""
-    from highrank.checkpoint import load_run_corpus
     from highrank.cli import main
+    from highrank.model import load_run_corpus
 
     out = tmp_path / "run"
     config = run_config(

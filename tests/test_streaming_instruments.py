@@ -1,8 +1,8 @@
 """A ``data.memmap`` run is evaluated and analysed from its memory map (issue 11, item 2).
 
 ``highrank eval``, ``dynamic-eval`` (its gradient statistics read the train split) and the
-instruments of ``highrank analyze`` read the run's splits as :mod:`highrank.streaming`'s
-memory maps, laid out by :class:`~highrank.streaming.StreamBatches`, never as a whole tensor:
+instruments of ``highrank analyze`` read the run's splits as :mod:`highrank.data.streaming`'s
+memory maps, laid out by :class:`~highrank.data.streaming.StreamBatches`, never as a whole tensor:
 a run trained on a corpus larger than memory can be analysed. The numbers equal the
 in-memory path's (the same commands on the same run with the split read whole, as
 :func:`highrank.data.batchify` lays it out), exactly.
@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from highrank import streaming
 from highrank.analysis import contexts
 from highrank.cli import main
 from highrank.config import load_config
-from highrank.data import CorpusError, batchify
+from highrank.data import CorpusError, batchify, streaming
+from highrank.data.zipf import write_zipf_corpus
 from highrank.train import TrainOptions, train
-from highrank.zipf_corpus import write_zipf_corpus
 
 # A 1-layer AWD-LSTM of a few hundred parameters; a small learning rate keeps its next-token
 # distributions context-dependent (i.i.d. Zipf words would otherwise teach it a unigram).
@@ -81,7 +80,7 @@ def nothing_read_whole(monkeypatch):
         return batchify(ids, *args, **kwargs)
 
     monkeypatch.setattr(streaming.StreamCorpus, "split", refuse)
-    monkeypatch.setattr("highrank.data.load_corpus", refuse)
+    monkeypatch.setattr("highrank.data.corpus.load_corpus", refuse)
     for module in list(sys.modules.values()):  # every module that imported batchify by name
         if module.__name__.startswith("highrank") and vars(module).get("batchify") is batchify:
             monkeypatch.setattr(module, "batchify", guarded_batchify)
@@ -171,7 +170,7 @@ def test_no_command_reads_a_mapped_split_whole(mapped_run, tmp_path, nothing_rea
 
 def test_instruments_are_handed_the_memory_map(mapped_run, monkeypatch):
     """What the analyses and dynamic evaluation read is the cache's memory map itself."""
-    import highrank.evaluate as evaluate
+    import highrank.evaluate.dynamic as evaluate
 
     loaded = contexts.load_run_split(mapped_run, "train")
     assert isinstance(loaded.ids, np.memmap)
@@ -228,7 +227,7 @@ def test_streams_equal_compares_maps_and_tensors_a_block_at_a_time(tmp_path):
 
 
 def test_split_stream_copies_nothing(mapped_run):
-    from highrank.checkpoint import load_run_corpus
+    from highrank.model import load_run_corpus
 
     _, _, corpus = load_run_corpus(mapped_run)
     for split in ("train", "valid", "test"):
@@ -239,7 +238,7 @@ def test_split_stream_copies_nothing(mapped_run):
 
 def test_a_shard_folder_test_split_is_evaluated_like_the_file_it_was_cut_from(mapped_run, tmp_path):
     """The record's data sha256 of a shard folder is over its shards (a folder has no bytes)."""
-    from highrank.evaluate_records import file_sha256, split_sha256
+    from highrank.evaluate.records import file_sha256, split_sha256
 
     corpus = Path(load_config(mapped_run / "config.toml").data.dir)
     sharded = tmp_path / "sharded"

@@ -1,4 +1,4 @@
-"""highrank.subwords: learning on train, frequency-ordered ids, determinism, run-dir files."""
+"""highrank.mt.subwords: learning on train, frequency-ordered ids, determinism, run-dir files."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ pytest.importorskip(
     "sentencepiece", reason="subword vocabularies need the 'mt' extra: pip install 'highrank[mt]'"
 )
 
-from highrank import subwords  # noqa: E402
-from highrank.subwords import (  # noqa: E402
+from highrank.mt import subwords  # noqa: E402
+from highrank.mt.subwords import (  # noqa: E402
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -210,7 +210,7 @@ def test_missing_sentencepiece_says_how_to_install(monkeypatch):
 @pytest.mark.skipif(not MULTI30K.is_dir(), reason=f"Multi30k not found at {MULTI30K}")
 def test_multi30k_joint_bpe_round_trips_every_test_reference():
     """The default vocabulary (joint BPE, 8,000) learned on train detokenises test exactly."""
-    from highrank.bitext import load_bitext
+    from highrank.mt.bitext import load_bitext
 
     bitext = load_bitext(MULTI30K, "en", "de", splits=("train", "test"))
     train, test = bitext.split("train"), bitext.split("test")

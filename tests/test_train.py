@@ -12,9 +12,11 @@ import torch
 
 import highrank.train.awd_lstm as awd_recipe
 import highrank.train.runner as runner
-from highrank.checkpoint import load_checkpoint, load_run
+import highrank.train.stream as stream_lm
 from highrank.config import load_config
-from highrank.runs import read_metrics
+from highrank.model import load_run
+from highrank.runs.checkpoint import load_checkpoint
+from highrank.runs.run_dir import read_metrics
 from highrank.train import (
     TrainingError,
     TrainOptions,
@@ -258,7 +260,7 @@ def test_nt_asgd_switches_on_the_crafted_validation_sequence_and_evaluates_the_a
         seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
         return next(crafted)
 
-    monkeypatch.setattr(awd_recipe, "evaluate_loss", fake_evaluate)
+    monkeypatch.setattr(stream_lm, "evaluate_loss", fake_evaluate)
     out = tmp_path / "run"
     config = tiny_config(corpus, out, "train.epochs=6", "train.nonmono=2")
     result = train(config, options=QUIET)
@@ -362,7 +364,7 @@ def test_finetune_restarts_averaged_sgd_from_best_and_saves_improvements(
     best_loss = load_checkpoint(out / "checkpoints/best.pt")["training"]["progress"]
     # Finetune validation: better at epoch 1, then never better than min(history[:-1]).
     crafted = iter([best_loss["best_val_loss"] - 1.0, 100.0, 100.0, 100.0, 100.0])
-    monkeypatch.setattr(awd_recipe, "evaluate_loss", lambda *a, **k: next(crafted))
+    monkeypatch.setattr(stream_lm, "evaluate_loss", lambda *a, **k: next(crafted))
     result = finetune(out, overrides=["finetune.epochs=5", "train.nonmono=1"], options=QUIET)
     assert result.stage == "finetune" and result.stop_reason == "nonmono"
     assert result.epochs_completed == 3 and result.best_epoch == 1

@@ -18,10 +18,10 @@ import torch
 pytest.importorskip("sentencepiece", reason="translation needs the mt extra (sentencepiece)")
 pytest.importorskip("sacrebleu", reason="translation needs the mt extra (sacrebleu)")
 
-from highrank.checkpoint import load_checkpoint  # noqa: E402
 from highrank.cli import main  # noqa: E402
 from highrank.config import ConfigError, load_config  # noqa: E402
-from highrank.runs import read_metrics  # noqa: E402
+from highrank.runs.checkpoint import load_checkpoint  # noqa: E402
+from highrank.runs.run_dir import read_metrics  # noqa: E402
 from highrank.train import TrainOptions, resume, train  # noqa: E402
 from highrank.train.schedule import lr_factor  # noqa: E402
 
@@ -189,7 +189,7 @@ def test_translate_writes_hypotheses_and_a_bleu_record(trained, tmp_path, capsys
     assert 0.0 <= record["bleu"] <= 100.0 and record["signature"].startswith("nrefs:1")
     lines = out.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 12
-    from highrank.bleu import corpus_bleu
+    from highrank.mt.bleu import corpus_bleu
 
     test_de = Path(record["references"]).read_text(encoding="utf-8").splitlines()
     assert corpus_bleu(lines, test_de).score == pytest.approx(record["bleu"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from highrank.checkpoint import CheckpointError, load_checkpoint
+from highrank.runs.checkpoint import CheckpointError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

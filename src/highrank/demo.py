@@ -54,8 +54,9 @@ import torch
 from torch import nn
 
 from highrank.analysis.rank import press_rank
-from highrank.bench.heads import machine_info
 from highrank.heads import HEADS, PAPER_HEADS, OutputHead, build_head
+from highrank.util.checks import check_positive_int
+from highrank.util.machine import describe_machine
 
 RESULTS_FILE = "results.json"
 PLOT_FILE = "kl_curves.png"
@@ -99,7 +100,7 @@ class DemoSettings:
 
     def __post_init__(self) -> None:
         for name in ("rank", "dim", "vocab", "contexts", "steps", "n_components", "threads"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0; got {self.seed!r}")
         for name in ("lr", "logit_scale"):
@@ -331,7 +332,7 @@ def run_demo(settings: DemoSettings, out_dir: str | Path, progress: bool = True)
         "true_entropy": mean_entropy(target),
         "softmax_rank_bound": settings.dim + 2,
         "total_seconds": time.perf_counter() - start,
-        "machine": machine_info("cpu") | {"torch_threads": settings.threads},
+        "machine": describe_machine(threads=settings.threads),
         "heads": heads,
     }
     write_results(results, out_dir)
@@ -354,7 +355,7 @@ def _progress_bar(settings: DemoSettings, enabled: bool):
     if not enabled:
         yield None
         return
-    from highrank.progress import progress_bar
+    from highrank.util.progress import progress_bar
 
     total = settings.steps * len(settings.heads)
     with progress_bar(total=total, desc="demo", unit="step", dynamic_ncols=True) as bar:
@@ -448,8 +449,3 @@ def reading(results: dict) -> str:
 
 def _breaks(entry: dict, bound: int, softmax_kl: float) -> bool:
     return entry["rank"] > bound and entry["kl"] < 0.95 * softmax_kl
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")

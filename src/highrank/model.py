@@ -6,11 +6,17 @@ them into a normalised next-token distribution and owns the loss. Tying passes t
 Parameter to the head explicitly, so the two share one tensor. Heads with internal dropout get
 ``dropout_time_dim=0`` so that it is *locked* over time (one mask per window and column) as in
 the AWD-LSTM and MoS code, for either backbone.
+
+:func:`build_model` builds the model a config describes (dispatching on ``model.backbone``);
+:func:`load_run` the model of a trained run directory, with its checkpoint's weights
+(:mod:`highrank.runs` reads the checkpoint and knows no model), and :func:`load_run_corpus`
+its corpus too.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 
 import torch
@@ -20,7 +26,10 @@ from highrank.backbones.awd_lstm import AWDLSTM, AWDLSTMExtras, AWDLSTMState
 from highrank.backbones.seq2seq import TransformerSeq2Seq
 from highrank.backbones.transformer import CausalTransformer
 from highrank.config import Config
+from highrank.data import Corpus, Vocab
+from highrank.data.streaming import open_corpus
 from highrank.heads import HEADS, OutputHead, build_head
+from highrank.runs.checkpoint import CheckpointError, load_weights, read_run
 
 
 class LanguageModel(nn.Module):
@@ -121,7 +130,7 @@ def build_seq2seq(config: Config, vocab_size: int | tuple[int, int]) -> Transfor
     """The translation model of a ``seq2seq`` config: an encoder-decoder Transformer whose
     decoder ends in the head of ``[head]``. ``vocab_size``: the joint vocabulary's size, or
     ``(source, target)`` sizes; padding is the subword vocabularies' ``<pad>`` id."""
-    from highrank.subwords import PAD_ID  # numpy only; sentencepiece is imported when used
+    from highrank.mt.subwords import PAD_ID  # numpy only; sentencepiece is imported when used
 
     src_size, tgt_size = (vocab_size, vocab_size) if isinstance(vocab_size, int) else vocab_size
     m = config.model
@@ -168,3 +177,50 @@ def build_model(config: Config, vocab_size: int) -> LanguageModel:
 def count_parameters(model: nn.Module) -> int:
     """Trainable parameters, each shared tensor counted once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ---- the model of a trained run -------------------------------------------------------------
+
+
+def load_run(
+    run_dir: str | os.PathLike,
+    which: str = "best",
+    *,
+    device: str | torch.device = "cpu",
+) -> tuple[LanguageModel, Config, Vocab]:
+    """``(model, config, vocab)`` of a run directory, for evaluation.
+
+    Args:
+        run_dir: a directory written by ``highrank train``.
+        which: ``"best"`` (lowest validation loss; averaged weights after the ASGD switch),
+            ``"last"``, ``"finetuned"`` (best of ``highrank finetune``), ``"finetune-last"``,
+            or a path to a ``.pt`` file (:func:`highrank.runs.checkpoint.read_run`).
+        device: where the model goes.
+
+    Returns the model in eval mode with the checkpoint's evaluation weights; building it does
+    not disturb the global torch RNG.
+    """
+    payload, config, vocab, path = read_run(run_dir, which)
+    with torch.random.fork_rng(devices=[]):  # initialisation draws; keep the caller's stream
+        model = build_model(config, len(vocab))
+    load_weights(model, payload["model"], path)
+    return model.to(device).eval(), config, vocab
+
+
+def load_run_corpus(
+    run_dir: str | os.PathLike,
+    which: str = "best",
+    *,
+    data_dir: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[LanguageModel, Config, Corpus]:
+    """:func:`load_run` and the run's corpus: its ``data.dir``, or ``data_dir`` when given,
+    which must give the vocabulary the run was trained with (a clear error says otherwise)."""
+    model, config, vocab = load_run(run_dir, which, device=device)
+    corpus = open_corpus(config.data, config.train.seed, directory=data_dir)
+    if corpus.vocab.words != vocab.words:
+        raise CheckpointError(
+            f"the corpus at {corpus.directory} has a different vocabulary than run {run_dir} "
+            f"({len(corpus.vocab)} vs {len(vocab)} tokens); pass the run's corpus with --data-dir"
+        )
+    return model, config, corpus

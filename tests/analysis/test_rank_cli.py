@@ -134,7 +134,7 @@ def test_concurrent_analyses_of_one_record_do_not_collide(run_copy, capsys):
     folder = run_copy / "analysis"
     folder.mkdir(exist_ok=True)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import time; from highrank.locks import exclusive\n"
+        [sys.executable, "-c", "import time; from highrank.runs.locks import exclusive\n"
          f"with exclusive({str(folder / 'rank-test-best.lock')!r}, 'x'):\n"
          " print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,

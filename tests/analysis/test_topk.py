@@ -28,7 +28,7 @@ from highrank.cli import main
 from highrank.config import load_config
 from highrank.data import Vocab
 from highrank.model import build_model
-from highrank.runs import CONFIG_FILE
+from highrank.runs.run_dir import CONFIG_FILE
 
 V = 19
 VOCAB = Vocab([f"w{i}" for i in range(V)])

@@ -11,7 +11,7 @@ from highrank.backbones.seq2seq import TransformerSeq2Seq
 from highrank.heads import HEADS
 from tests.conftest import SMALL_KNOBS
 
-PAD, BOS, EOS = 1, 0, 2  # the ids of highrank.subwords (fairseq's order)
+PAD, BOS, EOS = 1, 0, 2  # the ids of highrank.mt.subwords (fairseq's order)
 SIZES = {"d_model": 16, "n_heads": 2, "d_ff": 24, "n_encoder_layers": 2, "n_decoder_layers": 2}
 
 
@@ -156,7 +156,7 @@ def test_shape_mismatch_of_decoder_input_and_target_is_named():
 def test_smoke_a_tiny_model_learns_to_reverse_generated_sentences():
     """32 generated pairs (x_1 .. x_n <eos> -> x_n .. x_1 <eos>), 150 Adam steps: the loss
     falls and greedy decoding reproduces the reversals (the training data)."""
-    from highrank.decoding import greedy_search
+    from highrank.mt.decoding import greedy_search
 
     generator = torch.Generator().manual_seed(0)
     pairs = []

@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 from highrank.config import ConfigError, load_config
 from highrank.data import load_corpus
 from highrank.model import build_model
-from highrank.optim import switch_to_asgd
-from highrank.runs import read_metrics
+from highrank.runs.run_dir import read_metrics
 from highrank.train import distributed
+from highrank.train.asgd import switch_to_asgd
 
 DEADLINE = 120.0  # seconds for all the processes of one test, imports included
 WORDS = [f"w{i}" for i in range(30)]
@@ -149,8 +149,8 @@ def steps_job(corpus: str, overrides: list[str], steps: int, asgd_after: int | N
     """``steps`` training steps of a fresh recipe (ASGD from step ``asgd_after`` on): each step's
     logged NLL, then the gradients, weights and ASGD averages."""
     from highrank.train.runner import build_recipe, train_stage
+    from highrank.train.startup import seed_everything
     from highrank.train.state import Progress
-    from highrank.train.steps import seed_everything
 
     cfg = config(Path(corpus), Path(corpus) / "unused", *overrides)
     data = load_corpus(cfg.data.dir, cache_dir=str(Path(corpus) / "cache"))

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import highrank.train.awd_lstm as awd_recipe
-from highrank.checkpoint import load_checkpoint
 from highrank.cli import main
 from highrank.config import load_config
-from highrank.runs import read_metrics
+from highrank.runs.checkpoint import load_checkpoint
+from highrank.runs.run_dir import read_metrics
 from highrank.train import Interrupted, TrainOptions, resume, train
 
 TINY = [

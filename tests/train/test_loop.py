@@ -16,15 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from highrank.checkpoint import load_checkpoint
 from highrank.config import load_config
 from highrank.data import get_batch, iter_batches, load_corpus
 from highrank.model import build_model
-from highrank.runs import RunDir, read_metrics
+from highrank.runs.checkpoint import load_checkpoint
+from highrank.runs.run_dir import RunDir, read_metrics
 from highrank.train import Progress, TrainingError, TrainOptions
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
-from highrank.train.steps import backward_or_skip, clip_or_skip, seed_everything
+from highrank.train.startup import seed_everything
+from highrank.train.steps import backward_or_skip, clip_or_skip
 
 WINDOW, ACCUMULATE, WARMUP, EVAL_EVERY = 5, 2, 4, 3
 STAGE = Stage("train", 2, "last", "best")

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from highrank.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from highrank.cli import main
-from highrank.locks import LockedError, run_lock
-from highrank.runs import read_metrics
+from highrank.runs.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from highrank.runs.locks import LockedError, run_lock
+from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, finetune, resume, train
 from tests.train.test_interrupts import TINY, tiny
 from tests.train.test_interrupts import corpus as corpus  # the fixture
@@ -50,7 +50,7 @@ def test_a_second_writer_is_refused_naming_the_holders_pid(corpus, tmp_path, cap
     out = tmp_path / "run"
     train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=4))
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from highrank.locks import run_lock\n"
+        [sys.executable, "-c", "import sys, time; from highrank.runs.locks import run_lock\n"
          f"with run_lock({str(out)!r}):\n print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -159,7 +159,7 @@ def test_resuming_training_after_finetune_keeps_the_finetune_records(corpus, tmp
 
 
 def test_a_disk_full_record_write_leaves_no_half_line(corpus, tmp_path, monkeypatch, capsys):
-    import highrank.runs as runs
+    import highrank.runs.run_dir as runs
 
     out = tmp_path / "run"
     calls = {"n": 0}
@@ -182,7 +182,7 @@ def test_a_disk_full_record_write_leaves_no_half_line(corpus, tmp_path, monkeypa
 def test_disk_full_while_saving_a_checkpoint_is_one_line_and_keeps_the_last(
     corpus, tmp_path, monkeypatch, capsys
 ):
-    import highrank.checkpoint as checkpoint
+    import highrank.runs.checkpoint as checkpoint
 
     out = tmp_path / "run"
     train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=3))

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from highrank.backbones.transformer import CausalTransformer
-from highrank.checkpoint import load_checkpoint
 from highrank.config import ConfigError, load_config
 from highrank.data import load_corpus
 from highrank.heads import HEADS
 from highrank.model import build_model, count_parameters
-from highrank.runs import read_metrics
+from highrank.runs.checkpoint import load_checkpoint
+from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, finetune, resume, train
 from highrank.train.recipe import Stage
 from highrank.train.schedule import lr_factor

@@ -23,12 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from highrank.checkpoint import load_run_corpus
 from highrank.config import Config
 from highrank.data import Vocab, iter_batches
-from highrank.model import LanguageModel
-from highrank.progress import progress_bar
-from highrank.streaming import batch_view, split_stream
+from highrank.data.streaming import batch_view, split_stream
+from highrank.model import LanguageModel, load_run_corpus
+from highrank.util.progress import progress_bar
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,7 +66,7 @@ class RunSplit:
     def bptt(self) -> int:
         """The run's segment length (:func:`highrank.evaluate.default_bptt`: a Transformer's
         training window, 70 for AWD-LSTM)."""
-        from highrank.evaluate import default_bptt
+        from highrank.evaluate.perplexity import default_bptt
 
         return default_bptt(self.config)
 
@@ -118,7 +117,7 @@ def iter_contexts(
     name: str = "token stream",
 ) -> Iterator[ContextBlock]:
     """Blocks of contexts of the stream ``ids`` (a tensor, or a memory map read a segment at a
-    time: :func:`highrank.streaming.batch_view`), at most ``max_contexts`` in all.
+    time: :func:`highrank.data.streaming.batch_view`), at most ``max_contexts`` in all.
 
     The model is put in eval mode for the duration (its training flag is restored after);
     ``hidden`` is on the model's device, positions and targets on the CPU.

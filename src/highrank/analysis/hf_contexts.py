@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from highrank.analysis.logprob_matrix import ContextRows, write_context_matrix
-from highrank.progress import progress_bar
+from highrank.util.argtypes import positive_int
+from highrank.util.progress import progress_bar
 
 DEFAULT_MAX_WINDOW = 1024
 # Logits entries of one batch of windows: 256 MB of float32 logits, about 6 times that at the
@@ -595,7 +596,7 @@ def add_hf_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--text", metavar="FILE", help="UTF-8 text file the contexts come from")
     group.add_argument(
         "--window",
-        type=_positive_int,
+        type=positive_int,
         help="tokens per window (default: min(the model's maximum positions, 1024))",
     )
     group.add_argument(
@@ -605,15 +606,9 @@ def add_hf_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--batch-windows",
-        type=_positive_int,
+        type=positive_int,
         help=f"windows per forward pass (default: logits under {BATCH_ELEMENTS:,} entries)",
     )
-
-
-def _positive_int(text: str) -> int:
-    from highrank.cli import positive_int
-
-    return positive_int(text)
 
 
 def hf_mode(args: argparse.Namespace) -> bool:

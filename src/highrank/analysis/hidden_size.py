@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from highrank.analysis.output import read_json, text_table, write_json, write_text_atomic
+from highrank.analysis.output import read_json, text_table, write_json
 from highrank.analysis.rank import (
     GRAM_BACKENDS,
     gram_resolution,
@@ -65,6 +65,8 @@ from highrank.analysis.rank import (
     singular_values,
     streamed_singular_values,
 )
+from highrank.util.argtypes import positive_int
+from highrank.util.atomic import write_text_atomic
 
 DEFAULT_MIN_GAP = 100.0
 SPECTRUM = "singular values of the raw log-probability matrix (rows not centred)"
@@ -262,7 +264,7 @@ def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP,
     ``d_embed`` and whether the knee matches it (:func:`matches_hidden_size`)."""
     from highrank.analysis.output import record_tag, run_record_path
     from highrank.analysis.rank_cli import analyze_run as rank_run
-    from highrank.runs import RunDir
+    from highrank.runs.run_dir import RunDir
 
     run = RunDir.open(run_dir)  # a clear error for a folder that is no run
     tag = record_tag(
@@ -288,8 +290,8 @@ def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP,
 def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -> bool:
     """A rank record at ``path`` computed from the run's present checkpoint file with the
     same split, contexts and corpus (the settings a rank record stores)."""
-    from highrank.analysis.rank_cli import _file_fingerprint
-    from highrank.checkpoint import checkpoint_path
+    from highrank.analysis.rank_cli import file_fingerprint
+    from highrank.runs.checkpoint import checkpoint_path
 
     if not path.is_file():
         return False
@@ -300,7 +302,7 @@ def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -
         "split": rank_options.get("split", "test"),
         "max_contexts": rank_options.get("max_contexts"),
         "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
-        "checkpoint_file": _file_fingerprint(checkpoint_path(run_dir, which)),
+        "checkpoint_file": file_fingerprint(checkpoint_path(run_dir, which)),
     }
     return all(record.get(key) == value for key, value in expected.items())
 
@@ -310,7 +312,6 @@ def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from highrank.analysis.hf_contexts import add_hf_arguments
-    from highrank.cli import positive_int
 
     parser.add_argument(
         "inputs",

@@ -64,14 +64,10 @@ import torch
 from highrank.analysis.commands import add_run_arguments
 from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
 from highrank.analysis.logprob_matrix import head_rows, matrix_record, npy_layout
-from highrank.analysis.output import (
-    record_tag,
-    run_record_path,
-    text_table,
-    write_json,
-    write_text_atomic,
-)
+from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
 from highrank.model import LanguageModel
+from highrank.util.argtypes import positive_int
+from highrank.util.atomic import write_text_atomic
 
 DEFAULT_PAIRS = 10_000
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
@@ -411,8 +407,6 @@ def _cap(n: int, max_contexts: int | None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze kl``."""
-    from highrank.cli import positive_int
-
     add_run_arguments(parser, hf=True)
     parser.add_argument(
         "--pairs", type=positive_int, default=DEFAULT_PAIRS, help="context pairs (10000)"
@@ -543,7 +537,7 @@ def _hf_records(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _matrix_record(run_dir: str, path: str, args: argparse.Namespace, options: dict) -> dict:
     """The KL record of ``run_dir`` from the matrix at ``path``, after checking the matrix
     is the run's log-probabilities of ``args.split`` in stream order."""
-    from highrank.runs import RunDir
+    from highrank.runs.run_dir import RunDir
 
     run = RunDir.open(run_dir)
     vocab_size = len(run.load_vocab())

@@ -29,6 +29,7 @@ from highrank.analysis.contexts import count_contexts, iter_contexts
 from highrank.analysis.output import read_json, write_json
 from highrank.heads import OutputHead
 from highrank.model import LanguageModel
+from highrank.util.atomic import fsync_directory, remove_temporaries, sync, temporary_beside
 
 MATRIX_KINDS = ("log_prob", "logits")
 _DTYPE = np.dtype("<f4")
@@ -67,11 +68,13 @@ class _NpyWriter:
 
     def __init__(self, path: Path, shape: tuple[int, int]) -> None:
         self.path, self.shape, self.rows_written = path, shape, 0
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A fixed name: a write killed outright (SIGKILL, out of memory) leaves at most this
-        # one file, which the next write of the same matrix replaces.
-        self.temporary = path.with_name(f".{path.name}.partial")
-        self.file: BinaryIO = open(self.temporary, "wb")  # noqa: SIM115  closed in commit/abort
+        # A write killed outright (SIGKILL, out of memory) leaves its temporary file: the next
+        # write of the same matrix deletes it (and the fixed-name one of older versions), so at
+        # most one stays behind. Two processes must never write one matrix at once.
+        remove_temporaries(path)
+        path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
+        self.file: BinaryIO
+        self.file, self.temporary = temporary_beside(path)
         header = {"descr": _DTYPE.str, "fortran_order": False, "shape": shape}
         np.lib.format.write_array_header_2_0(self.file, header)
 
@@ -88,10 +91,10 @@ class _NpyWriter:
             raise ValueError(
                 f"{self.path}: {self.rows_written} rows written but {self.shape[0]} announced"
             )
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        sync(self.file)
         self.file.close()
         os.replace(self.temporary, self.path)
+        fsync_directory(self.path.parent)
 
     def abort(self) -> None:
         self.file.close()

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from highrank.util.atomic import write_text_atomic
 
 ANALYSIS_DIR = "analysis"
 
@@ -59,30 +60,6 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"{path} does not exist") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}") from None
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same directory."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(handle, 0o666 & ~_umask())  # mkstemp's 0600 would hide reports from others
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def text_table(

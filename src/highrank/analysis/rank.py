@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from highrank.progress import progress_bar
+from highrank.util.atomic import atomic_file, write_text_atomic
+from highrank.util.progress import progress_bar
 
 EFFECTIVE_RANK_EPSILONS = (1e-3, 1e-4, 1e-5)
 
@@ -653,10 +654,11 @@ class _GramCheckpoint:
 
     def save(self, rows_done: int, gram: np.ndarray, triangle: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(".gram-*.npy.tmp"):  # left by a crash mid-save
+        for stale in self.directory.glob(".gram-*.npy*.tmp"):  # left by a crash mid-save
             stale.unlink()
         name = f"gram-{rows_done}.npy"
-        _write_synced(self.directory / name, lambda file: np.save(file, gram))
+        with atomic_file(self.directory / name) as file:
+            np.save(file, gram)
         record = {
             "fingerprint": self.fingerprint,
             "rows_done": rows_done,
@@ -664,9 +666,7 @@ class _GramCheckpoint:
             "triangle": triangle,
             "side": self.side,
         }
-        text = json.dumps(record).encode("utf-8")
-        _write_synced(self.record_path, lambda file: file.write(text))
-        _fsync_directory(self.directory)
+        write_text_atomic(self.record_path, json.dumps(record))
         for old in self.directory.glob("gram-*.npy"):
             if old.name != name:
                 old.unlink()
@@ -683,21 +683,3 @@ class _GramCheckpoint:
             path.unlink(missing_ok=True)
         if not any(self.directory.iterdir()):
             self.directory.rmdir()
-
-
-def _write_synced(path: Path, write) -> None:
-    """``write(file)`` into ``.<name>.tmp`` beside ``path``, fsync, then rename onto ``path``."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as file:
-        write(file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-
-
-def _fsync_directory(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)

@@ -68,9 +68,9 @@ from highrank.analysis.rank import (
     resolve_backend,
 )
 from highrank.analysis.spectrum import plot_spectrum
-from highrank.checkpoint import checkpoint_path
-from highrank.cli import positive_int
-from highrank.locks import LockedError, exclusive
+from highrank.runs.checkpoint import checkpoint_path
+from highrank.runs.locks import LockedError, exclusive
+from highrank.util.argtypes import positive_int
 
 
 def analyze_run(
@@ -107,7 +107,7 @@ def analyze_run(
         "batch_size": batch_size,
         "bptt": bptt,
         "max_contexts": max_contexts,
-        "checkpoint_file": _file_fingerprint(checkpoint_path(run_dir, which)),
+        "checkpoint_file": file_fingerprint(checkpoint_path(run_dir, which)),
         "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -299,8 +299,8 @@ def _ensure_hf_matrix(
 def _run_bptt(run_dir: Path) -> int:
     """The segment length the run's saved config implies (read without loading the model)."""
     from highrank.config import load_config
-    from highrank.evaluate import default_bptt
-    from highrank.runs import RunDirError
+    from highrank.evaluate.perplexity import default_bptt
+    from highrank.runs.run_dir import RunDirError
 
     path = run_dir / "config.toml"
     if not path.is_file():
@@ -337,10 +337,10 @@ def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -
     return loaded.config.head.name
 
 
-def _file_fingerprint(path: Path) -> dict[str, Any]:
+def file_fingerprint(path: Path) -> dict[str, Any]:
     """Name, size and modification time: a rewritten checkpoint no longer matches."""
     if not path.is_file():
-        from highrank.checkpoint import CheckpointError, missing_best_hint
+        from highrank.runs.checkpoint import CheckpointError, missing_best_hint
 
         if path.name == "best.pt":  # the same hint as every verb
             raise CheckpointError(missing_best_hint(path.parent.parent))

@@ -24,15 +24,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.output import (
-    ANALYSIS_DIR,
-    format_cell,
-    is_number,
-    read_json,
-    write_json,
-    write_text_atomic,
-)
+from highrank.analysis.output import ANALYSIS_DIR, format_cell, is_number, read_json, write_json
 from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS
+from highrank.util.atomic import write_text_atomic
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 62rem; margin: 2rem auto; color: #222; }
@@ -53,11 +47,11 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
     """Everything :func:`write_report` shows about one run, read from its directory."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
-        from highrank.runs import RunDirError
+        from highrank.runs.run_dir import RunDirError
 
         raise RunDirError(f"{run_dir} is not a run directory of `highrank train` (no config.toml)")
     from highrank.config import load_config
-    from highrank.runs import read_metrics
+    from highrank.runs.run_dir import read_metrics
 
     config = load_config(run_dir / "config.toml")
     metrics = (
@@ -179,7 +173,7 @@ def _eval_value(run: dict[str, Any], prefix: str) -> float | None:
 
 def _sources(runs: list[dict[str, Any]]) -> str:
     """One line per figure shown: which checkpoint and data it came from."""
-    from highrank.evaluate_records import describe
+    from highrank.evaluate.records import describe
 
     lines = []
     for run in runs:

@@ -32,14 +32,8 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from highrank.analysis.output import (
-    read_json,
-    record_tag,
-    run_record_path,
-    text_table,
-    write_json,
-    write_text_atomic,
-)
+from highrank.analysis.output import read_json, record_tag, run_record_path, text_table, write_json
+from highrank.util.atomic import write_text_atomic
 
 SEPARATOR = "--"
 MIN_CORRELATION_POINTS = 3  # Pearson of two points is always +-1
@@ -188,7 +182,7 @@ def read_perplexity(run_dir: str | Path, split: str, which: str) -> float:
 def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
     """A run's eval record (full split of its own corpus) with its perplexity checked and
     ``"source"`` saying which checkpoint and data it came from."""
-    from highrank.evaluate_records import describe
+    from highrank.evaluate.records import describe
 
     which = resolve_which(run_dir, split, which)
     path = eval_path(run_dir, split, which)

@@ -50,7 +50,8 @@ import torch
 from scipy import stats
 
 from highrank.analysis.commands import add_run_arguments
-from highrank.analysis.output import run_record_path, text_table, write_json, write_text_atomic
+from highrank.analysis.output import run_record_path, text_table, write_json
+from highrank.util.atomic import write_text_atomic
 
 MIN_PAIRS = 3  # Spearman of fewer pairs is meaningless (two points always give +-1)
 DEFAULT_DATA_DIR = Path("..") / "shared" / "data" / "word-sim"  # relative to the cwd
@@ -297,7 +298,7 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze similarity``: score each run, write its record, print the table."""
-    from highrank.checkpoint import load_run
+    from highrank.model import load_run
 
     try:
         paths = benchmark_paths(resolve_data_dir(args.data_dir), args.benchmarks)

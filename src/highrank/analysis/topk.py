@@ -41,10 +41,12 @@ import torch
 from highrank.analysis.commands import add_run_arguments
 from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
 from highrank.analysis.logprob_matrix import head_rows
-from highrank.analysis.output import record_tag, run_record_path, write_json, write_text_atomic
+from highrank.analysis.output import record_tag, run_record_path, write_json
 from highrank.data import Vocab
+from highrank.data.streaming import streams_equal
 from highrank.model import LanguageModel
-from highrank.streaming import streams_equal
+from highrank.util.argtypes import positive_int
+from highrank.util.atomic import write_text_atomic
 
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
 MARK = "*"  # before the reference token in a model's column
@@ -296,8 +298,6 @@ def parse_positions(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze topk``."""
-    from highrank.cli import positive_int
-
     add_run_arguments(parser, hf=True)
     choose = parser.add_mutually_exclusive_group(required=True)
     choose.add_argument(

@@ -92,7 +92,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from highrank.analysis.output import text_table, write_json, write_text_atomic
+from highrank.analysis.output import text_table, write_json
+from highrank.util.atomic import write_text_atomic
 
 DEFAULT_RADIUS = 100.0
 DEFAULT_PATIENCE = 10  # braid reflections per token before the LP
@@ -688,7 +689,7 @@ def _analyse(weight, bias, radius, args, *, domain="as asked", names=None) -> di
 
 def _run_record(run_dir: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
     from highrank.analysis.output import run_record_path
-    from highrank.checkpoint import load_run
+    from highrank.model import load_run
 
     model, config, vocab = load_run(run_dir, args.which)
     weight, bias, domain, meaning = head_layer(model.head, config.head.name)

@@ -27,7 +27,7 @@ from highrank.backbones.regularizers import (
     embedding_dropout,
     temporal_activation_regularization,
 )
-from highrank.checks import check_positive_int, check_probability
+from highrank.util.checks import check_positive_int, check_probability
 
 AWDLSTMState = list[LSTMState]  # one (h, c) per layer, each (1, B, H_layer)
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from highrank.checks import check_probability
+from highrank.util.checks import check_probability
 
 LSTMState = tuple[torch.Tensor, torch.Tensor]  # (h, c), each (1, B, H)
 

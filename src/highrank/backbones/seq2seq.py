@@ -24,7 +24,7 @@ Embeddings: ``share_embeddings`` makes the source and target embeddings one matr
 subword vocabulary, Vaswani Sec. 3.4); ``tie_output`` ties the head's decoder to the target
 embedding (Press & Wolf 2017).
 
-Decoding (``highrank.decoding``): :meth:`encode` once, :meth:`start_decoding` projects the
+Decoding (``highrank.mt.decoding``): :meth:`encode` once, :meth:`start_decoding` projects the
 encoder output into every layer's cross-attention keys/values once, and :meth:`decode_step`
 feeds new target tokens with the self-attention keys/values of earlier ones cached.
 """
@@ -45,8 +45,8 @@ from highrank.backbones.transformer import (
     KVCache,
     TransformerStack,
 )
-from highrank.checks import check_positive_int
 from highrank.heads import HEADS, build_head
+from highrank.util.checks import check_positive_int
 
 
 class Memory(NamedTuple):

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.checks import check_positive_int, check_probability
+from highrank.util.checks import check_positive_int, check_probability
 
 POSITIONS = ("learned", "sinusoidal", "rotary")
 ROTARY_BASE = 10000.0  # RoFormer's theta_i = 10000^(-2i/d)

@@ -27,8 +27,6 @@ import dataclasses
 import gc
 import json
 import multiprocessing
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from highrank.heads import build_head
+from highrank.util.machine import describe_machine
 
 BPTT = 70  # hidden states are laid out (BPTT, tokens / BPTT, d), time-major like AWD-LSTM
 BASELINE_D = 400
@@ -265,7 +264,7 @@ def run_benchmark(
             gc.collect()
         if budget_mb is not None:
             _add_budget_mode(rows, vocab_size, labels, tokens, device, budget_mb, repeats, warmup)
-    return {"machine": machine_info(device), "settings": _settings(locals()), "rows": rows}
+    return {"machine": describe_machine(), "settings": _settings(locals()), "rows": rows}
 
 
 def _measure_case(case, vocab_size, tokens, device, baseline, base_peak, repeats, warmup):
@@ -330,32 +329,6 @@ def _settings(arguments: dict) -> dict:
     return settings
 
 
-def machine_info(device: str) -> dict:
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": device,
-    }
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), for the machine line of every recorded result."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 # ---- reporting ------------------------------------------------------------------------------
 
 
@@ -364,8 +337,8 @@ def markdown_table(result: dict) -> str:
     machine, settings = result["machine"], result["settings"]
     lines = [
         f"Machine: {machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']} "
-        f"({machine['torch_threads']} threads), device {machine['device']}"
-        + (f" ({machine['gpu']})" if "gpu" in machine else ""),
+        f"({machine['torch_threads']} threads), device {settings['device']}"
+        + _gpu_name(machine, settings["device"]),
         f"Tokens per step: {settings['tokens']} (BPTT {settings['bptt']}); median of "
         f"{settings['repeats']} runs after {settings['warmup']} warm-up runs; ratios are to a "
         f"naive softmax (d = {BASELINE_D}) measured in the same process (time) or the same way "
@@ -384,6 +357,14 @@ def markdown_table(result: dict) -> str:
     if budget_rows:
         lines += _budget_table(budget_rows)
     return "\n".join(lines) + "\n"
+
+
+def _gpu_name(machine: dict, device: str) -> str:
+    """`` (<name>)`` of the GPU ``device`` (``cuda``, ``cuda:N``); ``""`` for the CPU."""
+    if not device.startswith("cuda") or not machine.get("gpus"):
+        return ""
+    index = int(device.split(":")[1]) if ":" in device else 0
+    return f" ({machine['gpus'][min(index, len(machine['gpus']) - 1)]})"
 
 
 def _budget_table(rows: list[dict]) -> list[str]:

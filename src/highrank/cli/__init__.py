@@ -5,7 +5,11 @@ its options on its subparser and ``run(args) -> int`` that does it and returns t
 Each lives in ``highrank/cli/<verb>.py`` (shared option types, config overrides and the error
 guard in :mod:`highrank.cli.common`); :data:`VERBS` lists them in the order ``highrank --help``
 shows, so adding a verb is one module and one entry. Verb modules import the library inside
-their functions, so ``highrank --help`` stays fast and imports no optional extra.
+their functions, and :func:`main` declares a verb's options only when that verb is used (the
+config keys only when a ``--section.key`` is given), so ``highrank --help``, the top level's
+errors and most verbs' ``--help`` and option errors import neither torch nor any optional extra
+(tests/test_layering.py checks ``--help``); ``demo``, ``bench`` and the analysis verbs need
+the library to declare their options.
 
     highrank demo --rank 32 --dim 8 --out demo-out
 """
@@ -34,7 +38,7 @@ from highrank.cli import (
     train,
     translate,
 )
-from highrank.cli.common import config_keys, non_negative_int, positive_int
+from highrank.cli.common import Parser, config_keys, non_negative_int, positive_int
 
 
 @dataclass(frozen=True)
@@ -96,9 +100,14 @@ VERBS: list[Verb] = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with one subparser per entry of ``VERBS``."""
-    parser = argparse.ArgumentParser(
+def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per entry of ``VERBS``.
+
+    With ``lazy`` (what :func:`main` uses) a verb's options are declared only when that verb
+    is parsed or its help printed (:class:`~highrank.cli.common.Parser`), so building the
+    parser, ``highrank --help`` and the errors of the top level import nothing but argparse;
+    without, every option of every verb is declared now (for tests and tools that walk it)."""
+    parser = Parser(
         prog="highrank",
         allow_abbrev=False,  # --head.n_component=3 must not silently mean n_components
         description="Output layers that break the softmax bottleneck, and the instruments "
@@ -110,15 +119,27 @@ def build_parser() -> argparse.ArgumentParser:
         sub = subparsers.add_parser(
             verb.name, help=verb.help, description=verb.help, allow_abbrev=False
         )
-        verb.add_arguments(sub)
+        sub.declare_later(verb.add_arguments)
         sub.set_defaults(run=verb.run, parser=sub)
+        if not lazy:
+            _declare_everything(sub)
     return parser
+
+
+def _declare_everything(parser: argparse.ArgumentParser) -> None:
+    """Every pending declaration of ``parser`` and of the subparsers it has then."""
+    if isinstance(parser, Parser):
+        parser.declare_now()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _declare_everything(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``highrank`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     let_idle_openmp_threads_sleep()
-    parser = build_parser()
+    parser = build_parser(lazy=True)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _reject_unknown(parser, args, unknown)
@@ -154,6 +175,8 @@ def _reject_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, u
     import difflib
 
     verb_parser = getattr(args, "parser", parser)
+    if isinstance(verb_parser, Parser):
+        verb_parser.declare_now()  # the config keys too: a suggestion may name one
     for argument in unknown:
         name = argument.removeprefix("--").split("=", 1)[0]
         if argument.startswith("--") and "." in name:

@@ -11,34 +11,11 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from highrank.util.argtypes import int_list, non_negative_int, positive_int
+
 # ---- argument types: a bad value is an argparse error naming the option --------------------
-
-
-def positive_int(text: str) -> int:
-    """An integer > 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0; got {text!r}")
-    return value
-
-
-def int_list(text: str) -> list[int]:
-    """Comma-separated positive integers."""
-    return [positive_int(part) for part in text.split(",") if part.strip()]
+# (positive_int, non_negative_int and int_list live in highrank.util.argtypes: the analyses
+# declare options too, and must not import the command line)
 
 
 def head_list(text: str) -> tuple[str, ...]:
@@ -51,6 +28,71 @@ def head_list(text: str) -> tuple[str, ...]:
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return names
+
+
+# ---- parsers that declare their arguments when first used ---------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` some of whose arguments are declared when it is first used.
+
+    ``highrank --help`` and the errors argparse itself reports must not import torch (seconds
+    on a busy machine), yet declaring some verbs' options does (``demo``: the heads' names;
+    ``analyze``: the analyses; every config key: the heads' knobs). So :func:`highrank.cli.
+    build_parser` hands each verb's ``add_arguments`` to :meth:`declare_later`, and argparse
+    only ever parses with, or prints the help of, the verb on the command line. A declaration
+    with ``needed`` runs at a parse only when ``needed(argument strings)`` says so, and at
+    :meth:`declare_now` always. Subparsers are of this class too (argparse makes them of their
+    parent's class).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: list[tuple[Callable[[argparse.ArgumentParser], None], Callable]] = []
+
+    def declare_later(
+        self,
+        declare: Callable[[argparse.ArgumentParser], None],
+        *,
+        needed: Callable[[list[str]], bool] = lambda arguments: True,
+    ) -> None:
+        """Call ``declare(self)`` before the first parse that ``needed``, or help or usage."""
+        self._pending.append((declare, needed))
+
+    def declare_now(self, arguments: list[str] | None = None) -> None:
+        """Run the pending declarations (with ``arguments``: those they are ``needed`` for),
+        in the order they were handed over."""
+        index = 0
+        while index < len(self._pending):  # a declaration may hand over more (add_overrides)
+            declare, needed = self._pending[index]
+            if arguments is None or needed(arguments):
+                del self._pending[index]
+                declare(self)
+            else:
+                index += 1
+
+    def parse_known_args(self, args=None, namespace=None):
+        arguments = sys.argv[1:] if args is None else list(args)
+        self.declare_now(arguments)
+        return super().parse_known_args(arguments, namespace)
+
+    def format_usage(self) -> str:
+        self._declare_all_but_conditional()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._declare_all_but_conditional()
+        return super().format_help()
+
+    def _declare_all_but_conditional(self) -> None:
+        """What help and usage show: every declaration but those waiting on the arguments
+        (the config keys, hidden from help)."""
+        self.declare_now([])
+
+
+def _has_dotted_option(arguments: list[str]) -> bool:
+    """Whether an argument looks like ``--section.key`` (or ``--section.key=value``)."""
+    return any(a.startswith("--") and "." in a.split("=", 1)[0] for a in arguments)
 
 
 # ---- config overrides: --section.key=value ------------------------------------------------
@@ -90,9 +132,22 @@ def config_keys() -> list[str]:
 
 
 def add_overrides(parser: argparse.ArgumentParser) -> None:
-    """One ``--section.key`` option per config key (hidden from --help, listed in the epilog)."""
-    for key in config_keys():
-        parser.add_argument(f"--{key}", action=Override, dest="overrides", help=argparse.SUPPRESS)
+    """One ``--section.key`` option per config key (hidden from --help, listed in the epilog).
+
+    Listing the keys imports the config schema and every head (torch): a :class:`Parser`
+    declares them only when a command line holds a ``--section.key`` (or for an error message
+    that may name one); they can match nothing else, so the parse is the same either way."""
+
+    def declare(parser: argparse.ArgumentParser) -> None:
+        for key in config_keys():
+            parser.add_argument(
+                f"--{key}", action=Override, dest="overrides", help=argparse.SUPPRESS
+            )
+
+    if isinstance(parser, Parser):
+        parser.declare_later(declare, needed=_has_dotted_option)
+    else:
+        declare(parser)
     parser.set_defaults(overrides=[])
     parser.epilog = (
         "Any config key can be overridden as --section.key=value (e.g. --train.lr=20 "
@@ -105,12 +160,12 @@ def add_overrides(parser: argparse.ArgumentParser) -> None:
 
 def input_errors() -> tuple[type[Exception], ...]:
     """Errors in what the user gave (config, corpus, run directory): exit status 2."""
-    from highrank.checkpoint import CheckpointError
     from highrank.config import ConfigError
     from highrank.data import CorpusError
-    from highrank.locks import LockedError
-    from highrank.runs import RunDirError
-    from highrank.subwords import SubwordError
+    from highrank.mt.subwords import SubwordError
+    from highrank.runs.checkpoint import CheckpointError
+    from highrank.runs.locks import LockedError
+    from highrank.runs.run_dir import RunDirError
 
     return ConfigError, CorpusError, CheckpointError, RunDirError, SubwordError, LockedError
 
@@ -128,7 +183,7 @@ AFTER_INTERRUPT = {
 def guarded(verb: str, job: Callable[[], int]) -> int:
     """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130
     (SIGTERM 143 when training stopped on it), naming what was saved."""
-    from highrank.checkpoint import NonFiniteCheckpointError
+    from highrank.runs.checkpoint import NonFiniteCheckpointError
     from highrank.train import Interrupted, TrainingError
 
     try:
@@ -171,6 +226,7 @@ __all__ = [
     "AFTER_INTERRUPT",
     "Alias",
     "Override",
+    "Parser",
     "add_overrides",
     "config_keys",
     "guarded",

@@ -1,5 +1,5 @@
 """``highrank data stats``: lines, tokens and vocabulary of a corpus folder; ``highrank data
-zipf``: write a seeded Zipfian synthetic corpus (:mod:`highrank.zipf_corpus`)."""
+zipf``: write a seeded Zipfian synthetic corpus (:mod:`highrank.data.zipf`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["word", "char"], default="word", help="token unit")
     parser.add_argument("--cache-dir", help="token-id cache folder (default ~/.cache/highrank)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    zipf = parser.add_argument_group("zipf (highrank.zipf_corpus)")
+    zipf = parser.add_argument_group("zipf (highrank.data.zipf)")
     zipf.add_argument("--tokens", type=int, default=1_000_000, help="train tokens, <eos> included")
     zipf.add_argument("--types", type=int, default=100_000, help="distinct words drawn from")
     zipf.add_argument("--exponent", type=float, default=1.0, help="Zipf exponent s")
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 def _zipf(args: argparse.Namespace) -> int:
     import json
 
-    from highrank.zipf_corpus import write_zipf_corpus
+    from highrank.data.zipf import write_zipf_corpus
 
     try:
         info = write_zipf_corpus(

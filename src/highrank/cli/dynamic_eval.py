@@ -20,12 +20,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.evaluate import (
+    from highrank.data.streaming import split_stream
+    from highrank.evaluate.dynamic import (
         dynamic_evaluate,
         gradient_statistics,
         refuse_transformer_dynamic_eval,
     )
-    from highrank.streaming import split_stream
 
     def job() -> int:
         model, config, corpus = load_for_eval(args)

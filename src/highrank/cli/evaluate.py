@@ -31,15 +31,16 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
 
 def load_for_eval(args: argparse.Namespace):
     """The run's model, config and corpus, checked against the run's vocabulary."""
-    from highrank.checkpoint import load_run_corpus
+    from highrank.model import load_run_corpus
 
     return load_run_corpus(args.run_dir, args.which, data_dir=args.data_dir)
 
 
 def split_ids(args: argparse.Namespace, corpus):
     """The split's token ids, the first ``--max-tokens`` of them when given: a memory map for
-    a ``data.memmap`` run (:func:`highrank.streaming.split_stream`; read a segment at a time)."""
-    from highrank.streaming import split_stream
+    a ``data.memmap`` run (:func:`highrank.data.streaming.split_stream`; read a segment at a
+    time)."""
+    from highrank.data.streaming import split_stream
 
     ids = split_stream(corpus, args.split)
     return ids if args.max_tokens is None else ids[: args.max_tokens]
@@ -53,8 +54,8 @@ def report_eval(args: argparse.Namespace, kind: str, result, extra: dict, corpus
     A character-level run's record also holds its bits per character.
     """
     from highrank.analysis.output import write_json
-    from highrank.chars import bits_per_char
-    from highrank.evaluate_records import data_facts, record_path
+    from highrank.data.chars import bits_per_char
+    from highrank.evaluate.records import data_facts, record_path
 
     data = data_facts(args, corpus)
     if corpus is not None and corpus.mode == "char":  # <eos> counted: it stands for a newline
@@ -101,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.evaluate import default_bptt, evaluate_perplexity, write_token_nll
+    from highrank.evaluate.perplexity import default_bptt, evaluate_perplexity, write_token_nll
 
     if args.bleu or _is_translation_run(args.run_dir):
         return guarded("eval", lambda: translate(args))
@@ -136,7 +137,7 @@ def _is_translation_run(run_dir: str) -> bool:
     """Whether RUN_DIR's config is a seq2seq one (False when it cannot be read: the
     perplexity path then says what is wrong)."""
     from highrank.config import ConfigError, load_config
-    from highrank.runs import CONFIG_FILE
+    from highrank.runs.run_dir import CONFIG_FILE
 
     try:
         return load_config(f"{run_dir}/{CONFIG_FILE}").model.backbone == "seq2seq"

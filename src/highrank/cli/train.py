@@ -79,10 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank import train as training
-    from highrank.config import load_config
-    from highrank.train import distributed
-
     if args.config is None and args.resume is None:
         args.parser.error(
             "nothing to train: give a config file (a new run, e.g. highrank train "
@@ -98,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
         command += ["--init-from", args.init_from]
 
     def job() -> int:
+        from highrank import train as training
+        from highrank.config import load_config
+        from highrank.train import distributed
+
         options = train_options(args)
         if args.resume:
             kwargs = {"overrides": args.overrides, "options": options, "command": command}

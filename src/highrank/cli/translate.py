@@ -5,7 +5,7 @@
 
 Writes the detokenised hypotheses (``--out``, or ``RUN_DIR/translate-<split>-<which>-<search>
 .txt``) and the record ``RUN_DIR/translate-<split>-<which>-<search>.json``, both atomically
-(:mod:`highrank.translation`), and prints sacreBLEU's score line and signature against the raw
+(:mod:`highrank.mt.translation`), and prints sacreBLEU's score line and signature against the raw
 target lines of the split. Decoding settings default to the run's ``[decode]``.
 ``highrank eval RUN_DIR --bleu`` is the same with those defaults.
 """
@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def translate(args: argparse.Namespace) -> int:
     """Translate, score, write, print (the body of both verbs)."""
+    from highrank.mt.translation import evaluate_bleu
     from highrank.train import resolve_device
-    from highrank.translation import evaluate_bleu
 
     device = resolve_device("auto")
     record = evaluate_bleu(

@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.checks import check_positive_int, is_number
 from highrank.heads.chunking import (
     checkpointed_nll,
     chunk_masks,
@@ -40,6 +39,7 @@ from highrank.heads.chunking import (
     gradient_in_forward_nll,
 )
 from highrank.heads.functional import locked_dropout_mask, smoothed_nll, widen
+from highrank.util.checks import check_positive_int, is_number
 
 _REDUCTIONS = ("mean", "sum", "none")
 # "auto" chunk sizes, measured in benchmarks/results/heads-*: heads with a fused chunked loss

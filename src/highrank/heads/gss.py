@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.checks import check_bool, check_finite
 from highrank.heads.softmax import PointwiseSoftmax
+from highrank.util.checks import check_bool, check_finite
 
 
 class GeneralizedSigSoftmax(PointwiseSoftmax):

@@ -40,17 +40,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
-from highrank.checks import (
+from highrank.heads.base import OutputHead
+from highrank.heads.functional import apply_mask, sigmoid_tree_mix, widen
+from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
+from highrank.heads.residual import ResidualContexts
+from highrank.util.checks import (
     check_bool,
     check_dropout_time_dim,
     check_positive_int,
     check_probability,
     is_number,
 )
-from highrank.heads.base import OutputHead
-from highrank.heads.functional import apply_mask, sigmoid_tree_mix, widen
-from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
-from highrank.heads.residual import ResidualContexts
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
 N_GATES = N_COMPONENTS - 1

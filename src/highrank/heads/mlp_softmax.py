@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.checks import check_dropout_time_dim, check_positive_int, check_probability
 from highrank.heads.base import OutputHead
 from highrank.heads.functional import apply_mask
 from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 from highrank.heads.residual import ResidualContexts
+from highrank.util.checks import check_dropout_time_dim, check_positive_int, check_probability
 
 
 class MLPSoftmax(OutputHead):

@@ -21,12 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.checks import (
-    check_bool,
-    check_dropout_time_dim,
-    check_positive_int,
-    check_probability,
-)
 from highrank.heads.base import OutputHead
 from highrank.heads.functional import (
     apply_mask,
@@ -37,6 +31,12 @@ from highrank.heads.functional import (
 )
 from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 from highrank.heads.residual import ResidualContexts
+from highrank.util.checks import (
+    check_bool,
+    check_dropout_time_dim,
+    check_positive_int,
+    check_probability,
+)
 
 
 class ContextMixture(OutputHead):

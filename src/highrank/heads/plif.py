@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from highrank.checks import check_finite, check_positive_int
 from highrank.heads.softmax import PointwiseSoftmax
+from highrank.util.checks import check_finite, check_positive_int
 
 _SOFTPLUS_INVERSE_OF_ONE = math.log(math.e - 1.0)
 

@@ -13,7 +13,13 @@ Layout::
     saving.py     the stage's checkpoints: payload, last (by steps and by time), best
     interrupts.py SIGINT / SIGTERM caught, acted on between two steps
     reporting.py  metrics.jsonl, TensorBoard, the progress bar, the validation line
-    steps.py      the non-finite guard pieces every recipe uses; seeding; the device
+    steps.py      the non-finite guard pieces every recipe uses; the head's chunk size
+    startup.py    seeding; the device
+    stream.py     what the stream-LM recipes (AWD-LSTM, Transformer) share: batches, validation
+    asgd.py       SGD -> averaged SGD switch policies (NT-ASGD, ET-ASGD) and the averages
+    transformer.py, seq2seq.py   the recipes of the other two families
+    schedule.py   AdamW groups and learning-rate schedules shared by those two
+    distributed.py  torchrun / DDP
 
 Adding a model family's schedule (e.g. the Transformer's: AdamW, warm-up then cosine or
 inverse-sqrt decay, gradient accumulation, bf16 autocast, fixed-length windows, evaluation
@@ -36,15 +42,14 @@ Public API::
 ``last.pt`` is saved every ``train.checkpoint_every`` steps, at every epoch end and when
 ``TrainOptions.max_steps`` stops a run after that many steps in total: resuming it continues
 bit-identically (same losses, same weights) on the same machine. The run directory and
-checkpoint layouts are described in :mod:`highrank.runs` and :mod:`highrank.checkpoint`.
+checkpoint layouts are described in :mod:`highrank.runs.run_dir` and
+:mod:`highrank.runs.checkpoint`.
 """
 
 from highrank.train.awd_lstm import (
     AWDLSTMRecipe,
     StepOutcome,
     build_optimizer,
-    evaluate_loss,
-    head_chunk_size,
     optimization_step,
     training_loss,
 )
@@ -61,6 +66,7 @@ from highrank.train.runner import (
     resume,
     train,
 )
+from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import (
     Interrupted,
     Meter,
@@ -70,7 +76,8 @@ from highrank.train.state import (
     TrainOptions,
     TrainResult,
 )
-from highrank.train.steps import resolve_device, seed_everything
+from highrank.train.steps import head_chunk_size
+from highrank.train.stream import evaluate_loss
 
 __all__ = [
     "FINETUNE_OVERRIDES",

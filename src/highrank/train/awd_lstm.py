@@ -19,7 +19,7 @@ window of a single token, and finetuning caps windows at bptt + finetune.max_seq
 After each epoch (the loop validates; :meth:`AWDLSTMRecipe.validate`): validation loss (batch
 train.eval_batch_size, segments of bptt, state carried, ``exp(total NLL / tokens)`` =
 perplexity) with the ASGD *averaged* weights once switched; then the switch policy
-(:mod:`highrank.optim`: NT-ASGD, ET-ASGD, or plain SGD) may switch to averaged SGD.
+(:mod:`highrank.train.asgd`: NT-ASGD, ET-ASGD, or plain SGD) may switch to averaged SGD.
 Finetuning (stage ``"finetune"``) restarts averaged SGD from ``best.pt`` with finetune.lr and
 stops by the same non-monotone rule (MoS ``finetune.py``).
 
@@ -42,11 +42,12 @@ from typing import Any, NamedTuple
 import torch
 
 from highrank.backbones import AWDLSTMState, variable_bptt_length
-from highrank.checkpoint import evaluation_state_dict
 from highrank.config import Config
-from highrank.data import Corpus, get_batch, iter_batches
+from highrank.data import Corpus, get_batch
+from highrank.data.streaming import epoch_view
 from highrank.model import LanguageModel
-from highrank.optim import (
+from highrank.runs.checkpoint import evaluation_state_dict
+from highrank.train.asgd import (
     NonMonotoneTrigger,
     SwitchTrigger,
     averaged_parameters,
@@ -54,11 +55,11 @@ from highrank.optim import (
     scaled_lr,
     switch_to_asgd,
 )
-from highrank.streaming import epoch_view
 from highrank.train.distributed import average, distribute, gather_columns, shard_columns
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.state import Progress
-from highrank.train.steps import backward_or_skip, clip_or_skip
+from highrank.train.steps import backward_or_skip, clip_or_skip, head_chunk_size
+from highrank.train.stream import load_splits, validation_loss
 
 # ---- one step, and validation -----------------------------------------------------------------
 
@@ -112,35 +113,6 @@ def optimization_step(
     return StepOutcome(average(nll), model.backbone.detach_state(new_state), "")
 
 
-@torch.no_grad()
-def evaluate_loss(
-    model: LanguageModel,
-    source: torch.Tensor,
-    bptt: int,
-    *,
-    chunk_size: int | None | str = "auto",
-) -> float:
-    """Mean NLL per predicted token of ``source (T, B)`` (from :func:`highrank.data.batchify`),
-    read in segments of ``bptt`` with the hidden state carried (AWD-LSTM ``evaluate``).
-    Perplexity is ``exp`` of it. Leaves the model in eval mode."""
-    model.eval()
-    state = model.init_state(source.size(1))
-    total, count = 0.0, 0
-    for tokens, target in iter_batches(source, bptt):
-        hidden, state, _ = model.backbone(tokens, state)  # (L, B, d_last)
-        total += float(model.head.loss(hidden, target, reduction="sum", chunk_size=chunk_size))
-        count += target.numel()
-    return total / count
-
-
-def head_chunk_size(config: Config) -> int | str:
-    """``train.chunk_size``, or ``"auto"`` when unset: the heads' default, chunks of about
-    2**21 logits, which bounds memory and avoids allocating (N, K, V) tensors every step (on
-    2 CPU cores the small MoS recipe, K = 5, ran about 1,300 tokens/s unchunked at best and
-    2,600 with "auto"; the small softmax recipe 5,100 and 6,600)."""
-    return "auto" if config.train.chunk_size is None else config.train.chunk_size
-
-
 def build_optimizer(
     model: LanguageModel, lr: float, weight_decay: float, phase: str = "sgd"
 ) -> torch.optim.Optimizer:
@@ -153,29 +125,6 @@ def build_optimizer(
 def bptt_generator(seed: int) -> torch.Generator:
     """The generator of the variable BPTT lengths, its own stream (checkpointed separately)."""
     return torch.Generator().manual_seed(seed + 1)
-
-
-class Splits(NamedTuple):
-    train: torch.Tensor  # (T, batch_size)
-    valid: torch.Tensor  # (T, eval_batch_size)
-
-
-def load_splits(config: Config, corpus: Corpus, device: torch.device) -> Splits:
-    """The corpus's train / validation batches (train.batch_size, train.eval_batch_size);
-    under torchrun this process's share of their columns (:mod:`highrank.train.distributed`:
-    the training batch must divide by the number of processes)."""
-    train = corpus.batchify("train", config.train.batch_size)
-    valid = corpus.batchify("valid", config.train.eval_batch_size)
-    train = shard_columns(train, "train.batch_size")
-    valid = shard_columns(valid, "train.eval_batch_size", strict=False)
-    return Splits(train.to(device), valid.to(device))
-
-
-def validation_loss(model: LanguageModel, config: Config, valid: torch.Tensor) -> float:
-    """:func:`evaluate_loss` of the validation columns ``valid``, averaged over the processes
-    under torchrun when each holds a share of them (the same columns everywhere otherwise)."""
-    loss = evaluate_loss(model, valid, config.train.bptt, chunk_size=head_chunk_size(config))
-    return average(loss) if valid.size(1) != config.train.eval_batch_size else loss
 
 
 # ---- the recipe -------------------------------------------------------------------------------
@@ -330,14 +279,9 @@ class AWDLSTMRecipe:
 
 __all__ = [
     "AWDLSTMRecipe",
-    "Splits",
     "StepOutcome",
     "bptt_generator",
     "build_optimizer",
-    "evaluate_loss",
-    "head_chunk_size",
-    "load_splits",
     "optimization_step",
     "training_loss",
-    "validation_loss",
 ]

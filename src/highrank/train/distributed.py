@@ -53,8 +53,9 @@ import torch.distributed as dist
 from torch import nn
 
 from highrank.config import ConfigError
-from highrank.runs import RunDir
+from highrank.runs.run_dir import RunDir
 from highrank.train.reporting import RunLog
+from highrank.train.startup import seed_everything
 from highrank.train.state import Progress
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -115,8 +116,6 @@ def distribute(model: nn.Module, seed: int) -> nn.Module:
     weights), and processes r > 0 reseed their global RNGs (dropout masks of their own)."""
     if not active():
         return model
-    from highrank.train.steps import seed_everything  # steps imports nothing of ours
-
     device = next(model.parameters()).device
     ids = None  # CPU: DDP takes no device ids
     if device.type == "cuda":

@@ -9,7 +9,7 @@ What the loop guarantees whatever the recipe:
   stage between two steps (a signal then raises :class:`~highrank.train.state.Interrupted`
   naming the file; :mod:`highrank.train.interrupts`); resuming it continues bit-identically on
   the same machine (the payload holds the model, the recipe's state, every RNG, the progress
-  and the metrics offset; :mod:`highrank.checkpoint` documents the layout,
+  and the metrics offset; :mod:`highrank.runs.checkpoint` documents the layout,
   :mod:`highrank.train.saving` writes it);
 * the best checkpoint whenever validation improves on the best so far (after an epoch-end
   validation it is written once the next epoch has begun, so it resumes cleanly there);
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from highrank.checkpoint import restore_rng
 from highrank.config import Config
-from highrank.runs import MetricsLog, RunDir
+from highrank.runs.checkpoint import restore_rng
+from highrank.runs.run_dir import MetricsLog, RunDir
 from highrank.train import distributed
 from highrank.train.interrupts import SignalCatcher
 from highrank.train.recipe import Recipe, Stage, StepBatch

@@ -1,7 +1,7 @@
 """What a training stage writes as it goes: metrics.jsonl, TensorBoard, the progress bar and
 the one-line summary of each validation (on stderr).
 
-Records (one JSON object per line of ``metrics.jsonl``, see :mod:`highrank.runs`):
+Records (one JSON object per line of ``metrics.jsonl``, see :mod:`highrank.runs.run_dir`):
 
 * ``"kind": "step"`` every ``train.log_every`` steps: the training loss of that window;
 * ``"kind": "epoch"`` after each epoch's validation, ``"kind": "eval"`` after a mid-epoch one:
@@ -18,10 +18,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from highrank.progress import progress_bar
-from highrank.runs import MetricsLog, RunDir, TensorBoardLog
+from highrank.runs.run_dir import MetricsLog, RunDir, TensorBoardLog
 from highrank.train.recipe import EpochSize, Verdict
 from highrank.train.state import Meter, Progress
+from highrank.util.progress import progress_bar
 
 
 class RunLog:
@@ -83,7 +83,7 @@ class RunLog:
 
     def bar(self, size: EpochSize):
         """A bar over the epoch's tokens, starting at the progress position (a line now and
-        then when stderr is not a terminal: :mod:`highrank.progress`)."""
+        then when stderr is not a terminal: :mod:`highrank.util.progress`)."""
         return progress_bar(
             total=size.positions * size.tokens_per_position,
             initial=self.progress.position * size.tokens_per_position,

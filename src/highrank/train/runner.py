@@ -15,14 +15,6 @@ from typing import Any
 
 import torch
 
-from highrank.checkpoint import (
-    CheckpointError,
-    config_of,
-    load_checkpoint,
-    load_resumable,
-    load_weights,
-    missing_best_hint,
-)
 from highrank.config import (
     Config,
     ConfigError,
@@ -32,17 +24,25 @@ from highrank.config import (
     parse_override,
 )
 from highrank.data import Corpus
-from highrank.locks import run_lock
+from highrank.data.streaming import open_corpus
 from highrank.model import build_model, count_parameters
-from highrank.runs import RunDir, check_writable
-from highrank.streaming import open_corpus
+from highrank.runs.checkpoint import (
+    CheckpointError,
+    config_of,
+    load_checkpoint,
+    load_resumable,
+    load_weights,
+    missing_best_hint,
+)
+from highrank.runs.locks import run_lock
+from highrank.runs.run_dir import RunDir, check_writable
 from highrank.train import distributed
 from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import Recipe, Stage
 from highrank.train.seq2seq import Seq2SeqRecipe, continue_translation, start_translation
+from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import Progress, TrainOptions, TrainResult
-from highrank.train.steps import resolve_device, seed_everything
 from highrank.train.transformer import TransformerRecipe
 from highrank.train.warm_start import init_from_run
 
@@ -50,7 +50,7 @@ from highrank.train.warm_start import init_from_run
 RECIPES: dict[str, Callable[..., Recipe]] = {
     "awd-lstm": AWDLSTMRecipe,
     "transformer": TransformerRecipe,
-    "seq2seq": Seq2SeqRecipe,  # its "corpus" is a highrank.translation.TranslationData
+    "seq2seq": Seq2SeqRecipe,  # its "corpus" is a highrank.mt.translation.TranslationData
 }
 
 # Keys a resumed run may change: they do not alter the computation already done (data.dir
@@ -107,7 +107,7 @@ def _absolute_paths(config: Config) -> Config:
 
 
 def _corpus(config: Config) -> Corpus:
-    """In memory, or memory-mapped when data.memmap (:mod:`highrank.streaming`)."""
+    """In memory, or memory-mapped when data.memmap (:mod:`highrank.data.streaming`)."""
     return open_corpus(config.data, config.train.seed)
 
 

@@ -4,7 +4,7 @@
 ``train.checkpoint_every`` steps, every ``train.checkpoint_minutes`` minutes of wall time
 (checked after each step), at every epoch end and whenever the loop stops between steps; at
 most once per position. ``best`` is written when validation improves. The payload layout is
-:mod:`highrank.checkpoint`'s: the loop's keys here, the recipe's from ``recipe.state_dict()``.
+:mod:`highrank.runs.checkpoint`'s: the loop's keys here, the recipe's from ``recipe.state_dict()``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from highrank.checkpoint import FORMAT, VERSION, capture_rng, save_checkpoint
 from highrank.config import Config, config_to_dict
-from highrank.runs import MetricsLog, RunDir
+from highrank.runs.checkpoint import FORMAT, VERSION, capture_rng, save_checkpoint
+from highrank.runs.run_dir import MetricsLog, RunDir
 from highrank.train import distributed
 from highrank.train.recipe import Recipe, Stage
 from highrank.train.state import Progress
@@ -92,7 +92,7 @@ class Checkpoints:
         distributed.barrier()
 
     def payload(self, kind: str) -> dict[str, Any]:
-        """The checkpoint contents (see :mod:`highrank.checkpoint`)."""
+        """The checkpoint contents (see :mod:`highrank.runs.checkpoint`)."""
         metrics = (self.metrics.offset(), self.metrics.lines(self.stage.name))
         return {
             "format": FORMAT,

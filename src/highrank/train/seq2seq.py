@@ -3,7 +3,7 @@
 Vaswani et al., "Attention Is All You Need" (NeurIPS 2017), Sec. 5, as fairseq runs it:
 
     batches     pairs sorted by length and cut at train.max_tokens padded tokens
-                (:class:`highrank.bitext.TokenBatches`), shuffled per epoch from
+                (:class:`highrank.mt.bitext.TokenBatches`), shuffled per epoch from
                 (train.seed, epoch); pairs longer than model.max_len are dropped
     loss        the head's label-smoothed cross-entropy (train.label_smoothing, Szegedy et al.
                 2016), mean over the real target tokens, padding ignored
@@ -34,22 +34,22 @@ from typing import Any
 
 import torch
 
-from highrank.checkpoint import CheckpointError, load_weights
 from highrank.config import Config, ConfigError
 from highrank.model import build_seq2seq
-from highrank.runs import RunDir, RunDirError
-from highrank.train import distributed
-from highrank.train.awd_lstm import head_chunk_size
-from highrank.train.loop import Trainer, restore
-from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
-from highrank.train.schedule import build_adamw, lr_factor, set_lr
-from highrank.train.state import Progress, TrainOptions, TrainResult
-from highrank.train.steps import backward_or_skip, clip_or_skip, resolve_device, seed_everything
-from highrank.translation import (
+from highrank.mt.translation import (
     TranslationData,
     learn_translation_data,
     saved_translation_data,
 )
+from highrank.runs.checkpoint import CheckpointError, load_weights
+from highrank.runs.run_dir import RunDir, RunDirError
+from highrank.train import distributed
+from highrank.train.loop import Trainer, restore
+from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
+from highrank.train.schedule import build_adamw, lr_factor, set_lr
+from highrank.train.startup import resolve_device, seed_everything
+from highrank.train.state import Progress, TrainOptions, TrainResult
+from highrank.train.steps import backward_or_skip, clip_or_skip, head_chunk_size
 
 ADAM_BETA1, ADAM_EPSILON = 0.9, 1e-9  # Vaswani et al. 2017, Sec. 5.3
 
@@ -100,7 +100,7 @@ class Seq2SeqRecipe:
     def _batches(self, epoch: int):
         """The shuffled token batches of ``epoch`` (built once per epoch)."""
         if self._epoch_batches is None or self._epoch_batches[0] != epoch:
-            from highrank.bitext import TokenBatches
+            from highrank.mt.bitext import TokenBatches
 
             batches = TokenBatches(
                 self.data.pairs("train"),
@@ -207,7 +207,7 @@ class Seq2SeqRecipe:
 
 def _eval_batches(data: TranslationData, split: str, max_tokens: int):
     """A split's batches in length order (no shuffling, nothing dropped)."""
-    from highrank.bitext import TokenBatches
+    from highrank.mt.bitext import TokenBatches
 
     return TokenBatches(
         data.pairs(split), max_tokens=max_tokens, special=data.special, shuffle=False

@@ -24,7 +24,7 @@ The schedule of decoder-only Transformer LMs (GPT-2, Radford et al. 2019; minGPT
                 0 at the last update of train.epochs) or ``"inverse-sqrt"`` (Vaswani et al.
                 2017, eq. 3) (:func:`highrank.train.schedule.lr_factor`), set before every update
     validation  the valid split as train.eval_batch_size columns in windows of train.bptt,
-                the same protocol (:func:`highrank.train.awd_lstm.evaluate_loss` with the
+                the same protocol (:func:`highrank.train.stream.evaluate_loss` with the
                 Transformer's empty state), float32, every train.eval_every updates and at
                 every epoch end; best.pt holds the weights with the lowest loss
 
@@ -51,14 +51,14 @@ from torch import nn
 
 from highrank.config import Config, ConfigError
 from highrank.data import Corpus, get_batch
+from highrank.data.streaming import epoch_view
 from highrank.model import LanguageModel
-from highrank.streaming import epoch_view
-from highrank.train.awd_lstm import Splits, head_chunk_size, load_splits, validation_loss
 from highrank.train.distributed import average, distribute, no_sync
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.schedule import lr_factor
 from highrank.train.state import Progress
-from highrank.train.steps import backward_or_skip, clip_or_skip
+from highrank.train.steps import backward_or_skip, clip_or_skip, head_chunk_size
+from highrank.train.stream import Splits, load_splits, validation_loss
 
 ADAM_BETA1, ADAM_EPSILON = 0.9, 1e-8
 

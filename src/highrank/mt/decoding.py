@@ -42,7 +42,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from highrank.checks import check_finite, check_positive_int
+from highrank.util.checks import check_finite, check_positive_int
 
 
 class Hypothesis(NamedTuple):

@@ -3,7 +3,7 @@
 SentencePiece (Kudo & Richardson 2018, "SentencePiece: A simple and language independent
 subword tokenizer and detokenizer for Neural Text Processing") learns BPE (Sennrich et al.
 2016) or unigram-LM (Kudo 2018) pieces straight from raw text and decodes pieces back to raw
-text, so translations are scored detokenised against raw references (``highrank.bleu``).
+text, so translations are scored detokenised against raw references (``highrank.mt.bleu``).
 Knobs (:class:`SubwordSettings`): the model type, the size, and ``joint`` (one vocabulary for
 both languages, learned on both train sides, the default for en-de: Vaswani et al. 2017
 Sec. 5.1 used a shared source-target BPE vocabulary; 8,000 pieces by default for the 29,000
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from highrank.bitext import SpecialIds
-from highrank.data import _atomic_write_bytes
+from highrank.mt.bitext import SpecialIds
+from highrank.util.atomic import write_bytes_atomic, write_text_atomic
 
 MODEL_TYPES = ("bpe", "unigram")
 BOS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3  # fairseq's Dictionary order
@@ -61,7 +61,7 @@ def _sentencepiece():
         import sentencepiece
     except ImportError:
         raise ImportError(
-            "highrank.subwords needs the 'sentencepiece' package, which is not installed; "
+            "highrank.mt.subwords needs the 'sentencepiece' package, which is not installed; "
             "install the translation extra: pip install 'highrank[mt]'"
         ) from None
     return sentencepiece
@@ -114,7 +114,7 @@ class SubwordVocab:
         if found != (BOS_ID, PAD_ID, EOS_ID, UNK_ID):
             raise SubwordError(
                 f"{name}: the SentencePiece model has bos/pad/eos/unk ids {found}; expected "
-                f"{(BOS_ID, PAD_ID, EOS_ID, UNK_ID)} (a model learned by highrank.subwords)"
+                f"{(BOS_ID, PAD_ID, EOS_ID, UNK_ID)} (a model learned by highrank.mt.subwords)"
             )
         self.order = np.asarray(order, dtype=np.int64)
         _check_order(self.order, self._sp.get_piece_size(), name)
@@ -236,7 +236,7 @@ class Subwords:
         folder = Path(run_dir).expanduser() / FOLDER
         entries = {}
         for side, vocab in self._vocabularies().items():
-            _atomic_write_bytes(folder / f"{vocab.name}.model", vocab.model_proto)
+            write_bytes_atomic(folder / f"{vocab.name}.model", vocab.model_proto)
             entries[side] = {
                 "model": f"{vocab.name}.model",
                 "sha256": hashlib.sha256(vocab.model_proto).hexdigest(),
@@ -250,7 +250,7 @@ class Subwords:
             "tgt_lang": self.tgt_lang,
             "vocabularies": entries,
         }
-        _atomic_write_bytes(folder / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8"))
+        write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1))
         return folder
 
     def _vocabularies(self) -> dict[str, SubwordVocab]:

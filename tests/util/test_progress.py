@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from highrank.progress import LineProgress, progress_bar
+from highrank.util.progress import LineProgress, progress_bar
 
 
 class Terminal(io.StringIO):
@@ -23,7 +23,7 @@ def test_a_terminal_gets_tqdm_and_a_file_gets_lines():
 
 def test_lines_come_once_per_interval_and_at_the_end(monkeypatch):
     clock = iter(range(0, 10_000, 10))  # every call to monotonic advances 10 s
-    monkeypatch.setattr("highrank.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("highrank.util.progress.time.monotonic", lambda: next(clock))
     out = io.StringIO()
     with LineProgress(100, "eval", "seg", file=out, seconds=25) as bar:
         for _ in range(10):

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-SWITCH_POLICIES = ("nt-asgd", "et-asgd", "sgd")
+from highrank.config import SWITCH_POLICIES  # the schema's values of train.optimizer
 
 # Group keys of torch.optim.SGD that ASGD does not have; every other key is carried over.
 _SGD_ONLY_KEYS = ("momentum", "dampening", "nesterov", "fused")

@@ -9,8 +9,8 @@ the WMT ``mteval-v13a.pl`` script), so scores are comparable across papers, and 
 signature saying exactly how (``nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0``).
 
 Translations are detokenised by the subword model that made them
-(``highrank.subwords.SubwordVocab.decode_lines``); references are the raw target-side lines
-of the test split as ``highrank.bitext`` reads them (Multi30k: ``test.de``, the 1,000
+(``highrank.mt.subwords.SubwordVocab.decode_lines``); references are the raw target-side lines
+of the test split as ``highrank.mt.bitext`` reads them (Multi30k: ``test.de``, the 1,000
 sentences of test2016, stripped of leading/trailing whitespace), not the lower-cased
 Moses-tokenised ``tok/`` copies.
 
@@ -30,7 +30,7 @@ def _sacrebleu():
         import sacrebleu
     except ImportError:
         raise ImportError(
-            "highrank.bleu needs the 'sacrebleu' package, which is not installed; "
+            "highrank.mt.bleu needs the 'sacrebleu' package, which is not installed; "
             "install the translation extra: pip install 'highrank[mt]'"
         ) from None
     return sacrebleu

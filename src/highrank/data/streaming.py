@@ -56,20 +56,21 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-from highrank.data import (
+from highrank.data.corpus import (
     EOS,
     SPLITS,
     UNK,
     CorpusError,
     Vocab,
-    _check_directory,
-    _check_mode,
-    _check_split_name,
-    _empty_split_error,
-    _tokenize,
     batchify,
+    check_directory,
+    check_mode,
+    check_split_name,
     default_cache_dir,
+    empty_split_error,
+    tokenize,
 )
+from highrank.util.atomic import sync
 
 # Bump when the tokenisation, the vocabulary rule or the cache layout changes.
 STREAM_VERSION = 1
@@ -219,13 +220,13 @@ def _count_and_write(files: list[Path], mode: str, out: Path) -> tuple[list[str]
     seen, counts, lines = _FirstSeen(), np.zeros(0, dtype=np.int64), 0
     with open(out, "wb") as handle:
         for _, _, text in iter_blocks(files):
-            tokens, n_lines = _tokenize(text, mode)
+            tokens, n_lines = tokenize(text, mode)
             ids = np.fromiter(map(seen.__getitem__, tokens), dtype=ID_DTYPE, count=len(tokens))
             block_counts = np.bincount(ids, minlength=len(seen))
             block_counts[: len(counts)] += counts
             counts, lines = block_counts, lines + n_lines
             handle.write(ids.tobytes())
-        _sync(handle)
+        sync(handle)
     return list(seen), counts, lines
 
 
@@ -236,7 +237,7 @@ def _remap_in_place(path: Path, remap: np.ndarray, block: int = 1 << 20) -> None
         while (ids := np.fromfile(handle, dtype=ID_DTYPE, count=block)).size:
             handle.seek(-ids.nbytes, os.SEEK_CUR)
             handle.write(remap[ids].tobytes())
-        _sync(handle)
+        sync(handle)
 
 
 def _encode_to(files: list[Path], vocab: Vocab, mode: str, out: Path) -> tuple[int, int]:
@@ -245,7 +246,7 @@ def _encode_to(files: list[Path], vocab: Vocab, mode: str, out: Path) -> tuple[i
     stoi, unk, lines, oov = vocab._stoi, vocab.unk_id, 0, 0
     with open(out, "wb") as handle:
         for path, first_line, text in iter_blocks(files):
-            tokens, n_lines = _tokenize(text, mode)
+            tokens, n_lines = tokenize(text, mode)
             if unk is None:
                 ids = _encode_strict(tokens, stoi, path, first_line, text, mode, vocab)
             else:
@@ -253,7 +254,7 @@ def _encode_to(files: list[Path], vocab: Vocab, mode: str, out: Path) -> tuple[i
                 oov += int(np.count_nonzero(ids == unk)) - tokens.count(UNK)
             lines += n_lines
             handle.write(ids.tobytes())
-        _sync(handle)
+        sync(handle)
     return lines, oov
 
 
@@ -278,11 +279,6 @@ def _encode_strict(tokens, stoi, path: Path, first_line: int, text: str, mode: s
             f"vocabulary ({len(vocab)} tokens) has no {UNK!r} to map it to; add {UNK!r} to the "
             f"train split or replace the {kind} in {path.name}"
         ) from None
-
-
-def _sync(handle) -> None:
-    handle.flush()
-    os.fsync(handle.fileno())
 
 
 # ---- the cache folder ---------------------------------------------------------------------
@@ -314,7 +310,7 @@ def _check_not_empty(files, split: str, tokens: int, lines: int, mode: str) -> N
         return
     paths = files[split]
     where = paths[0] if paths[0].name == f"{split}.txt" else paths[0].parent
-    raise _empty_split_error(where, split, sum(p.stat().st_size for p in paths), lines, mode)
+    raise empty_split_error(where, split, sum(p.stat().st_size for p in paths), lines, mode)
 
 
 def _read_cached(folder: Path, key: str) -> tuple[Vocab, dict] | None:
@@ -360,7 +356,7 @@ def _write_cache(folder: Path, files, mode: str, max_vocab: int | None, key: str
 def _build_lock(folder: Path) -> Iterator[None]:
     """A blocking ``flock`` on ``<folder>.lock``, so that processes started together (torchrun)
     build a cache once: the others wait, then read it. The kernel releases it if the holder
-    dies; the small lock file stays (as :mod:`highrank.locks` explains)."""
+    dies; the small lock file stays (as :mod:`highrank.runs.locks` explains)."""
     if fcntl is None:  # pragma: no cover - Windows: no lock
         yield
         return
@@ -399,14 +395,14 @@ class StreamCorpus:
 
     def path(self, name: str) -> Path:
         """The file of split ``name``, or its shard folder."""
-        _check_split_name(name)
+        check_split_name(name)
         files = self.files[name]
         return files[0] if files[0].name == f"{name}.txt" else files[0].parent
 
     def split(self, name: str) -> torch.Tensor:
         """Split ``name`` as an in-memory int64 tensor (this reads it whole: fine for
         valid/test; train is meant to be read through :meth:`batchify`)."""
-        _check_split_name(name)
+        check_split_name(name)
         return torch.from_numpy(np.asarray(self.ids[name], dtype=np.int64))
 
     @property
@@ -424,7 +420,7 @@ class StreamCorpus:
     def batchify(self, name: str, batch_size: int) -> StreamBatches:
         """The ``(T, B)`` view of split ``name`` (sentence-shuffled for train when
         ``batching == "sentences"``)."""
-        _check_split_name(name)
+        check_split_name(name)
         order = None
         if name == "train" and self.batching == "sentences":
             order = SentenceOrder(sentence_ends(self.ids[name], self.vocab.eos_id), self.seed)
@@ -442,8 +438,8 @@ def load_stream_corpus(
 ) -> StreamCorpus:
     """Open (building once) the memory-mapped corpus of ``directory`` (see the module
     docstring); ``cache_dir`` defaults to :func:`highrank.data.default_cache_dir`."""
-    directory = _check_directory(directory)
-    _check_mode(mode)
+    directory = check_directory(directory)
+    check_mode(mode)
     if max_vocab is not None and (isinstance(max_vocab, bool) or max_vocab < 2):
         raise CorpusError(
             f"data.max_vocab = {max_vocab!r}; expected an int >= 2 (<eos> and <unk> at least)"
@@ -631,7 +627,7 @@ def open_corpus(data, seed: int = 0, *, directory: str | os.PathLike | None = No
     """The corpus a ``[data]`` config (:class:`highrank.config.DataConfig`) names: memory-mapped
     (:func:`load_stream_corpus`) when ``data.memmap``, else :func:`highrank.data.load_corpus`;
     ``directory`` overrides ``data.dir``; ``seed`` (train.seed) seeds sentence shuffling."""
-    from highrank.data import load_corpus
+    from highrank.data.corpus import load_corpus
 
     directory = directory or data.dir
     if not getattr(data, "memmap", False):
@@ -653,7 +649,7 @@ def split_stream(corpus, name: str) -> torch.Tensor | np.ndarray:
     the analyses read a run's split through, so a run trained from a memory map is evaluated
     and analysed from it too (:meth:`StreamCorpus.split` would read the split whole)."""
     if isinstance(corpus, StreamCorpus):
-        _check_split_name(name)
+        check_split_name(name)
         return corpus.ids[name]
     return corpus.split(name)
 

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from highrank.checkpoint import checkpoint_path
+from highrank.runs.checkpoint import checkpoint_path
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -35,7 +35,7 @@ def split_sha256(path: str | os.PathLike) -> str:
     path = Path(path)
     if not path.is_dir():
         return file_sha256(path)
-    from highrank.streaming import split_files
+    from highrank.data.streaming import split_files
 
     digest = hashlib.sha256()
     for shard in split_files(path.parent, path.name):

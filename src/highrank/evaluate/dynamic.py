@@ -1,14 +1,4 @@
-"""Evaluation: perplexity with carried state, per-token NLL export, and dynamic evaluation.
-
-Static evaluation (:func:`evaluate_perplexity`) follows AWD-LSTM (Merity et al., 2018): the
-stream is laid out as B contiguous columns (validation B = 10, test B = 1), read in segments of
-``bptt`` (70) with the hidden state carried across segments, and
-
-    perplexity = exp(total NLL / number of predicted tokens),
-
-the total accumulated in float64. Every dropout, weight drop included, is off (eval mode).
-
-Dynamic evaluation (Krause, Kahembwe, Murray & Renals, "Dynamic Evaluation of Neural Sequence
+"""Dynamic evaluation (Krause, Kahembwe, Murray & Renals, "Dynamic Evaluation of Neural Sequence
 Models", 2017; the "RMS" variant of Sec. 4 as shipped with the MoS code, Yang et al. 2018)
 adapts the model to the recent history while it is being scored:
 
@@ -28,20 +18,21 @@ with :func:`torch.autograd.grad`, so no ``.grad`` attribute of the caller's mode
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
-from highrank.data import Vocab, iter_batches
+from highrank.evaluate.scoring import (
+    EvalResult,
+    NllTally,
+    TokenIds,
+    batchify_on,
+    scoring_mode,
+    segments,
+)
 from highrank.model import LanguageModel
-from highrank.progress import progress_bar
-from highrank.streaming import batch_view
+from highrank.util.checks import check_positive_int
 
 # Krause et al. (2017) hyperparameters as used for AWD-LSTM-MoS (Yang et al., 2018, Sec. 3);
 # the keys are the keyword arguments of dynamic_evaluate (and the [dynamic_eval] config keys).
@@ -50,54 +41,11 @@ DYNAMIC_EVAL_DEFAULTS: dict[str, dict[str, float]] = {
     "wt2": {"lr": 0.002, "epsilon": 0.002, "prior_decay": 0.02},
 }
 
-TokenIds = torch.Tensor | np.ndarray | Sequence[int]
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: comparing tensors field-wise is ambiguous
-class EvalResult:
-    """The outcome of scoring one token stream ``ids`` of N tokens.
-
-    Attributes:
-        loss: mean NLL per predicted token, in nats.
-        perplexity: ``exp(loss)`` (``inf`` on overflow).
-        tokens: number of predicted (scored) tokens.
-        token_nll: ``(N - 1,)`` float tensor on the CPU (only when asked for):
-            ``token_nll[i]`` is the NLL of predicting ``ids[i + 1]``, NaN where that
-            prediction was not scored (the last token of each batch column and the tail
-            trimmed by batching).
-        target_ids: ``(N - 1,)`` = ``ids[1:]``, aligned with ``token_nll`` (when asked for).
-    """
-
-    loss: float
-    perplexity: float
-    tokens: int
-    token_nll: torch.Tensor | None = None
-    target_ids: torch.Tensor | None = None
-
-
-# ---- static evaluation --------------------------------------------------------------------
-
-
-AWD_LSTM_EVAL_BPTT = 70  # AWD-LSTM / MoS evaluation segments (the state is carried across)
-
-
-def default_bptt(config) -> int:
-    """The segment length evaluation and analysis use when none is given.
-
-    A Transformer run (``model.backbone = "transformer"``) carries no state between windows, so
-    its own training window ``train.bptt`` is the protocol it was trained for (and its learned
-    positions cover no more); an AWD-LSTM run carries its state, and the papers score it in
-    segments of 70 whatever it was trained with.
-    """
-    if config.model.backbone == "transformer":
-        return config.train.bptt
-    return AWD_LSTM_EVAL_BPTT
-
 
 def refuse_transformer_dynamic_eval(config) -> None:
     """Dynamic evaluation (segments of 5, state carried) is defined for recurrent models: a
     Transformer window would see only its own 5 tokens, so the figure would mean nothing."""
-    from highrank.runs import RunDirError
+    from highrank.runs.run_dir import RunDirError
 
     if config.model.backbone != "awd-lstm":
         raise RunDirError(
@@ -106,77 +54,6 @@ def refuse_transformer_dynamic_eval(config) -> None:
             f"segments of {config.dynamic_eval.bptt} tokens that dynamic evaluation scores; "
             f"use `highrank eval` instead"
         )
-
-
-def evaluate_perplexity(
-    model: LanguageModel,
-    ids: TokenIds,
-    *,
-    batch_size: int,
-    bptt: int = 70,
-    progress: bool = False,
-    return_token_nll: bool = False,
-    name: str = "evaluation stream",
-) -> EvalResult:
-    """Perplexity of the 1-D token stream ``ids`` with the hidden state carried across segments.
-
-    The stream is trimmed to a multiple of ``batch_size`` (B) and laid out as B contiguous
-    columns (:func:`highrank.data.batchify`); the papers use B = 10 for validation and B = 1
-    for test. Segments of ``bptt`` rows are scored in order, the state of one segment feeding
-    the next, in eval mode (no dropout) and without gradients. Each module's training flag is
-    restored afterwards. ``name`` (e.g. the split's file) appears in errors, such as a stream
-    shorter than two tokens per column.
-    """
-    _check_positive_int("bptt", bptt)
-    source = _batchify_on(model, ids, batch_size, name)  # (T, B)
-    tally = _NllTally(source, ids, keep_tokens=return_token_nll)
-    with _scoring_mode(model, adapting=False):
-        state = model.init_state(batch_size)
-        for tokens, target in _segments(source, bptt, progress, "eval"):
-            nll, state = model.nll(tokens, target, state)  # (L, B)
-            tally.add(nll)
-    return tally.result()
-
-
-# ---- per-token export ---------------------------------------------------------------------
-
-
-def write_token_nll(
-    path: str | os.PathLike, result: EvalResult, vocab: Vocab | None = None
-) -> Path:
-    """Write ``result``'s per-token NLL (from ``return_token_nll=True``) to ``path``.
-
-    * ``.tsv``: a header ``position<TAB>target<TAB>nll``, then one row per scored prediction in
-      stream order: the 0-based position of the target token in the stream (``i + 1`` for
-      ``token_nll[i]``), the target word (its id when ``vocab`` is None) and the NLL in nats.
-    * ``.npy``: the float array ``token_nll`` of length N - 1, NaN where not scored.
-
-    Returns the path written.
-    """
-    path = Path(path)
-    if result.token_nll is None or result.target_ids is None:
-        raise ValueError(
-            "the EvalResult holds no per-token NLL; evaluate with return_token_nll=True"
-        )
-    suffix = path.suffix.lower()
-    if suffix == ".npy":
-        np.save(path, result.token_nll.numpy())
-    elif suffix == ".tsv":
-        path.write_text(_token_nll_tsv(result, vocab), encoding="utf-8")
-    else:
-        raise ValueError(f"cannot write token NLL to {path}: expected a .tsv or .npy file name")
-    return path
-
-
-def _token_nll_tsv(result: EvalResult, vocab: Vocab | None) -> str:
-    """TSV text of the scored predictions (tokens never hold tabs or newlines)."""
-    nll, targets = result.token_nll, result.target_ids
-    scored = torch.nonzero(~torch.isnan(nll)).flatten().tolist()
-    target_ids = targets[scored].tolist()
-    words = vocab.decode(target_ids) if vocab is not None else [str(t) for t in target_ids]
-    values = nll[scored].tolist()
-    rows = (f"{i + 1}\t{w}\t{v:.6f}" for i, w, v in zip(scored, words, values, strict=True))
-    return "\n".join(["position\ttarget\tnll", *rows]) + "\n"
 
 
 # ---- dynamic evaluation: gradient statistics and decay rates --------------------------------
@@ -206,15 +83,15 @@ def gradient_statistics(
     Returns ``{name: MS}`` keyed like ``model.named_parameters()``: each trainable parameter
     once (a tied embedding under its first name), MS with the parameter's shape and device.
     """
-    _check_positive_int("bptt", bptt)
+    check_positive_int("bptt", bptt)
     if max_batches is not None:
-        _check_positive_int("max_batches", max_batches)
+        check_positive_int("max_batches", max_batches)
     params = _adaptable_parameters(model)
-    source = _batchify_on(model, train_ids, batch_size, name)  # (T, B)
+    source = batchify_on(model, train_ids, batch_size, name)  # (T, B)
     squares = {key: torch.zeros_like(p) for key, p in params.items()}
-    with _scoring_mode(model, adapting=True):
+    with scoring_mode(model, adapting=True):
         state = model.init_state(batch_size)
-        for tokens, target in _segments(source, bptt, progress, "grad stats", max_batches):
+        for tokens, target in segments(source, bptt, progress, "grad stats", max_batches):
             nll, state = model.nll(tokens, target, state)  # (L, B)
             grads = _gradients(nll.mean(), params)
             for square, grad in zip(squares.values(), grads, strict=True):
@@ -287,13 +164,13 @@ def dynamic_evaluate(
     _check_dynamic_hyperparameters(lr, epsilon, prior_decay, bptt)
     params = _adaptable_parameters(model)
     stats = _match_stats(params, stats)
-    source = _batchify_on(model, ids, batch_size, name)  # (T, B)
+    source = batchify_on(model, ids, batch_size, name)  # (T, B)
     rule = _UpdateRule(params, stats, decay_rates(stats, prior_decay), lr, epsilon, prior_decay)
-    tally = _NllTally(source, ids, keep_tokens=return_token_nll)
+    tally = NllTally(source, ids, keep_tokens=return_token_nll)
     try:
-        with _scoring_mode(model, adapting=True):
+        with scoring_mode(model, adapting=True):
             state = model.init_state(batch_size)
-            for tokens, target in _segments(source, bptt, progress, "dynamic eval"):
+            for tokens, target in segments(source, bptt, progress, "dynamic eval"):
                 nll, state = model.nll(tokens, target, state)  # (L, B)
                 tally.add(nll.detach())  # scored before the update
                 rule.step(_gradients(nll.mean(), params))
@@ -345,7 +222,7 @@ def _check_dynamic_hyperparameters(lr: float, epsilon: float, prior_decay: float
     _check_non_negative("epsilon", epsilon)
     if epsilon == 0:
         raise ValueError("epsilon must be > 0: it keeps grad / (MS + epsilon) finite where MS = 0")
-    _check_positive_int("bptt", bptt)
+    check_positive_int("bptt", bptt)
 
 
 def _match_stats(
@@ -370,85 +247,6 @@ def _match_stats(
     return matched
 
 
-# ---- shared machinery ---------------------------------------------------------------------
-
-
-class _NllTally:
-    """Sums per-token NLL in float64 and, optionally, keeps it to export in stream order."""
-
-    def __init__(self, source: torch.Tensor, ids: TokenIds, *, keep_tokens: bool) -> None:
-        self.rows, self.columns = source.shape  # (T, B)
-        self.total = torch.zeros((), dtype=torch.float64, device=source.device)
-        self.count = 0
-        self.pieces: list[torch.Tensor] | None = [] if keep_tokens else None
-        self.stream = _stream_tensor(ids) if keep_tokens else None
-
-    def add(self, nll: torch.Tensor) -> None:
-        """nll: (L, B) for the next L rows of targets."""
-        self.total += nll.sum(dtype=torch.float64)
-        self.count += nll.numel()
-        if self.pieces is not None:
-            self.pieces.append(nll)
-
-    def result(self) -> EvalResult:
-        loss = float(self.total) / self.count
-        if self.pieces is None:
-            return EvalResult(loss, _perplexity(loss), self.count)
-        matrix = torch.cat(self.pieces).cpu()  # (T - 1, B)
-        token_nll = _stream_order(matrix, self.rows, self.stream.numel())
-        return EvalResult(loss, _perplexity(loss), self.count, token_nll, self.stream[1:])
-
-
-def _stream_tensor(ids: TokenIds) -> torch.Tensor:
-    """The stream as a CPU tensor (a memory map read into int64, as the in-memory corpus has it:
-    a per-token export holds the whole split anyway)."""
-    if isinstance(ids, np.memmap):
-        return torch.from_numpy(np.asarray(ids, dtype=np.int64))
-    return torch.as_tensor(ids).cpu()
-
-
-def _stream_order(matrix: torch.Tensor, rows: int, n_stream: int) -> torch.Tensor:
-    """Undo batchify's layout: ``matrix (T - 1, B)`` -> ``(N - 1,)``, NaN where not scored.
-
-    Column b holds stream positions ``b*T .. b*T + T - 1``, so ``matrix[t, b]`` predicts
-    position ``b*T + t + 1`` from position ``i = b*T + t``.
-    """
-    columns = matrix.shape[1]
-    flat = matrix.new_full((n_stream,), math.nan)
-    flat[: rows * columns].view(columns, rows)[:, : rows - 1] = matrix.t()  # (B, T - 1)
-    return flat[: n_stream - 1]
-
-
-def _perplexity(loss: float) -> float:
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return math.inf
-
-
-@contextmanager
-def _scoring_mode(model: nn.Module, *, adapting: bool) -> Iterator[None]:
-    """Eval mode (every dropout, weight drop included, off) with gradients on when
-    ``adapting``, off otherwise; each module's training flag is restored on exit.
-
-    When adapting, recurrent kernels without inter-layer dropout (``nn.LSTM`` with one layer
-    or ``dropout == 0``) are put in train mode: this changes nothing they compute, but cuDNN
-    refuses to backpropagate through an RNN in eval mode.
-    """
-    flags = [(module, module.training) for module in model.modules()]
-    model.eval()
-    if adapting:
-        for module in model.modules():
-            if isinstance(module, nn.RNNBase) and (module.num_layers == 1 or module.dropout == 0):
-                module.train()
-    try:
-        with torch.set_grad_enabled(adapting):
-            yield
-    finally:
-        for module, training in flags:
-            module.training = training
-
-
 def _adaptable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """Trainable parameters by name, each shared tensor once (``named_parameters`` dedups)."""
     params = {key: p for key, p in model.named_parameters() if p.requires_grad}
@@ -462,34 +260,6 @@ def _gradients(
 ) -> tuple[torch.Tensor | None, ...]:
     """d loss / d p for every parameter (None where p took no part), leaving ``.grad`` alone."""
     return torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-
-
-def _batchify_on(model: nn.Module, ids: TokenIds, batch_size: int, name: str) -> torch.Tensor:
-    """``batchify(ids, batch_size)`` ``(T, B)`` on the model's device; errors name ``name``.
-    A memory map (a ``data.memmap`` run's split) is laid out as a view that reads each segment
-    from the map (:func:`highrank.streaming.batch_view`), never the whole split."""
-    device = next(model.parameters()).device
-    return batch_view(ids, batch_size, name=name).to(device)
-
-
-def _segments(
-    source: torch.Tensor, bptt: int, progress: bool, desc: str, limit: int | None = None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(input, target)`` segments of ``source`` in order (at most ``limit``), with a
-    progress bar when ``progress`` (:mod:`highrank.progress`)."""
-    total = math.ceil((source.shape[0] - 1) / bptt)
-    if limit is not None:
-        total = min(total, limit)
-    segments = iter_batches(source, bptt)
-    with progress_bar(total=total, desc=desc, unit="seg", disable=not progress) as bar:
-        for _ in range(total):
-            yield next(segments)
-            bar.update()
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int; got {value!r}")
 
 
 def _check_non_negative(name: str, value: object) -> None:

@@ -2,16 +2,16 @@
 a split and scoring it with BLEU.
 
 A translation run (``model.backbone = "seq2seq"``) keeps, besides what every run keeps
-(:mod:`highrank.runs`), its subword vocabulary under ``RUN_DIR/subwords/``
-(:mod:`highrank.subwords`: learned on the train split only when the run starts, reloaded on
+(:mod:`highrank.runs.run_dir`), its subword vocabulary under ``RUN_DIR/subwords/``
+(:mod:`highrank.mt.subwords`: learned on the train split only when the run starts, reloaded on
 resume and for decoding) and, as ``vocab.json``, the target pieces in id order.
 
 Translating a split (:func:`translate_split`): sources are encoded, cut into batches of at most
-``train.max_tokens`` padded tokens in length order (:class:`highrank.bitext.TokenBatches`),
+``train.max_tokens`` padded tokens in length order (:class:`highrank.mt.bitext.TokenBatches`),
 decoded by beam search (or greedy search) with at most ``decode.max_len_a * S +
 decode.max_len_b`` tokens per sentence (``S``: the longest source of the batch, ``<eos>``
 included; never beyond ``model.max_len``), put back in file order and detokenised by the target
-vocabulary. BLEU (:mod:`highrank.bleu`) is sacreBLEU's on the raw target lines of the split.
+vocabulary. BLEU (:mod:`highrank.mt.bleu`) is sacreBLEU's on the raw target lines of the split.
 
 Records (:func:`write_translation`): ``RUN_DIR/translate-<split>-<checkpoint>-<search>.json``
 (BLEU, signature, settings, time) and the hypotheses, one per line, beside it as ``.txt`` (or
@@ -33,7 +33,10 @@ from typing import Any
 
 import torch
 
-from highrank.bitext import (
+from highrank.config import Config
+from highrank.data import Vocab
+from highrank.model import build_seq2seq
+from highrank.mt.bitext import (
     Bitext,
     BitextSplit,
     EncodedPairs,
@@ -42,18 +45,16 @@ from highrank.bitext import (
     encode_pairs,
     load_bitext,
 )
-from highrank.checkpoint import (
+from highrank.mt.decoding import beam_search, greedy_search
+from highrank.mt.subwords import SubwordError, Subwords, SubwordSettings, learn_subwords
+from highrank.runs.checkpoint import (
     CheckpointError,
     checkpoint_path,
     config_of,
     load_checkpoint,
     load_weights,
 )
-from highrank.config import Config
-from highrank.data import Vocab, _atomic_write_bytes
-from highrank.decoding import beam_search, greedy_search
-from highrank.model import build_seq2seq
-from highrank.subwords import SubwordError, Subwords, SubwordSettings, learn_subwords
+from highrank.util.atomic import write_text_atomic
 
 
 def subword_settings(config: Config) -> SubwordSettings:
@@ -252,10 +253,10 @@ def write_translation(
     """Write the hypotheses (``out`` or ``RUN_DIR/<stem>.txt``) and the record
     ``RUN_DIR/<stem>.json``, each atomically; returns their paths."""
     text_path = Path(out) if out is not None else Path(run_dir) / f"{stem}.txt"
-    _atomic_write_bytes(text_path, "".join(h + "\n" for h in hypotheses).encode("utf-8"))
+    write_text_atomic(text_path, "".join(h + "\n" for h in hypotheses))
     record = {**record, "hypotheses": str(text_path)}
     json_path = Path(run_dir) / f"{stem}.json"
-    _atomic_write_bytes(json_path, (json.dumps(record, indent=2) + "\n").encode("utf-8"))
+    write_text_atomic(json_path, json.dumps(record, indent=2) + "\n")
     return json_path, text_path
 
 
@@ -273,7 +274,7 @@ def evaluate_bleu(
     """Translate ``split`` with a run's checkpoint, score it, write the record and the
     hypotheses; returns the record. ``search`` defaults to the run's ``[decode]`` with
     ``search_changes`` (beam_size=, length_penalty=, greedy=, ...) applied."""
-    from highrank.bleu import corpus_bleu
+    from highrank.mt.bleu import corpus_bleu
 
     model, config, subwords, payload = load_translation_run(run_dir, which, device=device)
     search = search or Search.from_config(config, **search_changes)

@@ -39,7 +39,8 @@ import math
 import os
 from pathlib import Path
 
-from highrank.data import SPLITS, CorpusError, _atomic_write_bytes, _decode_utf8
+from highrank.data.corpus import SPLITS, CorpusError, decode_utf8
+from highrank.util.atomic import write_text_atomic
 
 WORD_BOUNDARY = "_"  # Mikolov's symbol between two words
 
@@ -104,9 +105,9 @@ def write_ptb_char(
         path = word_dir / f"{split}.txt"
         if not path.is_file():
             raise CorpusError(f"missing split file {path}; expected the word-level {split} split")
-        text = _decode_utf8(path, path.read_bytes())
+        text = decode_utf8(path, path.read_bytes())
         written[split] = out_dir / f"{prefix}{split}.txt"
-        _atomic_write_bytes(written[split], ptb_char_text(text, source=str(path)).encode("utf-8"))
+        write_text_atomic(written[split], ptb_char_text(text, source=str(path)))
     return written
 
 

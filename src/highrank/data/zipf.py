@@ -8,7 +8,7 @@ lengths are ``1 + Poisson(mean - 1)`` words, one sentence per line. Token counts
 
 The layout is a corpus folder (:mod:`highrank.data`): ``valid.txt``, ``test.txt`` and either
 ``train.txt`` or, with ``shards``, a folder ``train/`` of ``part-00000.txt`` ... (the 1B-Word
-layout, :mod:`highrank.streaming`). ``zipf.json`` (written last) records the settings and
+layout, :mod:`highrank.data.streaming`). ``zipf.json`` (written last) records the settings and
 counts. Each split has its own generator, seeded with ``(seed, split index)``, so the same
 settings give the same bytes. Text is generated and written a block at a time: memory does not
 grow with the corpus.
@@ -131,7 +131,7 @@ def write_zipf_corpus(
                     handle.write(text)
         files[split] = [str(p.relative_to(folder)) for p in paths]
     info = {
-        "generator": "highrank.zipf_corpus",
+        "generator": "highrank.data.zipf",
         "seed": seed,
         "types": types,
         "exponent": exponent,

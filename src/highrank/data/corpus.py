@@ -11,9 +11,9 @@ lone ``<eos>``:
   dropped (Mikolov's character-level PTB does the same, writing the space as ``_``). The
   literal space was chosen over ``_`` because after normalisation it can only mean "word
   boundary", while ``_`` may occur in the text itself. On PTB this is Mikolov's ptb.char
-  symbol for symbol, ``<unk>`` spelled as its five characters as there (``highrank.chars``
+  symbol for symbol, ``<unk>`` spelled as its five characters as there (``highrank.data.chars``
   writes the files; tests/test_chars.py checks both): 5,017,482 / 393,042 / 442,423 tokens
-  with ``<eos>``, 50 types; :func:`highrank.chars.bits_per_char` converts its losses to BPC.
+  with ``<eos>``, 50 types; :func:`highrank.data.chars.bits_per_char` converts its losses to BPC.
 
 The vocabulary is built from the training split only and ordered by training frequency, most
 frequent first, ties broken by first appearance, so "the S most frequent tokens" are ids < S.
@@ -29,7 +29,7 @@ contiguous columns, time-major ``(T, B)``; :func:`get_batch` cuts ``(seq_len, B)
 targets one step ahead.
 
 Corpora that do not fit in memory (shard folders, ``data.max_vocab``, sentence-shuffled
-batching): :mod:`highrank.streaming`, the same tokenisation, vocabulary order and batches with
+batching): :mod:`highrank.data.streaming`, the same tokenisation, vocabulary order and batches with
 the ids memory-mapped (``data.memmap = true``).
 """
 
@@ -39,7 +39,6 @@ import codecs
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -49,6 +48,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from highrank.util.atomic import atomic_file, write_text_atomic
 
 EOS = "<eos>"
 UNK = "<unk>"
@@ -167,7 +168,7 @@ class Vocab:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the vocabulary as JSON (UTF-8) to ``path``, atomically."""
-        _atomic_write_bytes(Path(path), self.to_json().encode("utf-8"))
+        write_text_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Vocab:
@@ -175,7 +176,7 @@ class Vocab:
         path = Path(path)
         if not path.is_file():
             raise CorpusError(f"vocabulary file {path} does not exist")
-        return cls.from_json(_decode_utf8(path, path.read_bytes()), source=str(path))
+        return cls.from_json(decode_utf8(path, path.read_bytes()), source=str(path))
 
 
 # ---- the corpus ---------------------------------------------------------------------------
@@ -200,12 +201,12 @@ class Corpus:
 
     def split(self, name: str) -> torch.Tensor:
         """The id stream of split ``name`` (one of :data:`SPLITS`)."""
-        _check_split_name(name)
+        check_split_name(name)
         return getattr(self, name)
 
     def path(self, name: str) -> Path:
         """The file split ``name`` was read from."""
-        _check_split_name(name)
+        check_split_name(name)
         return self.directory / f"{name}.txt"
 
     def batchify(self, name: str, batch_size: int) -> torch.Tensor:
@@ -228,8 +229,8 @@ def load_corpus(
         cache_dir: where token ids are cached; default :func:`default_cache_dir`.
         use_cache: False reads and tokenises afresh and writes no cache.
     """
-    directory = _check_directory(directory)
-    _check_mode(mode)
+    directory = check_directory(directory)
+    check_mode(mode)
     raw = {split: _read_split_bytes(directory, split) for split in SPLITS}
     key = _cache_key(raw, mode)
     cache_file = _cache_file(directory, mode, key, cache_dir)
@@ -250,17 +251,17 @@ def _build(
     vocab, ids, lines, oov = None, {}, {}, {}
     for split in SPLITS:
         path = directory / f"{split}.txt"
-        text = _decode_utf8(path, raw[split])
-        tokens, lines[split] = _tokenize(text, mode)
+        text = decode_utf8(path, raw[split])
+        tokens, lines[split] = tokenize(text, mode)
         if len(tokens) == lines[split]:  # only <eos>: no words (characters) at all
-            raise _empty_split_error(path, split, len(raw[split]), lines[split], mode)
+            raise empty_split_error(path, split, len(raw[split]), lines[split], mode)
         if vocab is None:
             vocab = Vocab.from_tokens(tokens)
         ids[split], oov[split] = _encode_stream(tokens, vocab, path, text, mode)
     return vocab, ids, lines, oov
 
 
-def _empty_split_error(
+def empty_split_error(
     path: Path, split: str, n_bytes: int, n_lines: int, mode: str
 ) -> CorpusError:
     """The error for a split file without a single word (character)."""
@@ -288,7 +289,7 @@ def _corpus_from_arrays(
 # ---- reading and tokenising ---------------------------------------------------------------
 
 
-def _check_directory(directory: str | os.PathLike) -> Path:
+def check_directory(directory: str | os.PathLike) -> Path:
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise CorpusError(
@@ -298,12 +299,12 @@ def _check_directory(directory: str | os.PathLike) -> Path:
     return directory
 
 
-def _check_mode(mode: str) -> None:
+def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise CorpusError(f"mode {mode!r} is not known; expected one of {', '.join(MODES)}")
 
 
-def _check_split_name(name: str) -> None:
+def check_split_name(name: str) -> None:
     if name not in SPLITS:
         raise CorpusError(f"split {name!r} is not known; expected one of {', '.join(SPLITS)}")
 
@@ -313,7 +314,7 @@ def _read_split_bytes(directory: Path, split: str) -> bytes:
     path = directory / f"{split}.txt"
     if not path.is_file():
         present = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
-        shards = (directory / split).is_dir()  # the 1B-Word layout: highrank.streaming reads it
+        shards = (directory / split).is_dir()  # the 1B-Word layout: data.streaming reads it
         raise CorpusError(
             f"missing split file {path}; a corpus directory needs train.txt, valid.txt and "
             f"test.txt (PTB / WikiText-2 layout); {directory} holds: "
@@ -329,7 +330,7 @@ def _read_split_bytes(directory: Path, split: str) -> bytes:
         ) from None
 
 
-def _decode_utf8(path: Path, data: bytes) -> str:
+def decode_utf8(path: Path, data: bytes) -> str:
     """UTF-8 text of ``data``; an invalid byte, a byte-order mark or a NUL byte is reported
     with its offset and line (each would otherwise be swallowed into a word)."""
     if data.startswith(codecs.BOM_UTF8):
@@ -364,7 +365,7 @@ def _split_lines(text: str) -> list[str]:
     return lines
 
 
-def _tokenize(text: str, mode: str) -> tuple[list[str], int]:
+def tokenize(text: str, mode: str) -> tuple[list[str], int]:
     """``(tokens, number of lines)`` of ``text``: the line's tokens then ``<eos>``, per line."""
     lines = _split_lines(text)
     if mode == "word":
@@ -457,7 +458,8 @@ def _write_cache(
     arrays = {"key": _text_array(key), "vocab": _text_array(vocab.to_json())}
     arrays |= {"meta": _text_array(meta), **ids}
     try:
-        _atomic_write(path, lambda f: np.savez(f, **arrays))
+        with atomic_file(path) as handle:
+            np.savez(handle, **arrays)
     except OSError as err:
         warnings.warn(
             f"could not write the token cache {path} ({err}); continuing without", stacklevel=3
@@ -495,29 +497,6 @@ def _check_cached(vocab: Vocab, ids: dict[str, np.ndarray], meta: dict) -> None:
             raise ValueError(f"cached {split} holds ids outside the vocabulary")
         if not isinstance(meta["lines"][split], int) or not isinstance(meta["oov"][split], int):
             raise ValueError("cached counts are not integers")
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Call ``write(file)`` on a temp file next to ``path``, fsync it, then rename over ``path``.
-
-    Readers see either the old file or the complete new one, never a partial write.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; a cache or vocabulary is meant to be shared
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    _atomic_write(path, lambda handle: handle.write(data))
 
 
 # ---- batching -----------------------------------------------------------------------------

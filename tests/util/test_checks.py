@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from highrank.checks import (
+from highrank.util.checks import (
     check_dropout_time_dim,
     check_finite,
     check_positive_int,

@@ -33,9 +33,10 @@ The loop (:mod:`highrank.train.loop`) writes everything but the recipe's keys; t
 (:mod:`highrank.train.recipe`) own theirs. Runs written before training became a loop plus
 recipes have exactly this layout (tests/fixtures/run-v1).
 
-Writing (:func:`save_checkpoint`) goes to a temporary file in the same directory, is flushed
-and fsynced, replaces the target with ``os.replace`` and then fsyncs the directory, so a crash
-leaves either the old or the new file, never a partial one. A sha256 of the contents is stored
+Writing (:func:`save_checkpoint`, with the pieces of :mod:`highrank.util.atomic`) goes to a
+temporary file in the same directory, is flushed and fsynced, replaces the target with
+``os.replace`` and then fsyncs the directory, so a crash leaves either the old or the new
+file, never a partial one. A sha256 of the contents is stored
 under ``"digest"`` and checked on load. With ``keep_previous`` the file
 being replaced is kept as ``<name>.prev.pt``. A checkpoint with a NaN or inf in any floating
 tensor is refused (:class:`NonFiniteCheckpointError`): the previous file stays.
@@ -44,13 +45,10 @@ Reading (:func:`load_checkpoint`) turns a missing, truncated or corrupted file i
 :class:`CheckpointError` naming the file; :func:`load_resumable` falls back from ``last.pt`` to
 ``last.prev.pt`` and then ``best.pt`` with a warning.
 
-For the evaluation verbs::
-
-    load_run(run_dir, which="best", *, device="cpu") -> (model, config, vocab)
-
-builds the model a run directory's checkpoint describes (``which``: ``"best"``, ``"last"``,
-``"finetuned"`` or a path to a ``.pt`` file), loads its evaluation weights (averaged after
-the ASGD switch) and the run's ``vocab.json``, and returns the model in eval mode.
+For the evaluation verbs, :func:`read_run` reads a run directory's checkpoint (``which``:
+``"best"``, ``"last"``, ``"finetuned"`` or a path to a ``.pt`` file), its config and the run's
+``vocab.json``, checked against each other; :func:`highrank.model.load_run` builds the model
+from them (this package imports no model).
 """
 
 from __future__ import annotations
@@ -58,20 +56,18 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from highrank.config import Config, config_from_dict
-from highrank.data import Corpus, Vocab
-from highrank.model import LanguageModel, build_model
-from highrank.streaming import open_corpus
+from highrank.data import Vocab
+from highrank.util.atomic import fsync_directory, sync, temporary_beside
 
 FORMAT = "highrank-checkpoint"
 VERSION = 1
@@ -116,42 +112,26 @@ def save_checkpoint(
     path = Path(path)
     check_finite(payload, path)
     payload = {**payload, "digest": content_digest(payload)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    handle, tmp = temporary_beside(path)
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with handle:
             torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+            sync(handle)
         # A torch.save file is a zip: a file without a readable zip directory is no "good" one.
         if keep_previous and path.is_file() and zipfile.is_zipfile(path):
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
     except (OSError, RuntimeError) as error:  # disk full, quota, I/O error (torch: RuntimeError)
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
         raise CheckpointError(
             f"cannot write checkpoint {path}: {reason}; nothing was replaced (the previous "
             "checkpoint is intact): free space, then resume from it"
         ) from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the renames durable; platforms that cannot open a directory just skip it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_directory(path.parent)
 
 
 def check_finite(payload: Mapping[str, Any], path: str | os.PathLike) -> None:
@@ -403,23 +383,18 @@ def missing_best_hint(run_dir: str | os.PathLike) -> str:
     return f"checkpoint {path} does not exist: the run has saved no checkpoint yet"
 
 
-def load_run(
-    run_dir: str | os.PathLike,
-    which: str = "best",
-    *,
-    device: str | torch.device = "cpu",
-) -> tuple[LanguageModel, Config, Vocab]:
-    """``(model, config, vocab)`` of a run directory, for evaluation.
+def read_run(run_dir: str | os.PathLike, which: str = "best") -> RunState:
+    """What a run directory's checkpoint ``which`` holds, checked, but the model itself:
+    :func:`highrank.model.load_run` builds that (this package knows no model).
 
     Args:
         run_dir: a directory written by ``highrank train``.
         which: ``"best"`` (lowest validation loss; averaged weights after the ASGD switch),
             ``"last"``, ``"finetuned"`` (best of ``highrank finetune``), ``"finetune-last"``,
             or a path to a ``.pt`` file.
-        device: where the model goes.
 
-    Returns the model in eval mode with the checkpoint's evaluation weights; building it does
-    not disturb the global torch RNG.
+    A missing run, checkpoint or vocabulary, or a vocabulary of another run, is a
+    :class:`CheckpointError` saying what to do.
     """
     if not Path(run_dir).is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
@@ -439,29 +414,17 @@ def load_run(
             f"{Path(run_dir) / VOCAB_FILE} has {len(vocab)} tokens but checkpoint {path} was "
             f"trained with {payload['vocab_size']}; the files are from different runs"
         )
-    with torch.random.fork_rng(devices=[]):  # initialisation draws; keep the caller's stream
-        model = build_model(config, len(vocab))
-    load_weights(model, payload["model"], path)
-    return model.to(device).eval(), config, vocab
+    return RunState(payload, config, vocab, path)
 
 
-def load_run_corpus(
-    run_dir: str | os.PathLike,
-    which: str = "best",
-    *,
-    data_dir: str | os.PathLike | None = None,
-    device: str | torch.device = "cpu",
-) -> tuple[LanguageModel, Config, Corpus]:
-    """:func:`load_run` and the run's corpus: its ``data.dir``, or ``data_dir`` when given,
-    which must give the vocabulary the run was trained with (a clear error says otherwise)."""
-    model, config, vocab = load_run(run_dir, which, device=device)
-    corpus = open_corpus(config.data, config.train.seed, directory=data_dir)
-    if corpus.vocab.words != vocab.words:
-        raise CheckpointError(
-            f"the corpus at {corpus.directory} has a different vocabulary than run {run_dir} "
-            f"({len(corpus.vocab)} vs {len(vocab)} tokens); pass the run's corpus with --data-dir"
-        )
-    return model, config, corpus
+class RunState(NamedTuple):
+    """:func:`read_run`'s result: a checkpoint's payload, its config, the run's vocabulary
+    and the checkpoint file."""
+
+    payload: dict[str, Any]
+    config: Config
+    vocab: Vocab
+    path: Path
 
 
 def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], path: Any) -> None:
@@ -488,11 +451,11 @@ __all__ = [
     "evaluation_state_dict",
     "load_checkpoint",
     "load_resumable",
-    "load_run",
-    "load_run_corpus",
+    "RunState",
     "load_weights",
     "missing_best_hint",
     "previous_path",
+    "read_run",
     "restore_rng",
     "save_checkpoint",
 ]

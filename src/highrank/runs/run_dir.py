@@ -4,13 +4,13 @@ Layout of ``config.run.out_dir``::
 
     config.toml         the resolved config (highrank.config.save_config); load_config reads it
     command.txt         the command line that started the run; resumes and finetunes append one
-    environment.json    python, torch, numpy versions, platform, threads, git commit (or null)
+    environment.json    the run id, the machine (highrank.util.machine), git commit (or null)
     vocab.json          the vocabulary (highrank.data.Vocab.save), id order
     metrics.jsonl       one JSON object per line: "kind": "step" every train.log_every steps,
                         "kind": "epoch" after each epoch's validation, "kind": "eval" after a
                         mid-epoch one (see highrank.train.reporting); never a half line (a
                         failed write is cut off; a resume keeps whole lines only)
-    .lock               held (flock) while a train / resume / finetune runs: highrank.locks
+    .lock               held (flock) while a train / resume / finetune runs: highrank.runs.locks
     checkpoints/        last.pt (+ last.prev.pt), best.pt, finetune-last.pt, finetuned.pt
     tensorboard/        the same scalars, when the optional ``tensorboard`` package imports
 """
@@ -20,11 +20,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
@@ -32,12 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from highrank.checkpoint import CHECKPOINT_DIR, VOCAB_FILE
+from highrank.runs.checkpoint import CHECKPOINT_DIR, VOCAB_FILE
 from highrank.config import Config, load_config, save_config
 from highrank.data import Vocab
+from highrank.util.atomic import write_bytes_atomic
+from highrank.util.machine import describe_machine
 
 CONFIG_FILE = "config.toml"
 COMMAND_FILE = "command.txt"
@@ -156,19 +153,10 @@ class RunDir:
 
 
 def environment() -> dict[str, Any]:
-    """Versions and machine facts worth keeping beside a result."""
+    """The machine (:func:`highrank.util.machine.describe_machine`), the code's git commit and
+    the start time: what is worth keeping beside a result."""
     return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or None,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        **describe_machine(),
         "git_commit": git_commit(Path(__file__).resolve().parent),
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
@@ -260,7 +248,7 @@ class MetricsLog:
             kept.append(raw)
         text = b"".join(kept)
         if text != data:
-            _replace_bytes(self.path, text)
+            write_bytes_atomic(self.path, text)
 
     def _read(self) -> bytes:
         return self.path.read_bytes() if self.path.exists() else b""
@@ -313,20 +301,6 @@ def _parse_line(raw: bytes) -> dict[str, Any] | None:
 def _parse_lines(data: bytes) -> list[dict[str, Any]]:
     records = (_parse_line(raw) for raw in data.splitlines(keepends=True))
     return [r for r in records if r is not None]
-
-
-def _replace_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in its folder, then rename."""
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from highrank.data import CorpusError, _decode_utf8
+from highrank.data import CorpusError, decode_utf8
 
 SPLITS = ("train", "valid", "test")
 EMPTY_POLICIES = ("error", "skip")
@@ -179,7 +179,7 @@ def _read_lines(path: Path, src_lang: str, tgt_lang: str) -> list[str]:
             f"{{train,valid,test}}.{src_lang} and {{train,valid,test}}.{tgt_lang} "
             f"(data.src_lang, data.tgt_lang); {folder} holds: {holds}"
         )
-    lines = _decode_utf8(path, path.read_bytes()).split("\n")
+    lines = decode_utf8(path, path.read_bytes()).split("\n")
     if lines[-1] == "":
         lines.pop()  # the text ended with "\n": no line after it
     return [line.strip() for line in lines]
@@ -261,7 +261,7 @@ Encoder = Callable[[list[str]], list[list[int]]]
 
 def encode_pairs(split: BitextSplit, encode_src: Encoder, encode_tgt: Encoder) -> EncodedPairs:
     """Ids of every pair of ``split``; ``encode_*`` map a list of lines to lists of ids
-    (e.g. ``highrank.subwords.SubwordVocab.encode_lines``)."""
+    (e.g. ``highrank.mt.subwords.SubwordVocab.encode_lines``)."""
     src, tgt = encode_src(list(split.src)), encode_tgt(list(split.tgt))
     for side, ids, path in (("source", src, split.src_path), ("target", tgt, split.tgt_path)):
         if len(ids) != len(split):

@@ -1,0 +1,301 @@
+"""The layers of src/highrank, as ARCHITECTURE.md draws them, checked on the import graph.
+
+The graph has one node per module (a package is its ``__init__``) and an edge for every
+``import`` / ``from ... import`` anywhere in a file, at module level or inside a function (read
+with ``ast``, nothing is imported). ``from P import x`` is an edge to module ``P.x`` when that
+is a module, otherwise to ``P`` (its ``__init__``). So a package that re-exports its modules'
+names (``highrank.data``, ``highrank.config``, ``highrank.evaluate``) has edges to those
+modules, and a module inside it that took a name back through the package's ``__init__``
+would close a cycle: inside a package, a module imports the sibling that defines the name.
+Python running a parent package's ``__init__`` before a submodule is not an edge (it happens
+whoever imports the submodule).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "highrank"
+
+# The layers of ARCHITECTURE.md, bottom first: a module imports only modules of its own layer
+# or of layers before it (the longest matching prefix decides a module's layer).
+LAYERS = [
+    ("highrank.util",),
+    ("highrank", "highrank.data", "highrank.heads"),
+    ("highrank.config",),
+    ("highrank.runs",),
+    (
+        "highrank.backbones",
+        "highrank.mt",
+        "highrank.mt.bitext",
+        "highrank.mt.subwords",
+        "highrank.mt.decoding",
+        "highrank.mt.bleu",
+    ),
+    ("highrank.model",),
+    ("highrank.mt.translation",),
+    ("highrank.train", "highrank.evaluate"),
+    ("highrank.analysis",),
+    ("highrank.demo", "highrank.bench", "highrank.integrations"),
+    ("highrank.cli", "highrank.__main__"),
+]
+# What the files-and-formats layers (runs/, config/) must never reach, even indirectly.
+ABOVE_RUNS_AND_CONFIG = (
+    "highrank.model",
+    "highrank.train",
+    "highrank.analysis",
+    "highrank.evaluate",
+    "highrank.backbones",
+    "highrank.mt",
+    "highrank.integrations",
+    "highrank.bench",
+    "highrank.demo",
+    "highrank.cli",
+)
+RECIPES = ("highrank.train.awd_lstm", "highrank.train.transformer", "highrank.train.seq2seq")
+HEAVY = ("torch", "numpy", "scipy")
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Module name -> file, for every module of the package."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+@cache
+def imports() -> dict[str, list[tuple[str, int]]]:
+    """Module -> [(imported highrank module, line)], every import statement in the file."""
+    known = modules()
+    graph: dict[str, list[tuple[str, int]]] = {}
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = []
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            for target in _targets(node, package, known):
+                if target != name:
+                    edges.append((target, node.lineno))
+        graph[name] = edges
+    return graph
+
+
+def _targets(node: ast.AST, package: str, known: dict[str, Path]) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # relative: from . import x, from ..y import z
+            parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*parts, *([node.module] if node.module else [])])
+        names = [
+            f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+            for alias in node.names
+        ]
+    else:
+        return []
+    return [_owner(name, known) for name in names if name.split(".")[0] == "highrank"]
+
+
+def _owner(name: str, known: dict[str, Path]) -> str:
+    """The module ``name`` is, or is in (``highrank.data.Vocab`` -> ``highrank.data``)."""
+    while name not in known:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _in(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _reachable(start: str) -> set[str]:
+    graph, seen, todo = imports(), set(), [start]
+    while todo:
+        for target, _ in graph[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def _where(module: str, target: str) -> str:
+    lines = [line for t, line in imports()[module] if t == target]
+    return f"{modules()[module].relative_to(SRC)}:{lines[0]}"
+
+
+# ---- the rules ------------------------------------------------------------------------------
+
+
+def test_the_graph_is_read():
+    graph = imports()
+    assert len(graph) > 80
+    assert any(t == "highrank.runs.checkpoint" for t, _ in graph["highrank.model"])
+    # a function-level import counts: cli/train.py imports highrank.train inside run()
+    assert any(t == "highrank.train" for t, _ in graph["highrank.cli.train"])
+
+
+def _layer(module: str) -> int:
+    matches = [
+        (len(prefix), index)
+        for index, layer in enumerate(LAYERS)
+        for prefix in layer
+        if module == prefix or (prefix != "highrank" and module.startswith(prefix + "."))
+    ]
+    assert matches, f"{module} is in no layer of LAYERS: add it (and to ARCHITECTURE.md)"
+    return max(matches)[1]
+
+
+def test_every_module_imports_only_its_own_layer_and_those_below():
+    offenders = [
+        f"{_where(module, target)}: {module} (layer {_layer(module)}) imports {target} "
+        f"(layer {_layer(target)})"
+        for module, edges in imports().items()
+        for target, _ in edges
+        if _layer(target) > _layer(module)
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_nothing_below_the_command_line_imports_it():
+    """``highrank.cli`` sits on top: only ``highrank.__main__`` (``python -m highrank``, which
+    is the command line itself) may import it."""
+    offenders = [
+        f"{_where(module, target)}: {module} imports {target}"
+        for module, edges in imports().items()
+        for target, _ in edges
+        if _in(target, "highrank.cli")
+        and not _in(module, "highrank.cli")
+        and module != "highrank.__main__"
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("layer", ["highrank.runs", "highrank.config"])
+def test_runs_and_config_know_no_model_training_or_analysis(layer):
+    """Directly or through anything they import."""
+    offenders = []
+    for module in (m for m in modules() if _in(m, layer)):
+        reached = _reachable(module)
+        offenders += [
+            f"{module} reaches {target}"
+            for target in sorted(reached)
+            if any(_in(target, above) for above in ABOVE_RUNS_AND_CONFIG)
+        ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_runs_imports_no_backbone_or_head_itself():
+    """runs/ reads files; the model of a run is built by highrank.model.load_run. (The config
+    it reads names the heads, so ``highrank.config`` does import them.)"""
+    offenders = [
+        f"{_where(module, target)}: {module} imports {target}"
+        for module, edges in imports().items()
+        if _in(module, "highrank.runs")
+        for target, _ in edges
+        if _in(target, "highrank.heads") or _in(target, "highrank.backbones")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_training_recipes_never_import_each_other():
+    offenders = [
+        f"{_where(recipe, target)}: {recipe} imports {target}"
+        for recipe in RECIPES
+        for target, _ in imports()[recipe]
+        if target in RECIPES
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_import_graph_has_no_cycle():
+    cycles = _cycles({m: {t for t, _ in edges} for m, edges in imports().items()})
+    shown = []
+    for cycle in cycles:
+        edges = [
+            _where(a, b) + f": {a} -> {b}" for a in cycle for b, _ in imports()[a] if b in cycle
+        ]
+        shown.append(" <-> ".join(cycle) + "\n  " + "\n  ".join(sorted(set(edges))))
+    assert not cycles, "import cycles:\n" + "\n".join(shown)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_one():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+# ---- the command line starts light ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["train", "--help"], ["eval", "--help"], ["config", "show", "--vocab-size", "0"]],
+)
+def test_highrank_help_imports_no_torch_numpy_or_scipy(argv):
+    """``python -m highrank --help`` (and these verbs' help and option errors) import only
+    argparse-level code: ``-X importtime`` lists every module the process imported."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "highrank", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode in (0, 2), done.stderr[-2000:]
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert "highrank.cli" in imported  # the listing is what we think it is
+    heavy = sorted(m for m in imported if m.split(".")[0] in HEAVY)
+    assert not heavy, f"`highrank {' '.join(argv)}` imported {heavy[:10]}"
