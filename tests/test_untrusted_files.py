@@ -65,7 +65,7 @@ def test_a_malicious_retrofit_state_is_refused_without_running(tmp_path):
 
 
 UNSAFE = [
-    (re.compile(r"torch\.load\((?![^)]*weights_only=True)"), "torch.load, not weights-only"),
+    (re.compile(r"torch\.load\((?!.*weights_only=True)"), "torch.load, not weights-only"),
     (re.compile(r"allow_pickle\s*=\s*True"), "np.load(allow_pickle=True)"),
     (re.compile(r"\bpickle\.loads?\("), "pickle.load"),
 ]

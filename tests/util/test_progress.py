@@ -70,7 +70,7 @@ def test_train_and_eval_logs_to_a_file_hold_lines_not_bars(tmp_path, capsys, mon
 
 def test_lines_say_about_how_long_is_left(monkeypatch):
     clock = iter(range(0, 10_000, 10))  # every call to monotonic advances 10 s
-    monkeypatch.setattr("highrank.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("highrank.util.progress.time.monotonic", lambda: next(clock))
     out = io.StringIO()
     bar = LineProgress(1000, "cache", "win", file=out, seconds=0)  # started at 0 s
     bar.update(10)  # read at 20 s: 0.5 win/s, 990 to go: 1,980 s

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from highrank.heads import OutputHead, build_head
-from highrank.progress import progress_bar
+from highrank.util.progress import progress_bar
 
 FEATURES_FILE = "features.npy"
 TARGETS_FILE = "targets.npy"

@@ -348,7 +348,7 @@ def _make_trainable(hf_model, plan: RetrofitPlan):
 
 def _train_windows(model, inputs, targets, budget: TrainBudget, state_path: Path, progress):
     """Adam over batches of whole windows (``budget.batch_tokens`` counts windows here)."""
-    from highrank.progress import progress_bar
+    from highrank.util.progress import progress_bar
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=budget.lr)

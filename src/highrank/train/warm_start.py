@@ -16,9 +16,10 @@ import os
 
 import torch
 
-from highrank.checkpoint import CheckpointError, load_run
 from highrank.config import Config, ConfigError
 from highrank.heads import Softmax, base_init_knobs, head_knobs
+from highrank.model import load_run
+from highrank.runs.checkpoint import CheckpointError
 
 
 def with_base_init(config: Config) -> Config:
