@@ -15,7 +15,7 @@ from torch import nn
 from highrank.backbones.transformer import CausalTransformer
 from highrank.config import ConfigError, load_config
 from highrank.data import load_corpus
-from highrank.heads import HEADS, PAPER_HEADS
+from highrank.heads import PAPER_HEADS
 from highrank.model import build_model, count_parameters
 from highrank.runs.checkpoint import load_checkpoint
 from highrank.runs.run_dir import read_metrics
