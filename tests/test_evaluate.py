@@ -345,3 +345,21 @@ def test_dynamic_eval_rejects_bad_arguments():
 def test_defaults_are_the_published_hyperparameters():
     assert DYNAMIC_EVAL_DEFAULTS["ptb"] == {"lr": 0.002, "epsilon": 0.001, "prior_decay": 0.075}
     assert DYNAMIC_EVAL_DEFAULTS["wt2"] == {"lr": 0.002, "epsilon": 0.002, "prior_decay": 0.02}
+
+
+def test_eval_refuses_a_checkpoint_copied_from_another_run(tmp_path, capsys):
+    """Issue: another run's best.pt copied into a run was scored and its record written into
+    this run as its own; train --resume already refused it."""
+    import shutil
+
+    from highrank.cli import main
+    from tests.analysis.conftest import train_tiny_run
+
+    ours = train_tiny_run(tmp_path, "ours")
+    theirs = train_tiny_run(tmp_path, "theirs", "model.d_hidden=14")
+    shutil.copy(theirs / "checkpoints" / "best.pt", ours / "checkpoints" / "best.pt")
+    capsys.readouterr()  # the trainings' output
+    assert main(["eval", str(ours), "--split", "valid"]) == 2
+    err = capsys.readouterr().err
+    assert "belongs to another run" in err and len(err.strip().splitlines()) == 1
+    assert not list(ours.glob("eval-*.json"))

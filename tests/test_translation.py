@@ -273,3 +273,26 @@ def test_lr_factor_closed_forms():
     assert lr_factor(12, warmup_steps=4, schedule="cosine", total_steps=12) == pytest.approx(0.0)
     with pytest.raises(ValueError, match="total_steps > warmup_steps"):
         lr_factor(5, warmup_steps=4, schedule="cosine", total_steps=None)
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again_in_place(corpus, tmp_path, capsys):
+    """Issue: `train --resume R` and the original command both said "R already holds a run",
+    so a translation run killed before its first checkpoint could never be continued."""
+
+    def crash(info):
+        if info.step == 2:
+            raise KeyboardInterrupt("a crash before any checkpoint")
+
+    straight = tmp_path / "straight"
+    train(load_config(config_file(tmp_path, corpus, straight)), options=QUIET)
+    out = tmp_path / "run"
+    config = load_config(config_file(tmp_path, corpus, out), ["train.checkpoint_minutes=0"])
+    for again in (lambda: resume(out, options=QUIET), lambda: train(config, options=QUIET)):
+        with pytest.raises(KeyboardInterrupt):
+            train(config, options=TrainOptions(progress=False, callback=crash))
+        assert (out / "config.toml").exists() and not any((out / "checkpoints").iterdir())
+        again()
+        assert trajectory(out) == trajectory(straight)
+        assert "stopped before its first checkpoint; starting it again" in capsys.readouterr().err
+        for path in (out / "checkpoints").iterdir():
+            path.unlink()  # the next round starts from a run with no checkpoint again

@@ -54,6 +54,7 @@ from them (this package imports no model).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import warnings
@@ -65,7 +66,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from highrank.config import Config, config_from_dict
+from highrank.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from highrank.data import Vocab
 from highrank.util.atomic import fsync_directory, sync, temporary_beside
 
@@ -73,6 +74,8 @@ FORMAT = "highrank-checkpoint"
 VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
 VOCAB_FILE = "vocab.json"
+CONFIG_FILE = "config.toml"
+ENVIRONMENT_FILE = "environment.json"
 # ``load_run``'s short names -> file names under ``<run>/checkpoints``.
 CHECKPOINT_FILES = {
     "best": "best.pt",
@@ -407,6 +410,8 @@ def read_run(run_dir: str | os.PathLike, which: str = "best") -> RunState:
             "finetuning never improved on best.pt (then use which='best')"
         )
     payload = load_checkpoint(path)
+    if Path(run_dir).resolve() in path.resolve().parents:  # a file of the run: it must be its own
+        check_own_checkpoint(run_dir, payload, path)
     config = config_of(payload, path)
     vocab = Vocab.load(Path(run_dir) / VOCAB_FILE)
     if len(vocab) != payload["vocab_size"]:
@@ -415,6 +420,41 @@ def read_run(run_dir: str | os.PathLike, which: str = "best") -> RunState:
             f"trained with {payload['vocab_size']}; the files are from different runs"
         )
     return RunState(payload, config, vocab, path)
+
+
+def check_own_checkpoint(
+    run_dir: str | os.PathLike, payload: Mapping[str, Any], path: Path
+) -> None:
+    """Refuse a checkpoint of another run: its ``run_id`` differs from the run directory's
+    (environment.json), or (checkpoints without an id) its model differs from the one
+    config.toml describes. Resume, finetune, eval and every analysis read a run through it."""
+    run_dir = Path(run_dir)
+    ours, theirs = _run_id(run_dir), payload.get("run_id")
+    if ours is not None and theirs is not None and ours != theirs:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to another run (run id {theirs}, this run's is {ours} "
+            f"in {run_dir / ENVIRONMENT_FILE}); put this run's own checkpoint back, or "
+            "use the run it came from"
+        )
+    try:
+        stored = config_to_dict(config_of(payload, path))
+        own = config_to_dict(load_config(run_dir / CONFIG_FILE))
+    except (ConfigError, CheckpointError, OSError):
+        return  # an old config the schema no longer reads: the weights check still applies
+    for section in ("model", "head"):
+        if stored[section] != own[section]:
+            raise CheckpointError(
+                f"checkpoint {path} holds a different [{section}] from {run_dir / CONFIG_FILE} "
+                f"({stored[section]} vs {own[section]}): it belongs to another run"
+            )
+
+
+def _run_id(run_dir: Path) -> str | None:
+    try:
+        record = json.loads((run_dir / ENVIRONMENT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record.get("run_id") if isinstance(record, dict) else None
 
 
 class RunState(NamedTuple):

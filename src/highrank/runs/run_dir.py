@@ -22,7 +22,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
@@ -30,15 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from highrank.runs.checkpoint import CHECKPOINT_DIR, VOCAB_FILE
 from highrank.config import Config, load_config, save_config
 from highrank.data import Vocab
+from highrank.runs.checkpoint import CHECKPOINT_DIR, CONFIG_FILE, ENVIRONMENT_FILE, VOCAB_FILE
 from highrank.util.atomic import write_bytes_atomic
 from highrank.util.machine import describe_machine
 
-CONFIG_FILE = "config.toml"
 COMMAND_FILE = "command.txt"
-ENVIRONMENT_FILE = "environment.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # one subfolder per stage: train, finetune
 
@@ -329,28 +326,17 @@ def read_metrics(path: str | os.PathLike, kind: str | None = None) -> list[dict[
 class TensorBoardLog:
     """Scalars to ``tensorboard/`` when ``torch.utils.tensorboard`` imports, else nothing.
 
-    TensorBoard is an optional extra; without it a one-line note is printed once.
+    TensorBoard is an optional extra (``pip install -e '.[tensorboard]'``, README); without
+    it nothing is written and nothing is said (metrics.jsonl holds the same scalars).
     """
-
-    _noted = False
 
     def __init__(self, directory: Path, purge_step: int | None = None) -> None:
         self.writer = None
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            self._note()
             return
         self.writer = SummaryWriter(str(directory), purge_step=purge_step)
-
-    @classmethod
-    def _note(cls) -> None:
-        if not cls._noted:
-            print(
-                "note: TensorBoard logging is off (pip install tensorboard to enable it)",
-                file=sys.stderr,
-            )
-            cls._noted = True
 
     def write(self, record: Mapping[str, Any], step: int) -> None:
         if self.writer is None:

@@ -19,7 +19,6 @@ from highrank.config import (
     Config,
     ConfigError,
     config_from_dict,
-    config_to_dict,
     load_config,
     parse_override,
 )
@@ -34,6 +33,7 @@ from highrank.runs.checkpoint import (
     load_weights,
     missing_best_hint,
 )
+from highrank.runs.checkpoint import check_own_checkpoint as own_checkpoint
 from highrank.runs.locks import run_lock
 from highrank.runs.run_dir import RunDir, check_writable
 from highrank.train import distributed
@@ -282,26 +282,8 @@ def _open_locked_run(run_dir: str | os.PathLike) -> RunDir:
 
 
 def check_own_checkpoint(run: RunDir, payload: Mapping[str, Any], path: Path) -> None:
-    """Refuse a checkpoint of another run: its ``run_id`` differs from the run directory's,
-    or (checkpoints without an id) its model differs from the one config.toml describes."""
-    ours, theirs = run.run_id, payload.get("run_id")
-    if ours is not None and theirs is not None and ours != theirs:
-        raise CheckpointError(
-            f"checkpoint {path} belongs to another run (run id {theirs}, this run's is {ours} "
-            f"in {run.path / 'environment.json'}); put this run's own checkpoint back, or "
-            "resume the run it came from"
-        )
-    try:
-        stored, own = config_of(payload, path), run.load_config()
-    except ConfigError:
-        return  # an old config the schema no longer reads: the weights check still applies
-    for section in ("model", "head"):
-        if config_to_dict(stored)[section] != config_to_dict(own)[section]:
-            raise CheckpointError(
-                f"checkpoint {path} holds a different [{section}] from {run.config_file} "
-                f"({config_to_dict(stored)[section]} vs {config_to_dict(own)[section]}): it "
-                "belongs to another run"
-            )
+    """Refuse another run's checkpoint (``highrank.runs.checkpoint.check_own_checkpoint``)."""
+    own_checkpoint(run.path, payload, path)
 
 
 def finetune(

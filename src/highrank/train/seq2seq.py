@@ -28,6 +28,7 @@ is bit-identical.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -224,10 +225,18 @@ def start_translation(
     model, create the run directory (vocab.json = the target pieces), save the subwords, train.
     ``config`` has absolute paths (``highrank.train.runner.train``)."""
     existing = RunDir(Path(config.run.out_dir))
-    if existing.config_file.exists():  # said before the subwords are learned (RunDir.create's)
+    # RunDir.create's rule, said before the subwords are learned: a run with a checkpoint is
+    # continued with --resume; one stopped before its first checkpoint starts again in place.
+    if existing.config_file.exists() and existing.has_checkpoint():
         raise RunDirError(
             f"{existing.path} already holds a run ({existing.config_file.name} exists); continue "
             f"it with `highrank train --resume {existing.path}`, or choose another run.out_dir"
+        )
+    if existing.config_file.exists():
+        print(
+            f"note: {existing.path} holds a run that stopped before its first checkpoint; "
+            "starting it again in place",
+            file=sys.stderr,
         )
     device = resolve_device(config.run.device)
     data = learn_translation_data(config)
