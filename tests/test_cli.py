@@ -230,3 +230,18 @@ def test_the_command_line_lets_idle_openmp_threads_sleep_unless_told_otherwise(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
     assert done.stdout.split()[-1] == expected
+
+
+def test_a_run_stopped_before_any_validation_says_so():
+    """Issue: every --max-steps run ended with "no validation improvement" though no
+    validation had run."""
+    from pathlib import Path
+
+    from highrank.cli.train import result_line
+    from highrank.train import TrainResult
+
+    def line(loss, epoch):
+        return result_line(TrainResult(Path("r"), "train", 0, 5, loss, epoch, "sgd", "max_steps"))
+
+    assert "no validation has run yet" in line(float("inf"), 0)
+    assert "best validation perplexity 2.72 (epoch 1)" in line(1.0, 1)

@@ -49,11 +49,12 @@ def result_line(result) -> str:
     """One line on how a stage ended."""
     how = {"epochs": "all epochs done", "nonmono": "stopped by the non-monotone rule"}
     how["max_steps"] = "stopped at --max-steps (continue with --resume)"
-    best = (
-        f"best validation perplexity {result.best_val_ppl:.2f} (epoch {result.best_epoch})"
-        if result.best_epoch
-        else "no validation improvement"
-    )
+    if result.best_epoch:
+        best = f"best validation perplexity {result.best_val_ppl:.2f} (epoch {result.best_epoch})"
+    elif result.best_val_loss == float("inf"):  # nothing validated yet (e.g. --max-steps)
+        best = "no validation has run yet"
+    else:
+        best = "no validation improvement"
     return (
         f"{result.stage}: {how.get(result.stop_reason, result.stop_reason)} after "
         f"{result.epochs_completed} epoch(s), {result.steps} steps; {best}; "
