@@ -296,3 +296,12 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_in_place(corpus,
         assert "stopped before its first checkpoint; starting it again" in capsys.readouterr().err
         for path in (out / "checkpoints").iterdir():
             path.unlink()  # the next round starts from a run with no checkpoint again
+
+
+@pytest.mark.parametrize("verb", [["dynamic-eval"], ["finetune"], ["analyze", "rank"]])
+def test_verbs_for_word_corpora_say_they_do_not_apply_to_a_translation_run(trained, capsys, verb):
+    """Issue: they said "missing train.txt"."""
+    assert main([*verb, str(trained)]) == 2
+    err = capsys.readouterr().err
+    assert "translation run" in err and "train.txt" not in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -217,6 +217,12 @@ def load_run_corpus(
     """:func:`load_run` and the run's corpus: its ``data.dir``, or ``data_dir`` when given,
     which must give the vocabulary the run was trained with (a clear error says otherwise)."""
     model, config, vocab = load_run(run_dir, which, device=device)
+    if config.model.backbone == "seq2seq":
+        raise CheckpointError(
+            f"{run_dir} is a translation run (model.backbone = \"seq2seq\"): it has no word "
+            "corpus to score, so this verb does not apply; score it with `highrank eval "
+            f"{run_dir}` or `highrank translate {run_dir}`"
+        )
     corpus = open_corpus(config.data, config.train.seed, directory=data_dir)
     if corpus.vocab.words != vocab.words:
         raise CheckpointError(

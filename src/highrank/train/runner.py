@@ -338,6 +338,12 @@ def _start_finetune(
     payload = load_checkpoint(best)
     check_own_checkpoint(run, payload, best)
     config = _apply_overrides(payload, best, overrides, FINETUNE_OVERRIDES)
+    if config.model.backbone == "seq2seq":
+        raise ConfigError(
+            f"{run.path} is a translation run: finetune (averaged SGD on a word corpus, the "
+            "AWD-LSTM recipe) does not apply; train it longer with `highrank train --resume "
+            f"{run.path} --train.epochs=N`"
+        )
     stage = finetune_stage(config)
     if stage.epochs == 0:
         raise ConfigError("finetune.epochs = 0: nothing to finetune; set --finetune.epochs=N")
