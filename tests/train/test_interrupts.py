@@ -198,3 +198,16 @@ def test_an_application_may_keep_its_own_signal_handlers(corpus, tmp_path):
     finally:
         signal.signal(signal.SIGTERM, before)
     assert seen == [signal.SIGTERM] and result.stop_reason == "max_steps" and result.steps == 4
+
+
+def test_a_resume_says_when_the_metrics_file_lost_lines(corpus, tmp_path, capsys):
+    """Issue: a metrics.jsonl shorter than the checkpoint's record was continued silently."""
+    out = tmp_path / "run"
+    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=6))
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(lines[:2]))
+    capsys.readouterr()
+    resume(out, options=TrainOptions(progress=False))
+    err = capsys.readouterr().err
+    assert f"lacks {len(lines) - 2} lines of the train history" in err

@@ -223,11 +223,12 @@ class MetricsLog:
         """Drop what follows byte ``offset``, cut back to a line boundary."""
         self.rewind(offset, None, None)
 
-    def rewind(self, offset: int, stage: str | None, lines: int | None) -> None:
+    def rewind(self, offset: int, stage: str | None, lines: int | None) -> int:
         """Drop the lines ``stage`` wrote after its checkpoint: beyond its first ``lines``
         lines when the checkpoint counted them, else (older checkpoints) beyond byte
         ``offset``. Other stages' lines and whole lines before the cut stay; a torn last line
-        goes. Rewritten atomically, and only when something changes."""
+        goes. Rewritten atomically, and only when something changes. Returns how many of the
+        ``lines`` the checkpoint counted are missing (the file was cut or replaced), or 0."""
         data = self._read()
         kept, seen = [], 0
         position = 0
@@ -246,6 +247,9 @@ class MetricsLog:
         text = b"".join(kept)
         if text != data:
             write_bytes_atomic(self.path, text)
+        if lines is not None:
+            return max(0, lines - seen)
+        return max(0, offset - len(data))  # older checkpoints: bytes, not lines
 
     def _read(self) -> bytes:
         return self.path.read_bytes() if self.path.exists() else b""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -236,7 +237,15 @@ def restore(
         generator.set_state(training["rng"][name])
     lines = training.get("metrics_lines")  # absent in checkpoints written before it existed
     if distributed.is_writer():
-        MetricsLog(run.metrics_file).rewind(training["metrics_offset"], stage.name, lines)
+        missing = MetricsLog(run.metrics_file).rewind(training["metrics_offset"], stage.name, lines)
+        if missing:  # the history has a hole: say so, the run itself continues exactly
+            unit = "lines" if lines is not None else "bytes"
+            print(
+                f"warning: {run.metrics_file} lacks {missing} {unit} of the {stage.name} history "
+                "that the checkpoint recorded (the file was cut or replaced); the run continues "
+                "exactly, but its metrics have a gap there",
+                file=sys.stderr,
+            )
     return Trainer(config, run, stage, recipe, progress, options, vocab_size)
 
 
