@@ -305,3 +305,13 @@ def test_verbs_for_word_corpora_say_they_do_not_apply_to_a_translation_run(train
     err = capsys.readouterr().err
     assert "translation run" in err and "train.txt" not in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_training_says_how_many_pairs_max_len_leaves_out(corpus, tmp_path, capsys):
+    """Issue: over-long training pairs were dropped without a word."""
+    out = tmp_path / "short"
+    config = load_config(config_file(tmp_path, corpus, out), ["model.max_len=6"])
+    train(config, options=TrainOptions(progress=False, max_steps=3))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "left out" in line]
+    assert len(notes) == 1
+    assert notes[0].startswith("note: ") and "more than model.max_len = 6 tokens" in notes[0]

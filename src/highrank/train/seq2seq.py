@@ -113,7 +113,21 @@ class Seq2SeqRecipe:
                 max_len=self.config.model.max_len,
             )
             self._epoch_batches = (epoch, batches)
+            self._note_dropped(batches)
         return self._epoch_batches[1]
+
+    def _note_dropped(self, batches) -> None:
+        """Say once how many training pairs max_len leaves out (the same every epoch)."""
+        if getattr(self, "_dropped_noted", False) or not len(batches.dropped):
+            return
+        self._dropped_noted = True
+        first = ", ".join(str(int(i) + 1) for i in batches.dropped[:5])
+        print(
+            f"note: {len(batches.dropped):,} training pairs have more than model.max_len = "
+            f"{self.config.model.max_len} tokens on a side and are left out (pairs {first}"
+            f"{', ...' if len(batches.dropped) > 5 else ''})",
+            file=sys.stderr,
+        )
 
     @property
     def lr(self) -> float:
