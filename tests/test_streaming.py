@@ -389,6 +389,22 @@ def test_an_empty_shard_folder_is_named(tmp_path, cache):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("strange", ["folder", "broken link"])
+def test_a_shard_folder_with_a_subfolder_or_a_broken_link_is_refused(tmp_path, cache, strange):
+    """Issue: such entries were skipped silently, losing part of the split."""
+    folder = write_corpus(tmp_path / "c", "a\n")
+    (folder / "train.txt").unlink()
+    (folder / "train").mkdir()
+    (folder / "train" / "01.txt").write_text("a b\n")
+    if strange == "folder":
+        (folder / "train" / "02").mkdir()
+    else:
+        (folder / "train" / "02.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(CorpusError, match=r"shard folder .*c/train holds 02") as info:
+        load_stream_corpus(folder, cache_dir=cache)
+    assert "\n" not in str(info.value)
+
+
 def test_the_in_memory_loader_points_a_shard_folder_at_data_memmap(tmp_path):
     folder = write_corpus(tmp_path / "c", "a\n")
     (folder / "train.txt").unlink()

@@ -94,7 +94,15 @@ def split_files(directory: Path, split: str) -> list[Path]:
     if single.is_file():
         return [single]
     if folder.is_dir():
-        shards = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+        entries = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+        strange = [p for p in entries if not p.is_file()]
+        if strange:  # a sub-folder or a broken link would silently lose part of the split
+            what = "a folder" if strange[0].is_dir() else "a broken link or not a regular file"
+            raise CorpusError(
+                f"shard folder {folder} holds {strange[0].name}, {what}; every entry must be a "
+                "text file (a shard): move it out, or fix the link"
+            )
+        shards = entries
         if not shards:
             raise CorpusError(
                 f"shard folder {folder} holds no files; expected the {split} split as one or "
