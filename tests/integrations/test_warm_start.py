@@ -92,3 +92,18 @@ def test_a_warm_model_saves_and_reloads(tmp_path):
     torch.testing.assert_close(log_prob_matrix(again, ids), log_prob_matrix(model, ids))
     torch.testing.assert_close(log_prob_matrix(again, ids), base_log_probs(base, ids).reshape(
         -1, VOCAB), atol=1e-5, rtol=0)
+
+
+def test_a_saved_model_naming_an_unknown_head_is_one_clear_error(tmp_path):
+    """Issue: from_pretrained raised a bare KeyError."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from highrank.integrations.hf import attach_head
+
+    attach_head(BASES["gpt2"](), "softmax").save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "head_name": "nope"}))
+    with pytest.raises(ValueError, match=r"names the head 'nope', which this highrank does not"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m")

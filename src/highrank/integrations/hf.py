@@ -281,6 +281,11 @@ def loss_chunk_tokens(head: OutputHead) -> int:
 
 def _build_head_for(config: HighrankConfig, body: PreTrainedModel) -> OutputHead:
     """The head ``config`` records, wired to ``body`` (tied embedding, batch-first layout)."""
+    if config.head_name not in HEADS:
+        raise ValueError(
+            f"config.json names the head {config.head_name!r}, which this highrank does not "
+            f"have (it has: {', '.join(HEADS)}); upgrade highrank, or fix head_name"
+        )
     wired: dict = {}
     if config.tie_word_embeddings:
         wired["tied_weight"] = body.get_input_embeddings().weight

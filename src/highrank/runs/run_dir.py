@@ -279,7 +279,9 @@ def check_writable(path: str | os.PathLike) -> None:
         for entry in run.checkpoints.glob("*.pt"):
             if not entry.is_file():
                 raise RunDirError(
-                    f"{entry} is a directory, not a checkpoint file; move it out of the way"
+                    f"{entry} is a directory where training writes its {entry.name} checkpoint;"
+                    " move it out of the way (nothing else is touched: the run then continues "
+                    "from its other checkpoints)"
                 )
     if run.metrics_file.exists() and not run.metrics_file.is_file():
         raise RunDirError(f"{run.metrics_file} is not a file; move it out of the way")
