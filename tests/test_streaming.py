@@ -596,3 +596,11 @@ def test_sentence_ends_of_a_slice_of_a_memory_map_count_from_the_slice(tmp_path)
     mapped = np.memmap(path, dtype=streaming.ID_DTYPE, mode="r")
     assert streaming.sentence_ends(mapped, 0).tolist() == [2, 5, 9]
     assert streaming.sentence_ends(mapped[2:], 0).tolist() == [3, 7]
+
+
+def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path):
+    """Issue: HIGHRANK_CACHE_DIR naming a file gave a FileExistsError traceback."""
+    folder = write_corpus(tmp_path / "c", "a b\n")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CorpusError, match=r"token cache folder .*file cannot be made: .* is a fi"):
+        load_stream_corpus(folder, cache_dir=tmp_path / "file")

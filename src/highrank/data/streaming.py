@@ -457,6 +457,12 @@ def load_stream_corpus(
     files = {split: split_files(directory, split) for split in SPLITS}
     key = cache_key(files, mode, max_vocab)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    for place in (root, *root.parents):
+        if place.exists() and not place.is_dir():
+            raise CorpusError(
+                f"the token cache folder {root} cannot be made: {place} is a file (set by "
+                "data.cache_dir, $HIGHRANK_CACHE_DIR or $XDG_CACHE_HOME); point it at a folder"
+            )
     folder = root / f"{directory.resolve().name}-{mode}-stream-{key[:16]}"
     cached = _read_cached(folder, key)
     if cached is None:
