@@ -117,3 +117,17 @@ def test_config_show_without_corpus_or_vocab_size_says_what_to_pass(capsys):
         main(["config", "show", "--train.nope=1"])
     assert exit_info.value.code == 2
     assert "unknown config key 'train.nope'" in capsys.readouterr().err
+
+
+def test_a_model_too_large_to_exist_is_one_line(capsys, tmp_path):
+    """Issue: --model.d_hidden=1000000000 gave a storage-overflow traceback."""
+    from highrank.cli import main
+
+    from tests.analysis.conftest import write_corpus
+
+    config, big = "configs/ptb/small-softmax.toml", "--model.d_hidden=1000000000"
+    corpus = write_corpus(tmp_path / "corpus")
+    assert main(["config", "show", config, big, "--vocab-size", "10000"]) == 2
+    assert main(["train", config, big, f"--data.dir={corpus}", f"--run.out_dir={tmp_path}/r"]) == 2
+    for line in capsys.readouterr().err.strip().splitlines():
+        assert "cannot be built: one of its tensors would hold more bytes" in line

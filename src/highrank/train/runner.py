@@ -408,8 +408,18 @@ def parameter_count(config: Config, vocab_size: int) -> int:
     (nothing allocated)."""
     from highrank import model as models  # not this module's name: tests wrap that one
 
-    with torch.device("meta"):
-        model = models.build_model(config, vocab_size)
+    try:
+        with torch.device("meta"):
+            model = models.build_model(config, vocab_size)
+    except RuntimeError as error:
+        if "overflow" not in str(error):
+            raise
+        # A tensor with more elements than an int64 byte count can hold: no machine has it.
+        raise ConfigError(
+            f"this model cannot be built: one of its tensors would hold more bytes than any "
+            f"machine has ({str(error).splitlines()[0]}); check the sizes under [model] "
+            f"(d_embed = {config.model.d_embed}, d_hidden = {config.model.d_hidden}, ...)"
+        ) from None
     return count_parameters(model)
 
 
