@@ -113,20 +113,26 @@ def test_a_checkpoint_without_run_id_but_another_model_is_refused(corpus, tmp_pa
         resume(a, options=QUIET)
 
 
-def test_the_v1_fixture_without_run_ids_still_resumes(tmp_path, corpus):
+def test_the_v1_fixture_without_run_ids_still_resumes(tmp_path):
+    """The fixture's checkpoints name the corpus folder of the machine that made them: the
+    corpus is written again from tests/test_train.py (make_fixture.py) and given by data.dir,
+    and the resumed step equals the straight run's (straight-metrics.jsonl)."""
+    from tests.test_train import write_corpus
+
     run = tmp_path / "v1"
     shutil.copytree(FIXTURE, run)
-    config = (run / "config.toml").read_text()
     assert "run_id" not in (run / "environment.json").read_text()
     payload = load_checkpoint(run / "checkpoints" / "last.pt")
     assert "run_id" not in payload and "metrics_lines" not in payload["training"]
-    data_dir = Path(json.loads(json.dumps(payload["config"]))["data"]["dir"])
-    if not data_dir.is_dir():
-        pytest.skip(f"the fixture's corpus {data_dir} is not here ({config.count(chr(10))} lines)")
-    resume(
-        run,
-        options=TrainOptions(progress=False, max_steps=payload["training"]["progress"]["step"] + 1),
-    )
+    step = payload["training"]["progress"]["step"]
+    corpus = write_corpus(tmp_path / "corpus")
+    resume(run, overrides=[f"data.dir={corpus}"],
+           options=TrainOptions(progress=False, max_steps=step + 1))
+    straight = [json.loads(line) for line in (FIXTURE.parent / "straight-metrics.jsonl").open()]
+    resumed = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    expected = next(r for r in straight if r["kind"] == "step" and r["step"] == step + 1)
+    got = next(r for r in resumed if r["kind"] == "step" and r["step"] == step + 1)
+    assert got["train_loss"] == expected["train_loss"]
 
 
 # ---- metrics.jsonl -----------------------------------------------------------------------------
