@@ -89,8 +89,13 @@ def test_a_signal_saves_between_two_steps_and_the_run_resumes_exactly(
     assert signal.getsignal(number) == before  # the handlers were put back
     assert stopped.value.saved == out / "checkpoints" / "last.pt" and stopped.value.step == 5
     assert stopped.value.exit_status == status and saved_step(out) == 5
-    resume(out, options=TrainOptions(progress=False))
+    assert load_checkpoint(out / "checkpoints/last.pt")["training"]["progress"]["stop_reason"] \
+        == "interrupted"
+    result = resume(out, options=TrainOptions(progress=False))
     assert losses(out) == losses(tmp_path / "straight")
+    # the finished run's last checkpoint says why it ended, not why it once paused
+    final = load_checkpoint(out / "checkpoints/last.pt")["training"]["progress"]
+    assert result.stop_reason == final["stop_reason"] == "epochs"
 
 
 @pytest.fixture

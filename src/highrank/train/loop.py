@@ -228,6 +228,8 @@ def restore(
     progress = Progress.from_dict(training["progress"])
     if progress.done and progress.stop_reason == "epochs" and progress.epoch <= stage.epochs:
         progress.done, progress.stop_reason = False, ""  # the epoch limit was raised
+    if not progress.done:
+        progress.stop_reason = ""  # "interrupted" / "max_steps" said why it paused: it runs again
     saved_world = training.get("world_size", 1)  # absent before torchrun runs existed
     distributed.note_world_size(saved_world, f"the {stage.name} checkpoint")
     own = distributed.rank_rng(training["rng"], saved_world)
