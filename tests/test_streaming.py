@@ -132,7 +132,7 @@ def test_max_vocab_ids_match_an_in_memory_truncation_of_a_zipf_corpus(tmp_path, 
     unk_count = sum(c for w, c in counts.items() if w not in kept)
     ranked = sorted(Counter(expected).items(), key=lambda kv: -kv[1])
     assert [c for _, c in ranked] == sorted([counts[w] for w in kept] + [unk_count], reverse=True)
-    assert corpus.oov["train"] == unk_count
+    assert corpus.oov["train"] == unk_count - counts[UNK]  # train's own <unk> line is no OOV
 
 
 # ---- shards -------------------------------------------------------------------------------
@@ -566,13 +566,21 @@ def test_zipf_held_out_sizes_are_exact_down_to_one_word(tmp_path, cache):
     assert corpus.ids["valid"].size == 2 and corpus.vocab.word(int(corpus.ids["valid"][1])) == EOS
 
 
+def test_a_zipf_corpus_trains_without_max_vocab(tmp_path, cache):
+    """Issue: its held-out words unseen in train made every loader refuse the default corpus."""
+    write_zipf_corpus(tmp_path / "z", train_tokens=3_000, types=2_000, seed=1)
+    assert "<unk>" in (tmp_path / "z" / "valid.txt").read_text()
+    corpus = load_stream_corpus(tmp_path / "z", cache_dir=cache)
+    assert corpus.oov["valid"] == 0 and UNK in corpus.vocab
+
+
 def test_zipf_cli_writes_a_corpus(tmp_path, capsys):
     from highrank.cli import main
 
     assert main(["data", "zipf", str(tmp_path / "z"), "--tokens", "500", "--types", "20"]) == 0
     assert (tmp_path / "z" / "train.txt").is_file() and "wrote" in capsys.readouterr().out
     assert main(["data", "zipf", str(tmp_path / "y"), "--tokens", "1"]) == 2
-    assert "tokens = 1; expected an int >= 2" in capsys.readouterr().err
+    assert "tokens = 1; expected an int >= 4" in capsys.readouterr().err
 
 
 def test_a_rebuild_removes_what_killed_builds_left_behind(tmp_path, cache):

@@ -13,6 +13,11 @@ counts. Each split has its own generator, seeded with ``(seed, split index)``, s
 settings give the same bytes. Text is generated and written a block at a time: memory does not
 grow with the corpus.
 
+Like Penn Treebank and WikiText-2 the corpus has a closed vocabulary: a valid or test word
+that train never drew is written ``<unk>``, and train ends with one line ``<unk>`` (its last 2
+tokens: the counts stay exact) so that the vocabulary has it; any corpus loader then reads it
+without ``data.max_vocab``.
+
 ``highrank data zipf OUT --tokens N`` calls :func:`write_zipf_corpus`.
 """
 
@@ -27,6 +32,7 @@ import numpy as np
 
 BLOCK_TOKENS = 1 << 20  # tokens generated per block
 MARKER = "zipf.json"
+UNK_LINE = b"<unk>\n"  # train's last line: <unk> in the vocabulary (module docstring)
 
 
 def zipf_probabilities(types: int, exponent: float = 1.0) -> np.ndarray:
@@ -59,15 +65,23 @@ def piece_table(types: int) -> list[bytes]:
 
 
 def zipf_text(
-    rng: np.random.Generator, tokens: int, cdf: np.ndarray, mean: float, table: list[bytes]
+    rng: np.random.Generator,
+    tokens: int,
+    cdf: np.ndarray,
+    mean: float,
+    table: list[bytes],
+    seen: np.ndarray | None = None,
 ) -> Iterator[bytes]:
     """UTF-8 text of ``tokens`` tokens (``<eos>`` included) in blocks of whole lines; ``cdf``
-    the cumulative rank probabilities, ``table`` the :func:`piece_table` of as many types."""
+    the cumulative rank probabilities, ``table`` the :func:`piece_table` of as many types;
+    ``seen`` (bool per rank), when given, is marked with every rank drawn."""
     lengths = sentence_lengths(rng, tokens, mean)
     for start in range(0, lengths.size, max(1, int(BLOCK_TOKENS / mean))):
         block = lengths[start : start + max(1, int(BLOCK_TOKENS / mean))]
         words = int(block.sum())
         ranks = np.searchsorted(cdf, rng.random(words), side="right").clip(max=cdf.size - 1)
+        if seen is not None:
+            seen[ranks] = True
         line_end = np.zeros(words, dtype=np.int64)
         line_end[np.cumsum(block[block > 0]) - 1] = 1
         pieces = (2 * ranks + line_end).tolist()
@@ -115,10 +129,15 @@ def write_zipf_corpus(
     }
     cdf = np.cumsum(zipf_probabilities(types, exponent))
     table = piece_table(types)
+    seen = np.zeros(types, dtype=bool)  # ranks train drew: the vocabulary
     files: dict[str, list[str]] = {}
     for index, (split, tokens) in enumerate(sizes.items()):
+        if split != "train":
+            table = _closed_table(table, seen)
         rng = np.random.Generator(np.random.PCG64([seed, index]))
         parts = _shard_sizes(tokens, shards) if split == "train" and shards else [tokens]
+        if split == "train":
+            parts[-1] -= 2  # its last line: <unk> and its <eos>
         paths = (
             [folder / split / f"part-{i:05d}.txt" for i in range(len(parts))]
             if split == "train" and shards
@@ -127,8 +146,12 @@ def write_zipf_corpus(
         for path, part in zip(paths, parts, strict=True):
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as handle:
-                for text in zipf_text(rng, part, cdf, mean_sentence, table):
+                marks = seen if split == "train" else None
+                for text in zipf_text(rng, part, cdf, mean_sentence, table, marks):
                     handle.write(text)
+        if split == "train":
+            with open(paths[-1], "ab") as handle:
+                handle.write(UNK_LINE)
         files[split] = [str(p.relative_to(folder)) for p in paths]
     info = {
         "generator": "highrank.data.zipf",
@@ -144,6 +167,12 @@ def write_zipf_corpus(
     return info
 
 
+def _closed_table(table: list[bytes], seen: np.ndarray) -> list[bytes]:
+    """The piece table with every rank train never drew written as ``<unk>``."""
+    unk = (b"<unk> ", b"<unk>\n")
+    return [piece if seen[i // 2] else unk[i % 2] for i, piece in enumerate(table)]
+
+
 def _shard_sizes(tokens: int, shards: int) -> list[int]:
     """``shards`` sizes adding up to ``tokens``, the first ones one token longer."""
     base, extra = divmod(tokens, shards)
@@ -152,7 +181,7 @@ def _shard_sizes(tokens: int, shards: int) -> list[int]:
 
 def _check_settings(tokens: int, types: int, exponent: float, mean: float, shards: int) -> None:
     for name, value, ok, expected in (
-        ("tokens", tokens, tokens >= 2, "an int >= 2"),
+        ("tokens", tokens, tokens >= 4, "an int >= 4 (a word, <eos>, and train's <unk> line)"),
         ("types", types, types >= 1, "an int >= 1"),
         ("exponent", exponent, exponent > 0, "a number > 0"),
         ("mean sentence length", mean, mean >= 1, "a number >= 1 (words per sentence)"),
