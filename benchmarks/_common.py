@@ -77,7 +77,9 @@ def write_json(path: str | os.PathLike, payload: Any, *, indent: int = 2, end: s
     return write_text_atomic(path, json.dumps(payload, indent=indent, default=str) + end)
 
 
-def commit(path: str | os.PathLike, message: str, *, attempts: int = 20, pause: float = 3.0) -> bool:
+def commit(
+    path: str | os.PathLike, message: str, *, attempts: int = 20, pause: float = 3.0
+) -> bool:
     """``git add`` and ``git commit`` ``path`` alone with ``message``; while another process
     holds the index lock, try again (``attempts`` times, ``pause`` seconds apart). Nothing to
     commit counts as done. False (and a line on stderr) when it could not."""

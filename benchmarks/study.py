@@ -14,8 +14,8 @@
 * :meth:`Study.run_stage` runs one stage in this process and writes its record: what ``work``
   returned, then ``stage``, ``stage_seconds``, ``peak_rss_mib`` (this process's peak resident
   memory) and whatever ``extra()`` adds. With ``child`` every stage runs in a fresh process
-  (the command ``child(name)``, which must call :meth:`Study.run_stage`), so that its peak RSS
-  is its own.
+  (the command ``child(name)``, run from this process's folder unless ``cwd`` says otherwise,
+  which must call :meth:`Study.run_stage`), so that its peak RSS is its own.
 * Several processes may run the same study, or studies whose stages overlap. Each takes a
   non-blocking ``flock`` on ``locks/.<stage>.lock`` before it runs a stage and skips a stage
   another process holds or has finished meanwhile. A stage whose inputs are not there yet (the
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import REPO, write_json
+from benchmarks._common import write_json
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Study:
         wait_seconds: float = 30.0,
         indent: int = 1,
         end: str = "",
-        cwd: Path = REPO,
+        cwd: Path | None = None,
         log: Callable[[str], Any] | None = None,
     ) -> None:
         self.stages = list(stages)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks._common import REPO
-from benchmarks.study import Stage, Study, StageLock
+from benchmarks.study import Stage, StageLock, Study
 
 ABC = [Stage("a"), Stage("b", needs=("a",)), Stage("c", needs=("b",))]
 
@@ -115,7 +115,8 @@ def work(name):
     time.sleep(0.4)
     return {"pid": __import__("os").getpid()}
 
-stages = [Stage(f"s{i}") for i in range(6)] + [Stage("last", needs=tuple(f"s{i}" for i in range(6)))]
+firsts = [Stage(f"s{i}") for i in range(6)]
+stages = firsts + [Stage("last", needs=tuple(s.name for s in firsts))]
 study = Study(stages, work, records=out, wait_seconds=0.1,
               child=lambda name: [sys.executable, __file__, str(out), str(log), "--stage", name])
 if "--stage" in sys.argv:
@@ -129,7 +130,8 @@ def test_two_processes_split_the_work_with_the_locks(tmp_path):
     script = tmp_path / "fake_study.py"
     script.write_text(textwrap.dedent(FAKE_STUDY))
     out, log = tmp_path / "out", tmp_path / "log.txt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     command = [sys.executable, str(script), str(out), str(log)]
     processes = [subprocess.Popen(command, env=env) for _ in range(2)]
     assert [p.wait(timeout=120) for p in processes] == [0, 0]
