@@ -1,6 +1,6 @@
 """Multi30k en->de with softmax, MoS-9 and Mixtape: the shape of the Mixtape paper's Table 5.
 
-    python benchmarks/multi30k_table.py [--data ../shared/data] [--heads softmax,mos,mixtape]
+    python -m benchmarks.multi30k_table [--data ../shared/data] [--heads softmax,mos,mixtape]
         [--epochs N] [--threads 1] [--memory-budget-mb 3072] [--tiny]
         [--runs runs/multi30k-table] [--out benchmarks/results/multi30k-table]
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -47,8 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+from benchmarks._common import DATA, REPO, machine, run_env, write_json
 
 HEADS = ("softmax", "mos", "mixtape")
 STAGES = ("train", "bleu", "timing", "memory", "sentences", "table")
@@ -70,7 +68,7 @@ TINY_STEPS = 30
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="data root")
+    p.add_argument("--data", default=str(DATA), help="data root")
     p.add_argument("--heads", default=",".join(HEADS))
     p.add_argument("--epochs", type=int, help="train.epochs for every head (default: configs')")
     # 1: on the shared 2-vCPU machine (load ~13) 2 threads ran a first step 5x slower than 1
@@ -93,14 +91,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def machine(threads: int) -> dict:
-    from highrank.util.machine import describe_machine
-
-    return describe_machine(
-        threads=threads, note="a machine shared with other jobs unless said otherwise"
-    )
-
-
 def head_overrides(head: str, args) -> list[str]:
     """Command-line overrides of a head's run (the same for every head but head-only knobs)."""
     words = [f"--train.epochs={args.epochs}"] if args.epochs else []
@@ -109,23 +99,10 @@ def head_overrides(head: str, args) -> list[str]:
     return words
 
 
-def run_env(threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def highrank(words: list[str], threads: int) -> None:
     command = [sys.executable, "-m", "highrank", *words]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True, env=run_env(threads), cwd=REPO)
-
-
-def write_json(path: Path, record: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ---- 1. training and 2. BLEU -------------------------------------------------------------------
@@ -295,8 +272,8 @@ def probe_memory(head: str, sentences: int, args, runs: Path) -> None:
 
 def memory_head(head: str, args, runs: Path) -> dict:
     def probe(b: int) -> dict:
-        words = [sys.executable, __file__, "--probe-memory", head, "--sentences", str(b),
-                 "--runs", str(runs), "--threads", str(args.threads),
+        words = [sys.executable, "-m", "benchmarks.multi30k_table", "--probe-memory", head,
+                 "--sentences", str(b), "--runs", str(runs), "--threads", str(args.threads),
                  "--memory-steps", str(args.memory_steps)]  # fmt: skip
         done = subprocess.run(words, capture_output=True, text=True, env=run_env(args.threads))
         if done.returncode != 0:  # e.g. killed for memory: does not fit

@@ -1,6 +1,6 @@
 """Transformer LMs on Penn Treebank: words (softmax, MoS, Mixtape) and characters (softmax, MoS).
 
-    python benchmarks/ptb_transformer_lm.py [--experiments word,char] [--threads 1]
+    python -m benchmarks.ptb_transformer_lm [--experiments word,char] [--threads 1]
         [--data ../shared/data] [--runs runs/ptb-transformer-lm]
         [--out benchmarks/results/ptb-transformer-lm]
 
@@ -33,11 +33,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "src"))
-
-from multi30k_table import machine, run_env, train_seconds, write_json  # noqa: E402
+from benchmarks._common import DATA, REPO, machine, run_env, write_json
+from benchmarks.multi30k_table import train_seconds
 
 EXPERIMENTS = {
     "word": {
@@ -55,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", help="only these heads (default: each experiment's)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rank-contexts", type=int, default=8192)
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="data root")
+    p.add_argument("--data", default=str(DATA), help="data root")
     p.add_argument("--runs", default=str(REPO / "runs" / "ptb-transformer-lm"))
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ptb-transformer-lm"))
     args = p.parse_args(argv)

@@ -1,8 +1,8 @@
 """The papers' comparison at a CPU budget: every head, several seeds, rank against perplexity.
 
-    python benchmarks/replication_study.py                # plan, then run what is not done yet
-    python benchmarks/replication_study.py --plan         # only print the remaining work + ETA
-    python benchmarks/replication_study.py --summarize    # results of the finished runs only
+    python -m benchmarks.replication_study                # plan, then run what is not done yet
+    python -m benchmarks.replication_study --plan         # only print the remaining work + ETA
+    python -m benchmarks.replication_study --summarize    # results of the finished runs only
 
 Every number comes from highrank's own commands, run as subprocesses exactly as a user would
 type them (each command line is printed and kept in the results' ``commands.txt``):
@@ -69,9 +69,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks._common import REPO
 from highrank.runs.locks import LOCK_FILE, LockedError, exclusive
 
-REPO = Path(__file__).resolve().parents[1]
 HEADS = ("softmax", "moc", "mos", "mixtape", "sigsoftmax", "gss", "plif")
 PTB_VOCAB = 10_000
 PARAMETER_TOLERANCE = 0.02

@@ -1,6 +1,6 @@
 """The heads on a synthetic language of known rank, over a sweep of true rank r and dimension d.
 
-    python benchmarks/synthetic_sweep.py [--ranks 16,64,256] [--dims 8,16,32] [--seeds 0,1,2]
+    python -m benchmarks.synthetic_sweep [--ranks 16,64,256] [--dims 8,16,32] [--seeds 0,1,2]
         [--heads softmax,moc,mos,mixtape,sigsoftmax,gss,plif] [--steps 2000]
         [--out benchmarks/results/synthetic-sweep]
 
@@ -24,16 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from multi30k_table import machine, write_json  # noqa: E402
+from benchmarks._common import REPO, machine, write_json
 
 
 def int_list(text: str) -> list[int]:
