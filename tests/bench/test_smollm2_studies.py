@@ -1,0 +1,61 @@
+"""The SmolLM2 studies on the Study runner: their plans, record names and record format, with
+fake stages (no model, no data beyond an empty WikiText-2 file)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import smollm2_retrofit, smollm2_warm_start
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """Run the warm-start study in this process with stages that only name themselves."""
+    complete: set[str] = set()
+
+    def stage_work(args):
+        def work(stage):
+            if stage.startswith("cache-"):
+                complete.add(stage.removeprefix("cache-"))
+            return {"work": stage}
+
+        return work
+
+    monkeypatch.setattr(smollm2_warm_start, "stage_work", stage_work)
+    monkeypatch.setattr(smollm2_warm_start, "module_command", lambda *a: None)
+    monkeypatch.setattr(smollm2_warm_start, "summarize", lambda args: None)
+    monkeypatch.setattr(smollm2_warm_start, "settings", lambda args: {"fake": True})
+    monkeypatch.setattr(smollm2_warm_start, "cache_complete", lambda split, args: split in complete)
+    (tmp_path / "data" / "wikitext-2").mkdir(parents=True)
+    (tmp_path / "data" / "wikitext-2" / "test.txt").write_text("")
+    return ["--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
+            "--out", str(tmp_path / "out"), "--seeds", "1", "--heads", "own", "--no-rank"]
+
+
+def test_the_warm_start_study_writes_its_records_as_before(fake, tmp_path):
+    assert smollm2_warm_start.main(fake) == 0
+    out = tmp_path / "out"
+    assert sorted(p.stem for p in out.glob("*.json")) == [
+        "cache-test", "cache-train", "cache-valid", "eval-base-s0", "eval-own-s1", "train-own-s1"
+    ]  # fmt: skip
+    text = (out / "train-own-s1.json").read_text()
+    assert text.startswith('{\n "work"') and not text.endswith("\n")  # indent 1, no newline
+    assert list(json.loads(text)) == ["work", "stage", "stage_seconds", "peak_rss_mib", "settings"]
+    assert (tmp_path / "work" / ".train-own-s1.lock").exists()  # the lock files as before
+
+
+def test_the_warm_start_study_without_its_caches_stops_naming_the_stages(fake, capsys):
+    assert smollm2_warm_start.main([*fake, "--only", "train"]) == 1
+    assert ("stopped: the stages left wait for inputs no process is making: eval-base-s0, "
+            "train-own-s1, eval-own-s1") in capsys.readouterr().out
+
+
+def test_the_retrofit_plan_orders_its_stages_after_their_inputs():
+    study = smollm2_retrofit.study(smollm2_retrofit.parse_args(["--heads", "own,mos"]), [])
+    names = [stage.name for stage in study.stages]
+    assert names[0] == "cache" and names[-1] == "rank-own"
+    for stage in study.stages:
+        assert all(names.index(need) < names.index(stage.name) for need in stage.needs)
+    assert study.child("eval-own")[1:3] == ["-m", "benchmarks.smollm2_retrofit"]
