@@ -23,6 +23,9 @@
   ``wait_seconds`` while another process holds a stage, and stops with one line naming the
   stuck stages when nobody is making what they wait for.
 * ``after(name)`` runs after every stage this process finished (a summary, a ``--commit``).
+* A study whose done markers are another program's records (``records=None``) gives its own
+  ``done`` test and lock folder; ``busy(name)`` says that a stage is held by a lock of that
+  program's own (it then counts as being made elsewhere).
 
 The kernel releases a lock however its holder dies, so a killed process holds nothing.
 """
@@ -94,12 +97,13 @@ class Study:
         stages: Iterable[Stage],
         work: Callable[[str], dict] | None = None,
         *,
-        records: Path,
+        records: Path | None,
         locks: Path | None = None,
         child: Callable[[str], Sequence[str]] | None = None,
         extra: Callable[[], dict] | None = None,
         after: Callable[[str], Any] | None = None,
         done: Callable[[str], bool] | None = None,
+        busy: Callable[[str], bool] | None = None,
         wait_seconds: float = 30.0,
         indent: int = 1,
         end: str = "",
@@ -111,9 +115,11 @@ class Study:
         if len(set(names)) != len(names):
             raise ValueError(f"stage names repeat: {names}")
         self.work, self.child, self.extra, self.after = work, child, extra, after
-        self.records = Path(records)
+        if records is None and (done is None or locks is None):
+            raise ValueError("a Study without records needs its own done test and a lock folder")
+        self.records = Path(records) if records is not None else None
         self.locks = Path(locks) if locks is not None else self.records
-        self._done = done
+        self._done, self.busy = done, busy
         self.wait_seconds, self.indent, self.end, self.cwd = wait_seconds, indent, end, cwd
         self.log = log or (lambda line: print(line, flush=True))
 
@@ -150,7 +156,9 @@ class Study:
         if self.work is None:
             raise ValueError("this Study has no work to run a stage with")
         began = time.perf_counter()
-        record = dict(self.work(name))
+        record = dict(self.work(name) or {})
+        if self.records is None:  # the stage's own output is its done marker
+            return record
         record.update(stage=name, stage_seconds=time.perf_counter() - began,
                       peak_rss_mib=peak_rss_mib())
         if self.extra is not None:
@@ -181,7 +189,7 @@ class Study:
             if self.is_done(stage.name):
                 continue
             with StageLock(self.lock_path(stage.name)) as held:
-                if not held:
+                if not held or (self.busy is not None and self.busy(stage.name)):
                     elsewhere += 1
                     continue
                 if self.is_done(stage.name):  # finished by another process since

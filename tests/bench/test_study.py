@@ -145,3 +145,21 @@ def test_two_processes_split_the_work_with_the_locks(tmp_path):
 def test_stage_names_must_be_unique(tmp_path, names):
     with pytest.raises(ValueError):
         Study([Stage(n) for n in names], records=tmp_path)
+
+
+def test_without_records_the_done_test_decides_and_a_busy_stage_is_waited_for(tmp_path):
+    made, calls = set(), []
+
+    def busy(name: str) -> bool:  # another program's lock on "x", released after two rounds
+        calls.append(name)
+        if name == "x" and len(calls) > 2:
+            made.add("x")
+        return name == "x" and "x" not in made
+
+    study = Study([Stage("x"), Stage("y", needs=("x",))], lambda name: made.add(name),
+                  records=None, locks=tmp_path, done=lambda name: name in made, busy=busy,
+                  wait_seconds=0.01)
+    assert study.run() == 0 and made == {"x", "y"}
+    assert not list(tmp_path.glob("*.json"))  # no record of the runner's own
+    with pytest.raises(ValueError):
+        Study([Stage("x")], records=None)

@@ -1,4 +1,4 @@
-"""The SmolLM2 studies on the Study runner: their plans, record names and record format, with
+"""The studies ported onto benchmarks.study: their plans, record names and record format, with
 fake stages (no model, no data beyond an empty WikiText-2 file)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import smollm2_retrofit, smollm2_warm_start
+from benchmarks import multi30k_table, ptb_transformer_lm, smollm2_retrofit, smollm2_warm_start
 
 
 @pytest.fixture
@@ -59,3 +59,26 @@ def test_the_retrofit_plan_orders_its_stages_after_their_inputs():
     for stage in study.stages:
         assert all(names.index(need) < names.index(stage.name) for need in stage.needs)
     assert study.child("eval-own")[1:3] == ["-m", "benchmarks.smollm2_retrofit"]
+
+
+def test_the_multi30k_plan_runs_each_stage_in_its_own_process_after_its_inputs(tmp_path):
+    args = multi30k_table.parse_args(["--runs", str(tmp_path), "--heads", "softmax,mos"])
+    study = multi30k_table.study(("softmax", "mos"), args, tmp_path, ["--heads", "softmax,mos"])
+    names = [stage.name for stage in study.stages]
+    assert names == ["train-softmax", "bleu-softmax", "train-mos", "bleu-mos", "timing",
+                     "memory-softmax", "memory-mos", "sentences"]  # the old order, old records
+    for stage in study.stages:
+        assert all(names.index(need) < names.index(stage.name) for need in stage.needs)
+    assert study.child("timing")[-2:] == ["--stage", "timing"]
+
+
+def test_the_ptb_transformer_stages_are_done_by_the_runs_records(tmp_path):
+    args = ptb_transformer_lm.parse_args(["--runs", str(tmp_path), "--experiments", "char"])
+    study = ptb_transformer_lm.study(args)
+    run = tmp_path / "char" / "softmax"
+    assert study.pending()[0] == "char-softmax-train"
+    run.mkdir(parents=True)
+    (run / "benchmark-train.done").write_text("")
+    for split in ("valid", "test"):
+        (run / f"eval-{split}-best.json").write_text("{}")
+    assert study.pending()[0] == "char-softmax-rank"
