@@ -29,7 +29,7 @@ highrank analyze similarity "$runs/ptb-small-softmax" "$runs/ptb-small-mos" \
 highrank report "$runs/ptb-small-softmax" "$runs/ptb-small-mos" --out "$out/report"
 # the side-by-side timing of the rank (numpy SVD in memory vs the streamed Gram matrix)
 matrix="$runs/ptb-small-mos/analysis/logprob-test-best.npy"
-python benchmarks/rank_at_scale.py "$matrix" --methods numpy,gram-scipy \
+python -m benchmarks.rank_at_scale "$matrix" --methods numpy,gram-scipy \
   --out benchmarks/results/rank-at-scale/ptb-test-small-mos.json
-python benchmarks/rank_at_scale.py "$matrix" --methods gram-torch,gram-scipy --repeats 2 \
+python -m benchmarks.rank_at_scale "$matrix" --methods gram-torch,gram-scipy --repeats 2 \
   --out benchmarks/results/rank-at-scale/ptb-test-small-mos-backends.json

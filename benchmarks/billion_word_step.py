@@ -1,6 +1,6 @@
 """One training step at One-Billion-Word scale: softmax, MoS-7 and Mixtape at V = 100,000.
 
-    python benchmarks/billion_word_step.py [--heads softmax,softmax-unchunked,mos,mixtape]
+    python -m benchmarks.billion_word_step [--heads softmax,softmax-unchunked,mos,mixtape]
         [--batch 16] [--bptt 20] [--rounds 3] [--threads 1]
         [--out benchmarks/results/billion-word-step]
 
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     shape = Shape(args.batch, args.bptt, args.vocab, args.width)
     rows = measure(args.heads, shape, args.rounds, args.threads)
     record = {
-        "command": "python benchmarks/billion_word_step.py --heads "
+        "command": "python -m benchmarks.billion_word_step --heads "
         + ",".join(args.heads)
         + f" --batch {args.batch} --bptt {args.bptt} --rounds {args.rounds} "
         f"--threads {args.threads} --vocab {args.vocab} --width {args.width}",

@@ -2,7 +2,7 @@
 training run (checkpoints every 3 steps) then resume, two concurrent resumes, a corrupted
 last.pt, a torn metrics.jsonl, and each bad input of the issue. Prints what each did.
 
-    .venv/bin/python benchmarks/fault_campaign.py [WORK_DIR]
+    .venv/bin/python -m benchmarks.fault_campaign [WORK_DIR]
 
 About 15-20 minutes on the shared 2-vCPU machine (each command pays torch's import).
 """

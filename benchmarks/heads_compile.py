@@ -1,7 +1,7 @@
 """Compiled vs eager speed of every head: ``torch.compile(fullgraph=True)`` (Inductor) against
 the same head run eagerly, interleaved run by run in one process.
 
-    python benchmarks/heads_compile.py [--vocab 10000] [--tokens 700] [--repeats 5]
+    python -m benchmarks.heads_compile [--vocab 10000] [--tokens 700] [--repeats 5]
         [--warmup 2] [--threads 1] [--heads softmax,mos,...]
         [--out benchmarks/results/heads-compile]
 
@@ -27,18 +27,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+import torch
 
-import torch  # noqa: E402
-
-from highrank.bench.heads import BPTT, HEAD_SHAPES, time_interleaved  # noqa: E402
-from highrank.heads import build_head  # noqa: E402
-from highrank.util.machine import describe_machine  # noqa: E402
+from benchmarks._common import REPO
+from highrank.bench.heads import BPTT, HEAD_SHAPES, time_interleaved
+from highrank.heads import build_head
+from highrank.util.machine import describe_machine
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "heads-compile"
 

@@ -1,6 +1,6 @@
 """The heads' time with another process busy, against a quiet machine (issue 11, item 4).
 
-    python benchmarks/heads_under_load.py [--vocab 10000]
+    python -m benchmarks.heads_under_load [--vocab 10000]
         [--cases softmax,softmax-unchunked,mixtape,mos] [--threads 1,2]
         [--policies default,PASSIVE] [--rounds 1] [--pause PID ...]
         [--out benchmarks/results/heads-under-load]
@@ -44,7 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks._common import REPO
+
 COMPETITOR = (
     "import torch\n"
     "torch.set_num_threads(1)\n"
@@ -52,7 +53,6 @@ COMPETITOR = (
     "while True:\n"
     "    b = torch.tanh(a @ a)\n"
 )
-
 
 # ---- the worker: one condition, in its own process ----------------------------------------
 
@@ -87,13 +87,14 @@ def count_ops(step) -> int:
 
 
 def run_condition(args, policy: str, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     env.pop("OMP_WAIT_POLICY", None)
     if policy != "default":
         env["OMP_WAIT_POLICY"] = policy
     command = [
         sys.executable,
-        __file__,
+        "-m",
+        "benchmarks.heads_under_load",
         "--worker",
         "--vocab",
         str(args.vocab),
@@ -244,7 +245,6 @@ def markdown(result: dict) -> str:
 
 
 def machine() -> str:
-    sys.path.insert(0, str(REPO / "src"))
     from highrank.util.machine import describe_machine
 
     info = describe_machine()

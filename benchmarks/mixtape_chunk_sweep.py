@@ -6,7 +6,7 @@ that memory traffic. Times one forward + backward of 1400 tokens (the ``highrank
 heads`` shapes) per chunk size, each run interleaved with the naive softmax baseline and
 also reporting the fused softmax head ("auto" chunks), all in one process.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/mixtape_chunk_sweep.py \\
+    PYTHONPATH=src OMP_NUM_THREADS=1 python -m benchmarks.mixtape_chunk_sweep \\
         --vocab 100000 --chunks 20,40,80,128,256 --out benchmarks/results/heads-mixtape-fused
 
 Writes chunk-sweep-V<vocab>.json and .md in ``--out``; a size already there is not redone.

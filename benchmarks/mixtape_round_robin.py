@@ -6,7 +6,7 @@ path run round-robin (one step each per round), so that Mixtape can be quoted di
 multiple of either softmax, with the machine's load hitting all four alike. Same shapes as
 ``highrank bench heads`` (1400 tokens; d = 400 for the softmaxes, 620 -> 280 for Mixtape).
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/mixtape_round_robin.py \\
+    PYTHONPATH=src OMP_NUM_THREADS=1 python -m benchmarks.mixtape_round_robin \\
         --vocab 10000,33278,100000 --out benchmarks/results/heads-mixtape-fused
 
 Writes round-robin.json and .md in ``--out``; a vocabulary already there is not redone.

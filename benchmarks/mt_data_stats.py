@@ -1,6 +1,6 @@
 """Data statistics for the translation and character-level experiments (issue 10).
 
-    python benchmarks/mt_data_stats.py [--data ../shared/data] [--vocab-size 8000]
+    python -m benchmarks.mt_data_stats [--data ../shared/data] [--vocab-size 8000]
         [--model-type bpe] [--separate] [--max-tokens 1024,2048,4096,8192] [--seed 0]
         [--out benchmarks/results/mt-data]
 
@@ -31,13 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from highrank.data import load_corpus  # noqa: E402
-from highrank.data.chars import bits_per_char  # noqa: E402
-from highrank.mt.bitext import SpecialIds, TokenBatches, encode_pairs, load_bitext  # noqa: E402
-from highrank.mt.subwords import UNK_ID, SubwordSettings, learn_subwords  # noqa: E402
+from benchmarks._common import DATA, REPO
+from highrank.data import load_corpus
+from highrank.data.chars import bits_per_char
+from highrank.mt.bitext import SpecialIds, TokenBatches, encode_pairs, load_bitext
+from highrank.mt.subwords import UNK_ID, SubwordSettings, learn_subwords
 
 
 def multi30k_stats(folder: Path, settings: SubwordSettings, max_tokens: list[int], seed: int):
@@ -174,7 +172,7 @@ def format_tables(mt: dict, chars: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    parser.add_argument("--data", default=str(DATA))
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
     parser.add_argument("--separate", action="store_true", help="one vocabulary per language")
@@ -198,7 +196,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {
-        "command": "python benchmarks/mt_data_stats.py " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.mt_data_stats " + " ".join(sys.argv[1:]),
         "python": platform.python_version(),
         "sentencepiece": version("sentencepiece"),
         "numpy": np.__version__,

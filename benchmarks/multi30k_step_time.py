@@ -1,6 +1,6 @@
 """Seconds per training batch of the Multi30k translation configs, softmax vs MoS-9 vs Mixtape.
 
-    OMP_NUM_THREADS=1 python benchmarks/multi30k_step_time.py THREADS [section.key=value ...]
+    OMP_NUM_THREADS=1 python -m benchmarks.multi30k_step_time THREADS [section.key=value ...]
 
 Learns the configs' subwords on Multi30k train (../shared/data/multi30k), builds one model per
 head from ``configs/multi30k/transformer-{softmax,mos,mixtape}.toml`` (with the overrides), and
@@ -14,23 +14,23 @@ benchmarks/results/multi30k-step-time/.
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from highrank.config import load_config  # noqa: E402
-from highrank.model import build_seq2seq  # noqa: E402
-from highrank.mt.bitext import TokenBatches  # noqa: E402
-from highrank.mt.translation import learn_translation_data  # noqa: E402
-from highrank.train.schedule import build_adamw  # noqa: E402
+from benchmarks._common import REPO
+from highrank.config import load_config
+from highrank.model import build_seq2seq
+from highrank.mt.bitext import TokenBatches
+from highrank.mt.translation import learn_translation_data
+from highrank.train.schedule import build_adamw
 
 HEADS = ("softmax", "mos", "mixtape")
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help") or not sys.argv[1].isdigit():
+        print(__doc__)
+        raise SystemExit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     torch.set_num_threads(int(sys.argv[1]))
     overrides = sys.argv[2:]
     configs = {

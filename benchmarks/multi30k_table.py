@@ -1,6 +1,6 @@
 """Multi30k en->de with softmax, MoS-9 and Mixtape: the shape of the Mixtape paper's Table 5.
 
-    python benchmarks/multi30k_table.py [--data ../shared/data] [--heads softmax,mos,mixtape]
+    python -m benchmarks.multi30k_table [--data ../shared/data] [--heads softmax,mos,mixtape]
         [--epochs N] [--threads 1] [--memory-budget-mb 3072] [--tiny]
         [--runs runs/multi30k-table] [--out benchmarks/results/multi30k-table]
 
@@ -27,7 +27,9 @@ For every head (``configs/multi30k/transformer-<head>.toml``, the same budget fo
    head); the probes' own step times came from separate processes at other moments.
 
 Each stage writes ``<out>/<stage>-<head>.json`` (or ``timing.json``) when done and is skipped
-when that file exists: rerunning continues, never redoes finished work. The table is
+when that file exists: rerunning continues, never redoes finished work. The stages run on
+:class:`benchmarks.study.Study`, each in a fresh process (its record adds the stage's seconds
+and peak RSS); several processes may share the study. The table is
 ``<out>/table.md`` and ``table.json``. ``--tiny`` shrinks everything (d 32, one layer, 1,000
 subwords, 30 steps, test sentences decoded greedily) so the whole pipeline runs in minutes; its
 numbers are only a check that the script works.
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -47,8 +48,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+from benchmarks._common import DATA, REPO, machine, run_env, write_json
+from benchmarks.study import Stage, Study, module_command
 
 HEADS = ("softmax", "mos", "mixtape")
 STAGES = ("train", "bleu", "timing", "memory", "sentences", "table")
@@ -70,7 +71,7 @@ TINY_STEPS = 30
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="data root")
+    p.add_argument("--data", default=str(DATA), help="data root")
     p.add_argument("--heads", default=",".join(HEADS))
     p.add_argument("--epochs", type=int, help="train.epochs for every head (default: configs')")
     # 1: on the shared 2-vCPU machine (load ~13) 2 threads ran a first step 5x slower than 1
@@ -90,15 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "multi30k-table"))
     p.add_argument("--probe-memory", metavar="HEAD", help=argparse.SUPPRESS)
     p.add_argument("--sentences", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--stage", help=argparse.SUPPRESS)  # a child's one stage
     return p.parse_args(argv)
-
-
-def machine(threads: int) -> dict:
-    from highrank.util.machine import describe_machine
-
-    return describe_machine(
-        threads=threads, note="a machine shared with other jobs unless said otherwise"
-    )
 
 
 def head_overrides(head: str, args) -> list[str]:
@@ -109,23 +103,10 @@ def head_overrides(head: str, args) -> list[str]:
     return words
 
 
-def run_env(threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def highrank(words: list[str], threads: int) -> None:
     command = [sys.executable, "-m", "highrank", *words]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True, env=run_env(threads), cwd=REPO)
-
-
-def write_json(path: Path, record: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ---- 1. training and 2. BLEU -------------------------------------------------------------------
@@ -295,8 +276,8 @@ def probe_memory(head: str, sentences: int, args, runs: Path) -> None:
 
 def memory_head(head: str, args, runs: Path) -> dict:
     def probe(b: int) -> dict:
-        words = [sys.executable, __file__, "--probe-memory", head, "--sentences", str(b),
-                 "--runs", str(runs), "--threads", str(args.threads),
+        words = [sys.executable, "-m", "benchmarks.multi30k_table", "--probe-memory", head,
+                 "--sentences", str(b), "--runs", str(runs), "--threads", str(args.threads),
                  "--memory-steps", str(args.memory_steps)]  # fmt: skip
         done = subprocess.run(words, capture_output=True, text=True, env=run_env(args.threads))
         if done.returncode != 0:  # e.g. killed for memory: does not fit
@@ -419,23 +400,45 @@ def main(argv=None) -> int:
         print(f"skipped: no Multi30k at {data_dir} (expected train.en, train.de, ...); "
               "pass --data", file=sys.stderr)  # fmt: skip
         return 0
-    stages = {s.strip() for s in args.stages.split(",")}
-    for head in heads:
-        if "train" in stages and not (out / f"train-{head}.json").is_file():
-            write_json(out / f"train-{head}.json", train_head(head, args, runs / head, data_dir))
-        if "bleu" in stages and not (out / f"bleu-{head}.json").is_file():
-            write_json(out / f"bleu-{head}.json", bleu_head(head, args, runs / head))
-    if "timing" in stages and not (out / "timing.json").is_file():
-        write_json(out / "timing.json", timing(heads, args, runs))
-    for head in heads:
-        if "memory" in stages and not (out / f"memory-{head}.json").is_file():
-            write_json(out / f"memory-{head}.json", memory_head(head, args, runs))
-    if "sentences" in stages and not (out / "sentences.json").is_file():
-        write_json(out / "sentences.json", sentence_timing(heads, out, args, runs))
-    if "table" in stages:
+    runner = study(heads, args, data_dir, argv if argv is not None else sys.argv[1:])
+    if args.stage:
+        runner.run_stage(args.stage)
+        return 0
+    status = runner.run()
+    if status == 0 and "table" in {s.strip() for s in args.stages.split(",")}:
         table(heads, out, args)
-    return 0
+    return status
 
+
+def study(heads, args, data_dir: Path, argv) -> Study:
+    """The chosen ``--stages`` as a :class:`benchmarks.study.Study`: records ``<out>/<stage>.json``
+    (``train-<head>``, ``bleu-<head>``, ``timing``, ``memory-<head>``, ``sentences``), each stage
+    in a fresh process, lock files in ``--runs``."""
+    runs, out = Path(args.runs), Path(args.out)
+    chosen = {s.strip() for s in args.stages.split(",")}
+    trained = tuple(f"train-{h}" for h in heads)
+    plan = []
+    for head in heads:
+        plan += [Stage(f"train-{head}")] if "train" in chosen else []
+        plan += [Stage(f"bleu-{head}", (f"train-{head}",))] if "bleu" in chosen else []
+    plan += [Stage("timing", trained)] if "timing" in chosen else []
+    plan += [Stage(f"memory-{h}", (f"train-{h}",)) for h in heads if "memory" in chosen]
+    if "sentences" in chosen:
+        plan.append(Stage("sentences", tuple(f"memory-{h}" for h in heads)))
+
+    def work(stage: str) -> dict:
+        kind, _, head = stage.partition("-")
+        if kind == "train":
+            return train_head(head, args, runs / head, data_dir)
+        if kind == "bleu":
+            return bleu_head(head, args, runs / head)
+        if kind == "memory":
+            return memory_head(head, args, runs)
+        return {"timing": lambda: timing(heads, args, runs),
+                "sentences": lambda: sentence_timing(heads, out, args, runs)}[kind]()
+
+    return Study(plan, work, records=out, locks=runs, indent=2, end="\n",
+                 child=module_command("benchmarks.multi30k_table", argv))
 
 if __name__ == "__main__":
     raise SystemExit(main())

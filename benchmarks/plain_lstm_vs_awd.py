@@ -3,7 +3,7 @@ LSTM language model of the same size, on the same Penn Treebank batches, interle
 process. The logic lives in ``benchmarks/plain_lstm.py`` beside this script (read its docstring
 for what is compared and how).
 
-    python benchmarks/plain_lstm_vs_awd.py [--data-dir ../shared/data/ptb] [--steps 20]
+    python -m benchmarks.plain_lstm_vs_awd [--data-dir ../shared/data/ptb] [--steps 20]
         [--repeats 10] [--warmup 10] [--threads 2]
         [--out benchmarks/results/plain-lstm-vs-awd.json]
 
@@ -21,11 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from plain_lstm import (  # noqa: E402
+from benchmarks._common import DATA, REPO
+from benchmarks.plain_lstm import (
     Settings,
     benchmark_config,
     markdown_table,
@@ -33,7 +30,7 @@ from plain_lstm import (  # noqa: E402
 )
 
 DEFAULT_RECIPE = REPO / "configs" / "ptb" / "small-softmax.toml"
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "ptb"
+DEFAULT_DATA = DATA / "ptb"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "plain-lstm-vs-awd.json"
 
 
@@ -74,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run_benchmark(config, settings, progress=lambda m: print(m, file=sys.stderr))
     result["command"] = " ".join(
-        ["python", "benchmarks/plain_lstm_vs_awd.py", *(sys.argv[1:] if argv is None else argv)]
+        ["python", "-m", "benchmarks.plain_lstm_vs_awd", *(sys.argv[1:] if argv is None else argv)]
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Transformer LMs on Penn Treebank: words (softmax, MoS, Mixtape) and characters (softmax, MoS).
 
-    python benchmarks/ptb_transformer_lm.py [--experiments word,char] [--threads 1]
+    python -m benchmarks.ptb_transformer_lm [--experiments word,char] [--threads 1]
         [--data ../shared/data] [--runs runs/ptb-transformer-lm]
         [--out benchmarks/results/ptb-transformer-lm]
 
@@ -19,8 +19,9 @@ in ``<out>/commands.txt``):
 
 Every run is trained in a subprocess with ``OMP_NUM_THREADS=--threads``. Rerunning continues:
 an interrupted training run resumes from its last checkpoint (exactly), a finished stage (its
-record exists) is skipped. ``<out>/<experiment>.json`` and ``.md`` gather the records with the
-machine, the budget and the training time of each run (from its ``metrics.jsonl``).
+record exists) is skipped (the stages run on :class:`benchmarks.study.Study`).
+``<out>/<experiment>.json`` and ``.md`` gather the records with the machine, the budget and
+the training time of each run (from its ``metrics.jsonl``).
 """
 
 from __future__ import annotations
@@ -28,16 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "src"))
-
-from multi30k_table import machine, run_env, train_seconds, write_json  # noqa: E402
+from benchmarks import _common
+from benchmarks._common import DATA, REPO, machine, write_json
+from benchmarks.multi30k_table import train_seconds
+from benchmarks.study import Stage, Study
 
 EXPERIMENTS = {
     "word": {
@@ -55,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", help="only these heads (default: each experiment's)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rank-contexts", type=int, default=8192)
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="data root")
+    p.add_argument("--data", default=str(DATA), help="data root")
     p.add_argument("--runs", default=str(REPO / "runs" / "ptb-transformer-lm"))
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ptb-transformer-lm"))
     args = p.parse_args(argv)
@@ -67,13 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def highrank(args, *words: str) -> None:
-    command = [sys.executable, "-m", "highrank", *words]
-    line = shlex.join(["highrank", *words])
-    print(f"+ {line}", flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    with open(Path(args.out) / "commands.txt", "a", encoding="utf-8") as log:
-        log.write(line + "\n")
-    subprocess.run(command, check=True, env=run_env(args.threads), cwd=REPO)
+    _common.highrank(*words, threads=args.threads, log=Path(args.out) / "commands.txt")
 
 
 def train(args, experiment: str, head: str, run: Path) -> None:
@@ -165,16 +156,58 @@ def table_markdown(experiment: str, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def heads_of(args, experiment: str) -> list[str]:
+    return args.heads.split(",") if args.heads else EXPERIMENTS[experiment]["heads"]
+
+
+def study(args) -> Study:
+    """Per experiment and head, the stages ``<experiment>-<head>-{train,eval,rank}`` on
+    :class:`benchmarks.study.Study`, each done when its highrank records exist (training: its
+    ``benchmark-train.done``), eval and rank after the training; lock files in ``--runs``."""
+    runs = {}
+    for experiment in args.experiments:
+        for head in heads_of(args, experiment):
+            runs[f"{experiment}-{head}"] = (experiment, head, Path(args.runs) / experiment / head)
+    stages = []
+    for name in runs:
+        stages += [Stage(f"{name}-train"), Stage(f"{name}-eval", (f"{name}-train",)),
+                   Stage(f"{name}-rank", (f"{name}-train",))]
+
+    def split(stage: str) -> tuple[str, str, Path, str]:
+        name, _, kind = stage.rpartition("-")
+        return (*runs[name], kind)
+
+    def done(stage: str) -> bool:
+        _, _, run, kind = split(stage)
+        if kind == "train":
+            return (run / "benchmark-train.done").is_file()
+        if kind == "eval":
+            return all((run / f"eval-{s}-best.json").is_file() for s in ("valid", "test"))
+        return (run / "analysis" / f"rank-test-best-first{args.rank_contexts}.json").is_file()
+
+    def work(stage: str) -> dict:
+        experiment, head, run, kind = split(stage)
+        if kind == "train":
+            train(args, experiment, head, run)
+        else:
+            (evaluate if kind == "eval" else rank)(args, run)
+        return {}
+
+    return Study(stages, work, records=None, locks=Path(args.runs), done=done)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    status = study(args).run()
+    if status:
+        return status
     for experiment in args.experiments:
         spec = EXPERIMENTS[experiment]
-        heads = args.heads.split(",") if args.heads else spec["heads"]
+        heads = heads_of(args, experiment)
         rows = []
         for head in heads:
             run = Path(args.runs) / experiment / head
-            train(args, experiment, head, run)
             rows.append(row(experiment, head, run, evaluate(args, run), rank(args, run)))
         summary = {
             "experiment": experiment,
@@ -188,7 +221,6 @@ def main(argv=None) -> int:
         (Path(args.out) / f"{name}.md").write_text(table_markdown(experiment, rows))
         print(table_markdown(experiment, rows))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The README's quick tour, timed: every verb on two small PTB runs, in minutes, not hours.
 
-    python benchmarks/quick_tour.py [--data ../shared/data] [--steps 300]
+    python -m benchmarks.quick_tour [--data ../shared/data] [--steps 300]
         [--runs runs/tour] [--out benchmarks/results/quick-tour]
 
 Runs each command of the tour below in turn (a subprocess, as a user would type it, with the
@@ -33,10 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from multi30k_table import machine, write_json  # noqa: E402
+from benchmarks._common import REPO, machine, write_json
 
 
 def tour(steps: int, runs: str, data: str, reports: str) -> list[list[str]]:

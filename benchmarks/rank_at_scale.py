@@ -1,7 +1,7 @@
 """Rank of a large log-probability matrix: highrank's streamed Gram method against
 ``numpy.linalg.svd`` on the whole matrix in memory, side by side on one machine.
 
-    python benchmarks/rank_at_scale.py MATRIX.npy [--rows N] [--methods numpy,gram]
+    python -m benchmarks.rank_at_scale MATRIX.npy [--rows N] [--methods numpy,gram]
         [--repeats 1] [--out benchmarks/results/rank-at-scale/NAME.json]
 
 MATRIX.npy is a float32 log-probability matrix, e.g. written by
@@ -35,17 +35,14 @@ import numpy as np
 import scipy.linalg  # noqa: F401  imported before timing: the gram method uses it
 import scipy.linalg.blas  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from highrank.analysis.rank import (  # noqa: E402
+from highrank.analysis.rank import (
     EFFECTIVE_RANK_EPSILONS,
     effective_rank,
     press_rank_from_singular_values,
     rank_report_file,
 )
-from highrank.bench.heads import proc_status_kib, reset_peak_rss  # noqa: E402
-from highrank.util.machine import describe_machine  # noqa: E402
+from highrank.bench.heads import proc_status_kib, reset_peak_rss
+from highrank.util.machine import describe_machine
 
 METHODS = ("numpy", "gram", "gram-torch", "gram-scipy")  # gram: the default backend
 
@@ -90,7 +87,8 @@ def measure(path: Path, methods: list[str], repeats: int, scratch: Path) -> dict
     for repeat in range(repeats):
         for method in methods:
             out = scratch / f"{method}-{repeat}.npy"
-            command = [sys.executable, __file__, "--child", method, str(path), str(out)]
+            child = ["-m", "benchmarks.rank_at_scale", "--child", method, str(path), str(out)]
+            command = [sys.executable, *child]
             result = subprocess.run(command, capture_output=True, text=True, check=True)
             runs.append({"repeat": repeat, **json.loads(result.stdout.splitlines()[-1])})
             values[method] = np.load(out)

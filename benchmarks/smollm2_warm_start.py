@@ -1,6 +1,6 @@
 """Does a warm-started high-rank head improve SmolLM2-135M? The frozen-body study on WikiText-2.
 
-    python benchmarks/smollm2_warm_start.py [--data-dir ../shared/data] [--work-dir DIR]
+    python -m benchmarks.smollm2_warm_start [--data-dir ../shared/data] [--work-dir DIR]
         [--out benchmarks/results/smollm2-warm-start] [--seeds 1,2] [--heads own,control,...]
         [--only cache|train] [--commit] [--summarize]
 
@@ -38,24 +38,23 @@ runs in a fresh process and writes one JSON record to ``--out``; finished stages
 an interrupted cache or training continues from its last checkpoint (``--work-dir``). Several
 processes may run at once on different ``--seeds`` or ``--heads``; a stage another process
 holds (its lock file) is skipped. Large files stay in ``--work-dir``, never in the repository.
+The stages, records, locks and rounds are :class:`benchmarks.study.Study`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from smollm2_retrofit import GGUF_NAME, commit, load_model, machine, write_json
+from benchmarks._common import DATA, REPO, commit, write_json
+from benchmarks.smollm2_retrofit import GGUF_NAME, load_model, machine
+from benchmarks.study import Stage, Study, module_command
 
-REPO = Path(__file__).resolve().parents[1]
 SPLITS = ("train", "valid", "test")
 D_MODEL = 576  # SmolLM2-135M's hidden size
 # (highrank head, knobs) of each compared head; all warm-started (base_init_knobs added).
@@ -72,7 +71,7 @@ HEADS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data")
+    parser.add_argument("--data-dir", type=Path, default=DATA)
     parser.add_argument("--work-dir", type=Path,
                         default=Path.home() / ".cache" / "highrank" / "smollm2-warm-start")
     parser.add_argument("--out", type=Path,
@@ -254,22 +253,22 @@ def stage_rank(name: str, seed: int, args) -> dict:
     return report
 
 
-def run_stage(stage: str, args) -> None:
-    import torch
+def stage_work(args):
+    """The work of one stage, run in its own process (its record: what this returns plus the
+    runner's ``stage``, ``stage_seconds``, ``peak_rss_mib`` and the settings)."""
 
-    torch.set_num_threads(args.threads)
-    began = time.perf_counter()
-    kind, _, rest = stage.partition("-")
-    if kind == "cache":
-        record = stage_cache(rest, args)
-    else:
+    def work(stage: str) -> dict:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        kind, _, rest = stage.partition("-")
+        if kind == "cache":
+            return stage_cache(rest, args)
         name, _, seed = rest.rpartition("-s")
-        record = {"train": stage_train, "eval": stage_eval, "rank": stage_rank}[kind](
+        return {"train": stage_train, "eval": stage_eval, "rank": stage_rank}[kind](
             name, int(seed), args)
-    record.update(stage=stage, stage_seconds=time.perf_counter() - began,
-                  peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  settings=settings(args))
-    write_json(args.out / f"{stage}.json", record)
+
+    return work
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -289,6 +288,21 @@ def stages(args) -> list[str]:
     return order
 
 
+def study(args, argv) -> Study:
+    """The study: every stage of :func:`stages`, records in ``--out``, locks in ``--work-dir``
+    (``.<stage>.lock``), each stage in a fresh process of this module."""
+
+    def after(stage: str) -> None:
+        summarize(args)
+        if args.commit:
+            commit(args.out, f"smollm2-warm-start: {stage} recorded")
+
+    return Study([Stage(name, *inputs(name, args)) for name in stages(args)], stage_work(args),
+                 records=args.out, locks=args.work_dir, indent=1, end="",
+                 extra=lambda: {"settings": settings(args)}, after=after,
+                 child=module_command("benchmarks.smollm2_warm_start", argv, "--commit"))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not (args.data_dir / "wikitext-2" / "test.txt").exists():
@@ -296,79 +310,32 @@ def main(argv=None) -> int:
         return 0
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    runner = study(args, argv if argv is not None else sys.argv[1:])
     if args.stage:
-        run_stage(args.stage, args)
+        runner.run_stage(args.stage)
         return 0
     if args.summarize:
         summarize(args)
         return 0
-    child_argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--commit"]
-    while True:  # rounds: a stage waiting for another process's output runs in a later round
-        ran, pending, held_elsewhere = run_round(args, child_argv)
-        if not pending:
-            break
-        if not ran:
-            if not held_elsewhere:
-                print("stopped: the stages left wait for inputs no process is making: "
-                      + ", ".join(pending), flush=True)
-                return 1
-            time.sleep(30)
-    summarize(args)
-    return 0
-
-
-def run_round(args, child_argv) -> tuple[int, list[str], int]:
-    """Run every stage that is not done, free and ready; (ran, still pending, held by others)."""
-    ran, held_elsewhere = 0, 0
-    for stage in stages(args):
-        if (args.out / f"{stage}.json").exists():
-            continue
-        with stage_lock(args.work_dir / f".{stage}.lock") as held:
-            if not held:
-                held_elsewhere += 1
-                continue
-            if (args.out / f"{stage}.json").exists() or not inputs_ready(stage, args):
-                continue
-            print(f"== {stage} ({time.strftime('%H:%M:%S')})", flush=True)
-            subprocess.run([sys.executable, __file__, *child_argv, "--stage", stage], check=True)
-            ran += 1
+    status = runner.run()  # rounds: a stage waiting for another process's output runs later
+    if status == 0:
         summarize(args)
-        if args.commit:
-            commit(args.out, f"smollm2-warm-start: {stage} recorded")
-    pending = [s for s in stages(args) if not (args.out / f"{s}.json").exists()]
-    return ran, pending, held_elsewhere
+    return status
 
 
-def inputs_ready(stage: str, args) -> bool:
+def inputs(stage: str, args) -> tuple[tuple[str, ...], object]:
+    """``(records it needs, test of the caches it reads)`` of a stage."""
     kind, _, rest = stage.partition("-")
     caches = {"train": ["train"], "eval": ["valid", "test"]}.get(kind, [])
     records = {"eval": [] if rest.startswith("base") else [f"train-{rest}"],
                "rank": [f"eval-{rest}"]}.get(kind, [])
-    return all(cache_complete(split, args) for split in caches) and all(
-        (args.out / f"{record}.json").exists() for record in records)
+    ready = (lambda: all(cache_complete(split, args) for split in caches)) if caches else None
+    return tuple(records), ready
 
 
 def cache_complete(split: str, args) -> bool:
     progress = args.cache_dir / f"cache-{split}" / "progress.json"
     return progress.exists() and json.loads(progress.read_text()).get("complete", False)
-
-
-class stage_lock:
-    """An exclusive, non-blocking flock: ``held`` is False when another process has it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> bool:
-        self.file = open(self.path, "w")  # noqa: SIM115 (closed in __exit__)
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
-
-    def __exit__(self, *exc) -> None:
-        self.file.close()
 
 
 # ---- the summary -------------------------------------------------------------------------------
@@ -400,7 +367,8 @@ def summarize(args) -> None:
                       "new_parameters": trains[0]["new_parameters"] if trains[0] else 0,
                       "peak_rss_mib_train": [t["peak_rss_mib"] if t else None for t in trains]}
         table.append(_row(name, rows[name]))
-    write_json(args.out / "summary.json", {"settings": settings(args), "heads": rows})
+    write_json(args.out / "summary.json", {"settings": settings(args), "heads": rows},
+               indent=1, end="")
     (args.out / "results.md").write_text("\n".join(table) + "\n")
     plot_curves(records, args.out / "curves.png")
     del np

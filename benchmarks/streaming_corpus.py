@@ -1,6 +1,6 @@
 """The memory-mapped corpus at scale: build time, peak memory, disk, batches/s vs a training step.
 
-    python benchmarks/streaming_corpus.py --tokens 10000000 --tokens 100000000
+    python -m benchmarks.streaming_corpus --tokens 10000000 --tokens 100000000
 
 For each size: writes (once, reused when its zipf.json matches) a seeded Zipfian corpus
 (:mod:`highrank.data.zipf`: 200,000 word types, exponent 1, train in 100 shards as One
@@ -186,10 +186,10 @@ CHILDREN = {
 def run_child(name: str, corpus: Path, cache: Path, args) -> dict:
     """``name``'s measurement in a fresh interpreter on one thread; its JSON result."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     command = [
         sys.executable,
-        __file__,
+        "-m",
+        "benchmarks.streaming_corpus",
         "--child",
         name,
         "--corpus",
@@ -235,7 +235,7 @@ def measure(tokens: int, args) -> dict:
     result = {
         "machine": describe_machine(threads=1, note="shared with other jobs"),
         "threads": 1,
-        "command": " ".join(["python", "benchmarks/streaming_corpus.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "benchmarks.streaming_corpus", *sys.argv[1:]]),
         "corpus": {k: info[k] for k in ("types", "exponent", "tokens", "bytes", "seed")},
         "corpus_generated_seconds": info["generated_seconds"],
         "shards": SHARDS,

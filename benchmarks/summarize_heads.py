@@ -1,6 +1,6 @@
 """Print the README's summary table of the head benchmark from its recorded JSON results.
 
-python benchmarks/summarize_heads.py benchmarks/results/heads-cpu-*/heads.json
+python -m benchmarks.summarize_heads benchmarks/results/heads-cpu-*/heads.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The heads on a synthetic language of known rank, over a sweep of true rank r and dimension d.
 
-    python benchmarks/synthetic_sweep.py [--ranks 16,64,256] [--dims 8,16,32] [--seeds 0,1,2]
+    python -m benchmarks.synthetic_sweep [--ranks 16,64,256] [--dims 8,16,32] [--seeds 0,1,2]
         [--heads softmax,moc,mos,mixtape,sigsoftmax,gss,plif] [--steps 2000]
         [--out benchmarks/results/synthetic-sweep]
 
@@ -12,11 +12,12 @@ all heads — repeated for every (r, d, seed) of the sweep. Per head it records 
 KL(P* || P_theta) (nats, float64) and the Press rank of the learned log-prob matrix. A softmax
 head's matrix has rank at most d + 2, so with d < r - 1 it cannot reach KL 0; the mixtures can.
 
-Each cell (r, d, seed) is written to ``<out>/cells/r<r>-d<d>-seed<s>.json`` when done and
-skipped when that file exists (rerunning continues). Then ``summary.json``/``summary.md``
-(per r, d and head: mean and sd of KL over seeds, mean learned rank) and ``sweep.png`` (KL
-against r, one panel per d). One thread, deterministic kernels (as the demo): the numbers do
-not depend on the machine's load; the seconds do.
+Each cell (r, d, seed) is a stage of :class:`benchmarks.study.Study`: written to
+``<out>/cells/r<r>-d<d>-seed<s>.json`` when done (with its seconds and peak RSS) and skipped
+when that file exists (rerunning continues; processes sharing the sweep split its cells).
+Then ``summary.json``/``summary.md`` (per r, d and head: mean and sd of KL over seeds, mean
+learned rank) and ``sweep.png`` (KL against r, one panel per d). One thread, deterministic
+kernels (as the demo): the numbers do not depend on the machine's load; the seconds do.
 """
 
 from __future__ import annotations
@@ -24,16 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from multi30k_table import machine, write_json  # noqa: E402
+from benchmarks._common import REPO, machine, write_json
+from benchmarks.study import Stage, Study
 
 
 def int_list(text: str) -> list[int]:
@@ -141,18 +137,16 @@ def plot(args, summary: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    grid = [(r, d, s) for r in args.ranks for d in args.dims for s in args.seeds]
-    cells = {}
-    for done, (rank, dim, seed) in enumerate(grid):
-        path = cell_path(args, rank, dim, seed)
-        if not path.is_file():
-            began = time.perf_counter()
-            write_json(path, run_cell(args, rank, dim, seed))
-            print(f"[{done + 1}/{len(grid)}] r={rank} d={dim} seed={seed}: "
-                  f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
-        cells[(rank, dim, seed)] = json.loads(path.read_text())
-    summary = summarize(args, cells)
+    grid = {cell_path(args, *cell).stem: cell
+            for cell in [(r, d, s) for r in args.ranks for d in args.dims for s in args.seeds]}
     out = Path(args.out)
+    study = Study([Stage(name) for name in grid], lambda name: run_cell(args, *grid[name]),
+                  records=out / "cells", locks=out / ".locks", indent=2, end="\n")
+    status = study.run()
+    if status:
+        return status
+    cells = {cell: json.loads(study.record_path(name).read_text()) for name, cell in grid.items()}
+    summary = summarize(args, cells)
     write_json(out / "summary.json", summary)
     (out / "summary.md").write_text(summary_markdown(args, summary), encoding="utf-8")
     plot(args, summary, out / "sweep.png")

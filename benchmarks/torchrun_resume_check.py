@@ -1,7 +1,7 @@
 """The README's torchrun claim, end to end: a two-process run stopped and resumed logs the same
 step losses as a straight two-process run.
 
-    python benchmarks/torchrun_resume_check.py [--config configs/ptb/small-softmax.toml]
+    python -m benchmarks.torchrun_resume_check [--config configs/ptb/small-softmax.toml]
         [--data ../shared/data/ptb] [--steps 40] [--every 1] [--nproc 2]
         [--runs runs/torchrun-check] [--out benchmarks/results/torchrun-resume]
 
@@ -23,10 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from multi30k_table import machine, write_json  # noqa: E402
+from benchmarks._common import DATA, REPO, machine, write_json
 
 
 def torchrun(nproc: int, *words: str) -> list[str]:
@@ -49,7 +46,7 @@ def step_losses(run_dir: Path) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--config", default="configs/ptb/small-softmax.toml")
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "ptb"))
+    parser.add_argument("--data", default=str(DATA / "ptb"))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=1, help="train.log_every (1)")
     parser.add_argument("--nproc", type=int, default=2)

@@ -1,7 +1,7 @@
 """One epoch of Penn Treebank with the small CPU recipes: training throughput and validation
 perplexity, recorded for the README.
 
-    python benchmarks/train_small_ptb.py [--heads softmax,mos] [--data ../shared/data/ptb]
+    python -m benchmarks.train_small_ptb [--heads softmax,mos] [--data ../shared/data/ptb]
         [--out benchmarks/results/train-small-ptb.json]
 
 Each recipe runs `highrank train configs/ptb/small-<head>.toml --train.epochs=1` in a fresh
@@ -20,11 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-from highrank.runs.run_dir import read_metrics  # noqa: E402
-from highrank.util.machine import describe_machine  # noqa: E402
+from benchmarks._common import DATA, REPO
+from highrank.runs.run_dir import read_metrics
+from highrank.util.machine import describe_machine
 
 
 def run_recipe(head: str, data: Path, scratch: Path) -> dict:
@@ -57,7 +55,7 @@ def run_recipe(head: str, data: Path, scratch: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default="softmax,mos")
-    parser.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "ptb"))
+    parser.add_argument("--data", default=str(DATA / "ptb"))
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/train-small-ptb.json"))
     args = parser.parse_args()
     if not Path(args.data).is_dir():

@@ -1,6 +1,6 @@
 """Training-step time of the Transformer LM recipes against the small AWD-LSTM recipe, side by side.
 
-    python benchmarks/transformer_lm_step.py --heads softmax,mos,mixtape --rounds 5 --threads 2
+    python -m benchmarks.transformer_lm_step --heads softmax,mos,mixtape --rounds 5 --threads 2
 
 Builds each model from its config (configs/ptb/small-softmax.toml and
 configs/ptb/transformer-<head>.toml) for V = 10,000 (PTB) on random token ids (no corpus is
@@ -100,7 +100,7 @@ def main() -> None:
         )
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     record = {
-        "command": "python benchmarks/transformer_lm_step.py "
+        "command": "python -m benchmarks.transformer_lm_step "
         f"--heads {args.heads} --rounds {args.rounds} --threads {args.threads}",
         "machine": describe_machine(threads=args.threads),
         "load_average_after": load,

@@ -3,20 +3,17 @@ synthetic corpus (the real numbers come from the script on Penn Treebank)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import plain_lstm
 from highrank.data import load_corpus
 from highrank.model import build_model, count_parameters
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-SCRIPT = BENCHMARKS / "plain_lstm_vs_awd.py"
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "ptb" / "small-softmax.toml"
 TINY = ["model.d_embed=8", "model.d_hidden=12", "train.batch_size=4", "train.bptt=6"]
 
@@ -34,21 +31,10 @@ def corpus(tmp_path) -> Path:
     return folder
 
 
-def load_module(name: str, path: Path):
-    """Import a benchmark file as the module ``name`` (registered, so the script's own
-    ``from plain_lstm import ...`` finds this one)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-plain_lstm = load_module("plain_lstm", BENCHMARKS / "plain_lstm.py")
-
-
 def load_script():
-    return load_module("plain_lstm_vs_awd", SCRIPT)
+    from benchmarks import plain_lstm_vs_awd
+
+    return plain_lstm_vs_awd
 
 
 def test_script_writes_the_json_and_prints_the_table(corpus, tmp_path, capsys):
@@ -66,7 +52,7 @@ def test_script_writes_the_json_and_prints_the_table(corpus, tmp_path, capsys):
     assert result["settings"]["layer_sizes"] == [12, 8] and result["settings"]["threads"] == 1
     assert {"cpu", "torch", "torch_threads"} <= result["machine"].keys()
     assert "one nn.LSTM per layer" in plain["description"]
-    assert result["command"].startswith("python benchmarks/plain_lstm_vs_awd.py --data-dir")
+    assert result["command"].startswith("python -m benchmarks.plain_lstm_vs_awd --data-dir")
     printed = capsys.readouterr().out
     assert "| ours (highrank AWD-LSTM) |" in printed and "Ours / plain:" in printed
 

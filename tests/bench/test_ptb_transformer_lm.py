@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
 def test_a_row_holds_the_evaluations_the_rank_and_the_training_time(tmp_path):
-    import ptb_transformer_lm
+    from benchmarks import ptb_transformer_lm
 
     records = [
         {"kind": "step", "stage": "train", "epoch": 1, "step": 5, "seconds": 1.0},

@@ -4,7 +4,6 @@ evaluation stage, and (slow) the whole pipeline on a tiny corpus."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -22,11 +21,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "replication_study
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("replication_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import replication_study
+
+    return replication_study
 
 
 def test_every_head_gets_the_softmax_parameter_count_within_two_percent(study):

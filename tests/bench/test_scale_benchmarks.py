@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
 
 def test_the_billion_word_models_have_the_asked_shape():
-    import billion_word_step as bws
+    from benchmarks import billion_word_step as bws
 
     shape = bws.Shape(batch=2, bptt=3, vocab=500, width=32)
     softmax, optimizer, (tokens, target), chunk, _ = bws.build("softmax", shape)
@@ -30,7 +28,7 @@ def test_the_billion_word_models_have_the_asked_shape():
 
 
 def test_the_billion_word_benchmark_writes_its_table(tmp_path):
-    import billion_word_step as bws
+    from benchmarks import billion_word_step as bws
 
     arguments = ["--vocab", "300", "--width", "16", "--batch", "2", "--bptt", "3"]
     assert (
@@ -49,7 +47,7 @@ def test_the_billion_word_benchmark_writes_its_table(tmp_path):
 
 
 def test_under_load_summary_compares_each_condition_quiet_and_loaded():
-    import heads_under_load as hul
+    from benchmarks import heads_under_load as hul
 
     def condition(load, policy, threads, head_ms, naive_ms):
         rows = {
@@ -83,7 +81,7 @@ def test_under_load_summary_compares_each_condition_quiet_and_loaded():
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_pausing_stops_a_process_and_its_children_and_continues_them():
-    import heads_under_load as hul
+    from benchmarks import heads_under_load as hul
 
     script = (
         "import subprocess, sys, time\n"
@@ -131,7 +129,7 @@ def _state(pid: int) -> str:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_paused_processes_are_continued_when_the_benchmark_fails(monkeypatch):
-    import heads_under_load as hul
+    from benchmarks import heads_under_load as hul
 
     parent, child = _sleeper_family()
     try:
@@ -158,7 +156,7 @@ def test_paused_processes_are_continued_when_the_benchmark_fails(monkeypatch):
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_pause_refuses_the_benchmark_itself_and_unknown_processes():
-    import heads_under_load as hul
+    from benchmarks import heads_under_load as hul
 
     with pytest.raises(SystemExit, match="this benchmark or one of its parents"):
         hul.processes_to_pause([os.getppid()])

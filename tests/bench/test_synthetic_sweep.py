@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 pytest.importorskip("matplotlib", reason="the sweep's figure needs matplotlib")
 
 
 def test_a_tiny_sweep_writes_cells_and_a_summary_and_resumes(tmp_path, capsys):
-    import synthetic_sweep
+    from benchmarks import synthetic_sweep
 
     argv = ["--ranks", "4,8", "--dims", "2", "--seeds", "0,1", "--steps", "3",
             "--heads", "softmax,mos", "--out", str(tmp_path)]  # fmt: skip

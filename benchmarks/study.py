@@ -1,0 +1,239 @@
+"""A resumable study: ordered, named stages whose JSON records are their done markers.
+
+    study = Study(
+        [Stage("cache"), Stage("train-a", needs=("cache",)), Stage("eval-a", needs=("train-a",))],
+        work=lambda name: {...},          # does the stage here; returns its record
+        records=OUT,                       # OUT/<stage>.json: the record, written atomically
+        child=lambda name: [sys.executable, "-m", "benchmarks.x", *argv, "--stage", name],
+    )
+    return study.run()                     # rounds until every stage has its record
+
+* A stage is **done** when its record exists (or, for a study whose records are another
+  program's, when its ``done`` test says so). Done stages are never run again: a study that
+  stopped (killed, or a stage failed) continues where it stopped when run again.
+* :meth:`Study.run_stage` runs one stage in this process and writes its record: what ``work``
+  returned, then ``stage``, ``stage_seconds``, ``peak_rss_mib`` (this process's peak resident
+  memory) and whatever ``extra()`` adds. With ``child`` every stage runs in a fresh process
+  (the command ``child(name)``, run from this process's folder unless ``cwd`` says otherwise,
+  which must call :meth:`Study.run_stage`), so that its peak RSS is its own.
+* Several processes may run the same study, or studies whose stages overlap. Each takes a
+  non-blocking ``flock`` on ``locks/.<stage>.lock`` before it runs a stage and skips a stage
+  another process holds or has finished meanwhile. A stage whose inputs are not there yet (the
+  records it ``needs``, and its ``ready`` test) waits: the study goes round again after
+  ``wait_seconds`` while another process holds a stage, and stops with one line naming the
+  stuck stages when nobody is making what they wait for.
+* ``after(name)`` runs after every stage this process finished (a summary, a ``--commit``).
+* A study whose done markers are another program's records (``records=None``) gives its own
+  ``done`` test and lock folder; ``busy(name)`` says that a stage is held by a lock of that
+  program's own (it then counts as being made elsewhere).
+
+The kernel releases a lock however its holder dies, so a killed process holds nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import write_json
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: its ``name`` (and record ``<name>.json``), the records it ``needs`` before it
+    may run, and ``ready``, a test of any other input (a cache another study completes)."""
+
+    name: str
+    needs: tuple[str, ...] = ()
+    ready: Callable[[], bool] | None = None
+
+
+class StageFailed(RuntimeError):
+    """A stage's work raised or its process exited non-zero: the study stops; rerun it."""
+
+
+class StageLock:
+    """An exclusive, non-blocking ``flock`` on ``path``: ``with StageLock(p) as held`` gives
+    False when another process holds it (then nothing is held)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.file = None
+
+    def __enter__(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a")  # noqa: SIM115 (closed in __exit__)
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            self.file = None
+            return False
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Study:
+    """The stages of one study, run in order, resumable, shareable between processes."""
+
+    def __init__(
+        self,
+        stages: Iterable[Stage],
+        work: Callable[[str], dict] | None = None,
+        *,
+        records: Path | None,
+        locks: Path | None = None,
+        child: Callable[[str], Sequence[str]] | None = None,
+        extra: Callable[[], dict] | None = None,
+        after: Callable[[str], Any] | None = None,
+        done: Callable[[str], bool] | None = None,
+        busy: Callable[[str], bool] | None = None,
+        wait_seconds: float = 30.0,
+        indent: int = 1,
+        end: str = "",
+        cwd: Path | None = None,
+        log: Callable[[str], Any] | None = None,
+    ) -> None:
+        self.stages = list(stages)
+        names = [stage.name for stage in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names repeat: {names}")
+        self.work, self.child, self.extra, self.after = work, child, extra, after
+        if records is None and (done is None or locks is None):
+            raise ValueError("a Study without records needs its own done test and a lock folder")
+        self.records = Path(records) if records is not None else None
+        self.locks = Path(locks) if locks is not None else self.records
+        self._done, self.busy = done, busy
+        self.wait_seconds, self.indent, self.end, self.cwd = wait_seconds, indent, end, cwd
+        self.log = log or (lambda line: print(line, flush=True))
+
+    # ---- state on disk ----------------------------------------------------------------------
+
+    def record_path(self, name: str) -> Path:
+        return self.records / f"{name}.json"
+
+    def lock_path(self, name: str) -> Path:
+        return self.locks / f".{name}.lock"
+
+    def is_done(self, name: str) -> bool:
+        return self._done(name) if self._done is not None else self.record_path(name).exists()
+
+    def pending(self) -> list[str]:
+        return [stage.name for stage in self.stages if not self.is_done(stage.name)]
+
+    def inputs_ready(self, stage: Stage) -> bool:
+        return all(self.is_done(need) for need in stage.needs) and (
+            stage.ready is None or stage.ready()
+        )
+
+    def held_elsewhere(self, name: str) -> bool:
+        """Whether another process holds ``name``'s lock now (taken and released at once)."""
+        if not self.lock_path(name).exists():
+            return False
+        with StageLock(self.lock_path(name)) as held:
+            return not held
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def run_stage(self, name: str) -> dict:
+        """Do stage ``name`` here (``work``) and write its record; the record."""
+        if self.work is None:
+            raise ValueError("this Study has no work to run a stage with")
+        began = time.perf_counter()
+        record = dict(self.work(name) or {})
+        if self.records is None:  # the stage's own output is its done marker
+            return record
+        record.update(stage=name, stage_seconds=time.perf_counter() - began,
+                      peak_rss_mib=peak_rss_mib())
+        if self.extra is not None:
+            record.update(self.extra())
+        self.records.mkdir(parents=True, exist_ok=True)
+        write_json(self.record_path(name), record, indent=self.indent, end=self.end)
+        return record
+
+    def _execute(self, name: str) -> None:
+        if self.child is None:
+            try:
+                self.run_stage(name)
+            except Exception as error:
+                raise StageFailed(f"stage {name} failed: {error!r}; rerun to continue") from error
+            return
+        status = subprocess.run(list(self.child(name)), cwd=self.cwd).returncode
+        if status != 0:
+            raise StageFailed(f"stage {name} failed (its process exited with {status}); "
+                              "rerun to continue")
+        if not self.is_done(name):
+            raise StageFailed(f"stage {name} wrote no record; rerun to continue")
+
+    def run_round(self) -> tuple[int, list[str], int]:
+        """Run every stage that is not done, not held by another process and whose inputs are
+        there, in order: ``(stages run, stages still pending, stages being made elsewhere)``."""
+        ran, elsewhere = 0, 0
+        for stage in self.stages:
+            if self.is_done(stage.name):
+                continue
+            with StageLock(self.lock_path(stage.name)) as held:
+                if not held or (self.busy is not None and self.busy(stage.name)):
+                    elsewhere += 1
+                    continue
+                if self.is_done(stage.name):  # finished by another process since
+                    continue
+                if not self.inputs_ready(stage):
+                    elsewhere += sum(self.held_elsewhere(n) for n in stage.needs
+                                     if not self.is_done(n))
+                    continue
+                self.log(f"== {stage.name} ({time.strftime('%H:%M:%S')})")
+                began = time.perf_counter()
+                self._execute(stage.name)
+                ran += 1
+                self.log(f"   {stage.name} done in {time.perf_counter() - began:.0f} s")
+            if self.after is not None:
+                self.after(stage.name)
+        return ran, self.pending(), elsewhere
+
+    def run(self) -> int:
+        """Rounds until every stage is done: 0; 1 when the stages left wait for inputs that no
+        process is making (one line names them) or a stage failed (one line says which)."""
+        try:
+            while True:
+                ran, pending, elsewhere = self.run_round()
+                if not pending:
+                    return 0
+                if ran:
+                    continue
+                if not elsewhere:
+                    self.log("stopped: the stages left wait for inputs no process is making: "
+                             + ", ".join(pending))
+                    return 1
+                self.log(f"waiting {self.wait_seconds:.0f} s for {elsewhere} stage(s) another "
+                         "process is running")
+                time.sleep(self.wait_seconds)
+        except StageFailed as error:
+            self.log(f"stopped: {error}")
+            return 1
+
+
+def module_command(module: str, argv: Sequence[str], *drop: str) -> Callable[[str], list[str]]:
+    """``child`` for a study run as ``python -m MODULE ARGV``: the same command (less the flags
+    in ``drop``, e.g. ``--commit``) with ``--stage NAME``."""
+    kept = [word for word in argv if word not in drop]
+    return lambda name: [sys.executable, "-m", module, *kept, "--stage", name]
+
+
+__all__ = ["Stage", "StageFailed", "StageLock", "Study", "module_command", "peak_rss_mib"]

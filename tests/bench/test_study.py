@@ -1,0 +1,165 @@
+"""benchmarks/study.py: the resumable study runner, on tiny fake stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks._common import REPO
+from benchmarks.study import Stage, StageLock, Study
+
+ABC = [Stage("a"), Stage("b", needs=("a",)), Stage("c", needs=("b",))]
+
+
+def study_of(tmp_path: Path, stages=ABC, work=None, **kwargs) -> tuple[Study, list[str]]:
+    ran: list[str] = []
+
+    def default_work(name: str) -> dict:
+        ran.append(name)
+        return {"value": name.upper()}
+
+    kwargs.setdefault("wait_seconds", 0.05)
+    kwargs.setdefault("log", lambda line: print(line))
+    return Study(stages, work or default_work, records=tmp_path / "out", **kwargs), ran
+
+
+def test_records_are_done_markers_and_a_rerun_runs_nothing(tmp_path):
+    study, ran = study_of(tmp_path, extra=lambda: {"settings": {"x": 1}})
+    assert study.run() == 0
+    assert ran == ["a", "b", "c"]
+    record = json.loads((tmp_path / "out" / "b.json").read_text())
+    assert list(record) == ["value", "stage", "stage_seconds", "peak_rss_mib", "settings"]
+    assert record["stage"] == "b" and record["stage_seconds"] >= 0 and record["peak_rss_mib"] > 0
+    again, ran_again = study_of(tmp_path)
+    assert again.run() == 0 and ran_again == []
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_a_failed_stage_stops_the_study_and_a_rerun_resumes_after_the_done_ones(tmp_path, capsys):
+    def failing(name: str) -> dict:
+        if name == "b":
+            raise RuntimeError("boom")
+        return {}
+
+    study, _ = study_of(tmp_path, work=failing)
+    assert study.run() == 1
+    assert "stopped: stage b failed" in capsys.readouterr().out
+    assert [p.stem for p in sorted((tmp_path / "out").glob("*.json"))] == ["a"]
+    again, ran = study_of(tmp_path)
+    assert again.run() == 0 and ran == ["b", "c"]
+
+
+def test_after_runs_once_per_stage_finished_here(tmp_path):
+    finished = []
+    study, _ = study_of(tmp_path, after=finished.append)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "a.json").write_text("{}")
+    assert study.run() == 0 and finished == ["b", "c"]
+
+
+def test_a_stage_waits_for_an_input_another_process_is_making(tmp_path, capsys):
+    study, ran = study_of(tmp_path)
+    lock = StageLock(study.lock_path("b"))
+    assert lock.__enter__()  # "another process" holds b ...
+
+    def finish_b() -> None:  # ... and writes its record a little later
+        time.sleep(0.3)
+        (tmp_path / "out" / "b.json").write_text("{}")
+        lock.__exit__()
+
+    other = threading.Thread(target=finish_b)
+    other.start()
+    try:
+        assert study.run() == 0
+    finally:
+        other.join()
+    assert ran == ["a", "c"]  # b was never run here
+    assert "waiting" in capsys.readouterr().out
+
+
+def test_stages_waiting_for_inputs_nobody_makes_stop_with_one_line(tmp_path, capsys):
+    stages = [Stage("a"), Stage("b", needs=("elsewhere",)), Stage("c", ready=lambda: False)]
+    study, ran = study_of(tmp_path, stages=stages)
+    assert study.run() == 1
+    assert ran == ["a"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stopped")]
+    assert lines == ["stopped: the stages left wait for inputs no process is making: b, c"]
+
+
+def test_a_custom_done_test_replaces_the_record(tmp_path):
+    marker = tmp_path / "made"
+    study, ran = study_of(tmp_path, stages=[Stage("m")], done=lambda name: marker.exists(),
+                          work=lambda name: marker.write_text("") or {})
+    assert study.run() == 0 and marker.exists()
+    assert study.pending() == []
+
+
+FAKE_STUDY = """
+import sys, time
+from pathlib import Path
+from benchmarks.study import Stage, Study
+
+out, log = Path(sys.argv[1]), Path(sys.argv[2])
+
+def work(name):
+    with open(log, "a") as handle:
+        handle.write(name + "\\n")
+    time.sleep(0.4)
+    return {"pid": __import__("os").getpid()}
+
+firsts = [Stage(f"s{i}") for i in range(6)]
+stages = firsts + [Stage("last", needs=tuple(s.name for s in firsts))]
+study = Study(stages, work, records=out, wait_seconds=0.1,
+              child=lambda name: [sys.executable, __file__, str(out), str(log), "--stage", name])
+if "--stage" in sys.argv:
+    study.run_stage(sys.argv[-1])
+else:
+    sys.exit(study.run())
+"""
+
+
+def test_two_processes_split_the_work_with_the_locks(tmp_path):
+    script = tmp_path / "fake_study.py"
+    script.write_text(textwrap.dedent(FAKE_STUDY))
+    out, log = tmp_path / "out", tmp_path / "log.txt"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    command = [sys.executable, str(script), str(out), str(log)]
+    processes = [subprocess.Popen(command, env=env) for _ in range(2)]
+    assert [p.wait(timeout=120) for p in processes] == [0, 0]
+    names = log.read_text().split()
+    assert sorted(names) == sorted([f"s{i}" for i in range(6)] + ["last"])  # each stage once
+    pids = {json.loads((out / f"s{i}.json").read_text())["pid"] for i in range(6)}
+    assert len(pids) == 6  # every stage in a fresh process
+
+
+@pytest.mark.parametrize("names", [["x", "x"]])
+def test_stage_names_must_be_unique(tmp_path, names):
+    with pytest.raises(ValueError):
+        Study([Stage(n) for n in names], records=tmp_path)
+
+
+def test_without_records_the_done_test_decides_and_a_busy_stage_is_waited_for(tmp_path):
+    made, calls = set(), []
+
+    def busy(name: str) -> bool:  # another program's lock on "x", released after two rounds
+        calls.append(name)
+        if name == "x" and len(calls) > 2:
+            made.add("x")
+        return name == "x" and "x" not in made
+
+    study = Study([Stage("x"), Stage("y", needs=("x",))], lambda name: made.add(name),
+                  records=None, locks=tmp_path, done=lambda name: name in made, busy=busy,
+                  wait_seconds=0.01)
+    assert study.run() == 0 and made == {"x", "y"}
+    assert not list(tmp_path.glob("*.json"))  # no record of the runner's own
+    with pytest.raises(ValueError):
+        Study([Stage("x")], records=None)

@@ -1,0 +1,84 @@
+"""The studies ported onto benchmarks.study: their plans, record names and record format, with
+fake stages (no model, no data beyond an empty WikiText-2 file)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import multi30k_table, ptb_transformer_lm, smollm2_retrofit, smollm2_warm_start
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """Run the warm-start study in this process with stages that only name themselves."""
+    complete: set[str] = set()
+
+    def stage_work(args):
+        def work(stage):
+            if stage.startswith("cache-"):
+                complete.add(stage.removeprefix("cache-"))
+            return {"work": stage}
+
+        return work
+
+    monkeypatch.setattr(smollm2_warm_start, "stage_work", stage_work)
+    monkeypatch.setattr(smollm2_warm_start, "module_command", lambda *a: None)
+    monkeypatch.setattr(smollm2_warm_start, "summarize", lambda args: None)
+    monkeypatch.setattr(smollm2_warm_start, "settings", lambda args: {"fake": True})
+    monkeypatch.setattr(smollm2_warm_start, "cache_complete", lambda split, args: split in complete)
+    (tmp_path / "data" / "wikitext-2").mkdir(parents=True)
+    (tmp_path / "data" / "wikitext-2" / "test.txt").write_text("")
+    return ["--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
+            "--out", str(tmp_path / "out"), "--seeds", "1", "--heads", "own", "--no-rank"]
+
+
+def test_the_warm_start_study_writes_its_records_as_before(fake, tmp_path):
+    assert smollm2_warm_start.main(fake) == 0
+    out = tmp_path / "out"
+    assert sorted(p.stem for p in out.glob("*.json")) == [
+        "cache-test", "cache-train", "cache-valid", "eval-base-s0", "eval-own-s1", "train-own-s1"
+    ]  # fmt: skip
+    text = (out / "train-own-s1.json").read_text()
+    assert text.startswith('{\n "work"') and not text.endswith("\n")  # indent 1, no newline
+    assert list(json.loads(text)) == ["work", "stage", "stage_seconds", "peak_rss_mib", "settings"]
+    assert (tmp_path / "work" / ".train-own-s1.lock").exists()  # the lock files as before
+
+
+def test_the_warm_start_study_without_its_caches_stops_naming_the_stages(fake, capsys):
+    assert smollm2_warm_start.main([*fake, "--only", "train"]) == 1
+    assert ("stopped: the stages left wait for inputs no process is making: eval-base-s0, "
+            "train-own-s1, eval-own-s1") in capsys.readouterr().out
+
+
+def test_the_retrofit_plan_orders_its_stages_after_their_inputs():
+    study = smollm2_retrofit.study(smollm2_retrofit.parse_args(["--heads", "own,mos"]), [])
+    names = [stage.name for stage in study.stages]
+    assert names[0] == "cache" and names[-1] == "rank-own"
+    for stage in study.stages:
+        assert all(names.index(need) < names.index(stage.name) for need in stage.needs)
+    assert study.child("eval-own")[1:3] == ["-m", "benchmarks.smollm2_retrofit"]
+
+
+def test_the_multi30k_plan_runs_each_stage_in_its_own_process_after_its_inputs(tmp_path):
+    args = multi30k_table.parse_args(["--runs", str(tmp_path), "--heads", "softmax,mos"])
+    study = multi30k_table.study(("softmax", "mos"), args, tmp_path, ["--heads", "softmax,mos"])
+    names = [stage.name for stage in study.stages]
+    assert names == ["train-softmax", "bleu-softmax", "train-mos", "bleu-mos", "timing",
+                     "memory-softmax", "memory-mos", "sentences"]  # the old order, old records
+    for stage in study.stages:
+        assert all(names.index(need) < names.index(stage.name) for need in stage.needs)
+    assert study.child("timing")[-2:] == ["--stage", "timing"]
+
+
+def test_the_ptb_transformer_stages_are_done_by_the_runs_records(tmp_path):
+    args = ptb_transformer_lm.parse_args(["--runs", str(tmp_path), "--experiments", "char"])
+    study = ptb_transformer_lm.study(args)
+    run = tmp_path / "char" / "softmax"
+    assert study.pending()[0] == "char-softmax-train"
+    run.mkdir(parents=True)
+    (run / "benchmark-train.done").write_text("")
+    for split in ("valid", "test"):
+        (run / f"eval-{split}-best.json").write_text("{}")
+    assert study.pending()[0] == "char-softmax-rank"
