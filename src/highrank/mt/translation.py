@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,12 @@ def learn_translation_data(config: Config) -> TranslationData:
     """Train and valid read; the subword vocabulary learned on train only (not yet saved)."""
     bitext = read_bitext(config, ("train", "valid"))
     train = bitext.split("train")
+    print(
+        f"learning the subword vocabulary on {len(train):,} training pairs (SentencePiece; "
+        "up to a minute on a CPU) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     subwords = learn_subwords(
         train.src,
         train.tgt,
@@ -210,13 +217,19 @@ def translate_split(
     max_tokens: int,
     max_len: int,
     device: str | torch.device = "cpu",
+    progress: bool = True,
 ) -> list[str]:
-    """Detokenised translations of the sources of ``split``, in file order."""
+    """Detokenised translations of the sources of ``split``, in file order (a progress bar
+    counts the sentences: decoding a test set takes minutes on a CPU)."""
+    from highrank.util.progress import progress_bar
+
     pairs = encode_pairs(split, subwords.src.encode_lines, subwords.tgt.encode_lines)
     special = subwords.special_ids()
     batches = TokenBatches(pairs, max_tokens=max_tokens, special=special, shuffle=False)
     out: list[str] = [""] * len(split)
     ids = {"bos_id": special.bos, "eos_id": special.eos, "pad_id": special.pad}
+    bar = progress_bar(total=len(split), desc=f"translate ({search.name})", unit="sentence",
+                       disable=not progress)
     for batch in batches:
         src = batch.src.to(device)  # (B, S)
         limit = search.max_len(src.shape[1], max_len)
@@ -235,6 +248,8 @@ def translate_split(
         texts = subwords.tgt.decode_lines(tokens)
         for index, text in zip(batch.index.tolist(), texts, strict=True):
             out[index] = text
+        bar.update(len(texts))
+    bar.close()
     return out
 
 
