@@ -315,3 +315,15 @@ def test_training_says_how_many_pairs_max_len_leaves_out(corpus, tmp_path, capsy
     notes = [line for line in capsys.readouterr().err.splitlines() if "left out" in line]
     assert len(notes) == 1
     assert notes[0].startswith("note: ") and "more than model.max_len = 6 tokens" in notes[0]
+
+
+def test_eval_refuses_word_options_and_translate_a_folder_as_out(trained, tmp_path, capsys):
+    """Issue: eval --max-tokens 100 translated every sentence and overwrote earlier outputs;
+    translate --out DIR ended in a traceback after decoding."""
+    before = sorted(p.name for p in trained.iterdir())
+    assert main(["eval", str(trained), "--max-tokens", "100"]) == 2
+    assert "--max-tokens applies to language-model runs" in capsys.readouterr().err
+    assert main(["translate", str(trained), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder; give the file" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in trained.iterdir()) == before

@@ -6,6 +6,7 @@ Also the options and the JSON record ``highrank dynamic-eval`` shares with it.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from highrank.cli.common import guarded, positive_int
 from highrank.cli.translate import add_search_options, translate
@@ -105,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
     from highrank.evaluate.perplexity import default_bptt, evaluate_perplexity, write_token_nll
 
     if args.bleu or _is_translation_run(args.run_dir):
+        word_only = [f"--{name.replace('_', '-')}" for name in WORD_LM_OPTIONS
+                     if getattr(args, name, None)]
+        if word_only:  # never decode the whole split and overwrite another evaluation's files
+            print(f"highrank eval: error: {', '.join(word_only)} applies to language-model runs;"
+                  " a translation run translates and scores whole sentences (`highrank "
+                  "translate` has the decoding options)", file=sys.stderr)
+            return 2
         return guarded("eval", lambda: translate(args))
 
     def job() -> int:
@@ -131,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return guarded("eval", job)
+
+
+# Options of a language model's evaluation that mean nothing for a translation run.
+WORD_LM_OPTIONS = ("max_tokens", "token_nll", "bptt", "batch_size")
 
 
 def _is_translation_run(run_dir: str) -> bool:

@@ -62,8 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def translate(args: argparse.Namespace) -> int:
     """Translate, score, write, print (the body of both verbs)."""
+    from pathlib import Path
+
     from highrank.mt.translation import evaluate_bleu
+    from highrank.runs.run_dir import RunDirError
     from highrank.train import resolve_device
+
+    if args.out is not None and Path(args.out).is_dir():  # said before minutes of decoding
+        raise RunDirError(f"--out {args.out} is a folder; give the file to write the "
+                          "hypotheses to (e.g. --out hyp.de)")
 
     device = resolve_device("auto")
     record = evaluate_bleu(
