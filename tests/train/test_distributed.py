@@ -333,3 +333,17 @@ def test_without_torchrun_everything_is_local(monkeypatch):
     assert distributed.average(torch.tensor(2.5)) == 2.5
     assert distributed.any_rank(None) is None and distributed.any_rank(15) == 15
     assert distributed.gather_rng({"torch": 1}) == {"torch": 1}
+
+
+def test_one_process_work_under_torchrun_runs_in_process_zero_only(monkeypatch, capsys):
+    """Issue: `torchrun ... eval` evaluated in every process, and a translation config made
+    every process refuse (torchrun then printed ChildFailedError)."""
+    from highrank.train.distributed import only_process_zero
+
+    assert only_process_zero("evaluation") is False  # outside torchrun: nothing changes
+    for rank, stops in (("1", True), ("0", False)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert only_process_zero("evaluation") is stops
+    assert capsys.readouterr().err.count("evaluation runs in one process") == 1

@@ -104,7 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from highrank.evaluate.perplexity import default_bptt, evaluate_perplexity, write_token_nll
+    from highrank.train import distributed
 
+    if distributed.only_process_zero("evaluation"):  # one evaluation, not one per process
+        return 0
     if args.bleu or _is_translation_run(args.run_dir):
         word_only = [f"--{name.replace('_', '-')}" for name in WORD_LM_OPTIONS
                      if getattr(args, name, None)]

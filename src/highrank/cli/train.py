@@ -79,6 +79,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_overrides(parser)
 
 
+def _translation(args: argparse.Namespace) -> bool:
+    """Whether the run to start or resume is a translation (seq2seq) one."""
+    from pathlib import Path
+
+    from highrank.config import ConfigError, load_config
+
+    try:
+        if args.resume:
+            config = load_config(Path(args.resume) / "config.toml")
+        else:
+            config = load_config(args.config, args.overrides)
+    except (ConfigError, OSError):
+        return False  # the training itself reports what is wrong with it
+    return config.model.backbone == "seq2seq"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.config is None and args.resume is None:
         args.parser.error(
@@ -100,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         from highrank.train import distributed
 
         options = train_options(args)
+        if _translation(args) and distributed.only_process_zero("translation training"):
+            return 0
         if args.resume:
             kwargs = {"overrides": args.overrides, "options": options, "command": command}
             result = training.resume(args.resume, **kwargs)

@@ -84,6 +84,27 @@ def is_writer() -> bool:
     return rank() == 0
 
 
+def launched_rank() -> int | None:
+    """The RANK torchrun gave this process (from the environment, with no process group
+    joined), or None outside torchrun."""
+    if not all(key in os.environ for key in ENV_KEYS):
+        return None
+    return int(os.environ["RANK"])
+
+
+def only_process_zero(what: str) -> bool:
+    """For work that runs in one process (translation, evaluation): under torchrun, True in
+    processes r > 0, which then stop at once and quietly; process 0 says so and does it all,
+    without a process group. False outside torchrun."""
+    launched = launched_rank()
+    if launched is None:
+        return False
+    if launched == 0:
+        print(f"note: {what} runs in one process; under torchrun process 0 does it all and the "
+              "others exit", file=sys.stderr, flush=True)
+    return launched != 0
+
+
 def init_from_env() -> bool:
     """Join the process group ``torchrun`` describes in the environment (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT); False when there is none or it is already joined.

@@ -184,7 +184,8 @@ def train(
     ``config.head`` at that softmax's distribution (:mod:`highrank.train.warm_start`).
     """
     options = options or TrainOptions()
-    distributed.init_from_env()  # under torchrun: join the other processes
+    if config.model.backbone != "seq2seq":  # translation runs in one process (cli.train)
+        distributed.init_from_env()  # under torchrun: join the other processes
     config = _absolute_paths(config)
     command = _command(command, ["highrank", "train"])
     check_writable(config.run.out_dir)
@@ -253,8 +254,9 @@ def resume(
     ``train.epochs``). A run that stopped before its first checkpoint starts again in place
     from its config.toml (as if trained anew: same seed, same result).
     """
-    distributed.init_from_env()
     run = _open_locked_run(run_dir)
+    if run.load_config().model.backbone != "seq2seq":  # translation: one process (cli.train)
+        distributed.init_from_env()
     with _lock(run.path):
         _on_writer(run.remove_temporaries)
         if not run.has_checkpoint():  # stopped before its first save: nothing to continue from
@@ -302,8 +304,9 @@ def finetune(
     ``which="last"`` starts from ``last.pt``'s evaluation weights instead (a run stopped
     before its first epoch end has no best.pt).
     """
-    distributed.init_from_env()
     run = _open_locked_run(run_dir)
+    if run.load_config().model.backbone != "seq2seq":  # translation: one process (cli.train)
+        distributed.init_from_env()
     default = ["highrank", "finetune", str(run_dir), *(["--resume"] if resume else [])]
     options = options or TrainOptions()
     with _lock(run.path):
