@@ -285,7 +285,7 @@ def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP,
 def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -> bool:
     """A rank record at ``path`` computed from the run's present checkpoint file with the
     same split, contexts and corpus (the settings a rank record stores)."""
-    from highrank.analysis.rank import file_fingerprint
+    from highrank.analysis.rows import file_fingerprint
     from highrank.runs.checkpoint import checkpoint_path
 
     if not path.is_file():

@@ -43,7 +43,8 @@ read through a memory map, only at the rows the pairs need, in the same order.
 
 A Hugging Face causal LM is measured the same way on the contexts of a text
 (:mod:`highrank.analysis.hf_contexts`: windows of W tokens, row ``i`` the context ending at
-token ``i``), steps 2-4 unchanged (:func:`causal_lm_pairwise_kl`)::
+token ``i``), steps 2-4 unchanged: :func:`analyze_kl` takes either kind of
+:class:`~highrank.analysis.rows.RowSource`::
 
     highrank analyze kl --hf SmolLM2-135M-Instruct.Q4_1.gguf --text test.txt --out kl/
 """
@@ -53,13 +54,15 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts
-from highrank.analysis.logprob_matrix import head_rows, npy_layout
+from highrank.analysis.contexts import RunSplit
+from highrank.analysis.logprob_matrix import matrix_record, npy_layout
+from highrank.analysis.rows import RowSource, RunRows, TextRows
 from highrank.model import LanguageModel
 
 DEFAULT_PAIRS = 10_000
@@ -69,7 +72,7 @@ CHUNK_ELEMENTS = 2**21  # pairs scored at once: about this many float64 entries 
 # A block of rows: (context indices (b,) ascending, rows (b, V) of log-probabilities).
 RowBlock = tuple[np.ndarray, np.ndarray]
 # Given the sorted distinct context indices the pairs need, blocks holding (at least) them.
-RowSource = Callable[[np.ndarray], Iterable[RowBlock]]
+RowsOf = Callable[[np.ndarray], Iterable[RowBlock]]
 
 PROTOCOL = {
     "contexts": "the first n contexts of the split in stream order (iter_contexts, batch_size 1)",
@@ -216,30 +219,6 @@ def matrix_row_blocks(
         yield indices, np.asarray(matrix[indices])
 
 
-def model_row_blocks(
-    model: LanguageModel,
-    ids: torch.Tensor,
-    needed: np.ndarray,
-    *,
-    bptt: int = DEFAULT_BPTT,
-    progress: bool = False,
-    name: str = "token stream",
-) -> Iterator[RowBlock]:
-    """Log-prob rows of the contexts ``needed`` (sorted) of the stream ``ids``, read with
-    ``batch_size=1`` up to the last of them; the head runs on the needed contexts only."""
-    wanted = np.zeros(int(needed[-1]) + 1, dtype=bool)
-    wanted[needed] = True
-    with torch.no_grad():
-        for block in iter_contexts(
-            model, ids, bptt=bptt, max_contexts=len(wanted), progress=progress, name=name
-        ):
-            positions = block.positions.numpy()  # (b,) = context indices with batch_size 1
-            mask = wanted[positions]
-            if mask.any():
-                hidden = block.hidden[torch.from_numpy(mask).to(block.hidden.device)]
-                yield positions[mask], head_rows(model.head, hidden).cpu().numpy()
-
-
 # ---- the expectation -------------------------------------------------------------------------
 
 
@@ -259,7 +238,7 @@ def summarize(values: np.ndarray) -> dict[str, Any]:
 
 
 def expected_pairwise_kl(
-    source: RowSource, n_contexts: int, *, n_pairs: int = DEFAULT_PAIRS, seed: int = 0
+    source: RowsOf, n_contexts: int, *, n_pairs: int = DEFAULT_PAIRS, seed: int = 0
 ) -> dict[str, Any]:
     """The module's protocol over ``n_contexts`` contexts whose rows ``source`` streams:
     summary numbers plus the sampling parameters."""
@@ -305,6 +284,30 @@ def open_matrix(path: str | os.PathLike) -> np.ndarray:
     return np.load(path, mmap_mode="r")
 
 
+def analyze_kl(
+    source: RowSource,
+    *,
+    n_pairs: int = DEFAULT_PAIRS,
+    seed: int = 0,
+    max_contexts: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The expected pairwise KL of any :class:`~highrank.analysis.rows.RowSource` (a run's
+    split, a causal LM on a text), as a record: the source, the summary numbers, the
+    protocol. The contexts are streamed once; only the rows some pair needs are computed."""
+    source.load(progress=progress)
+    result = analyze_kl_numbers(source, n_pairs, seed, max_contexts, progress)
+    described = source.describe(max_contexts)
+    return {
+        **described,
+        "rows_from": "model",
+        **({} if "max_contexts" in described else {"max_contexts": max_contexts}),
+        **result,
+        "protocol": {**PROTOCOL, "contexts": source.contexts_protocol()},
+        "numpy": np.__version__,
+    }
+
+
 def model_pairwise_kl(
     model: LanguageModel,
     ids: torch.Tensor,
@@ -316,13 +319,11 @@ def model_pairwise_kl(
     progress: bool = False,
     name: str = "token stream",
 ) -> dict[str, Any]:
-    """:func:`expected_pairwise_kl` of ``model`` on the stream ``ids`` (contexts streamed once)."""
-    n_contexts = _cap(count_contexts(len(ids)), max_contexts)  # len: ids may be a memmap
-
-    def source(needed: np.ndarray) -> Iterator[RowBlock]:
-        return model_row_blocks(model, ids, needed, bptt=bptt, progress=progress, name=name)
-
-    return expected_pairwise_kl(source, n_contexts, n_pairs=n_pairs, seed=seed)
+    """:func:`expected_pairwise_kl` of a highrank ``model`` on the stream ``ids`` (the
+    summary numbers only): :func:`analyze_kl` without a run directory."""
+    loaded = RunSplit(Path(name), model, None, None, ids, "", name)  # no run directory
+    source = RunRows(name, "", bptt=bptt, loaded=loaded)
+    return analyze_kl_numbers(source, n_pairs, seed, max_contexts, progress)
 
 
 def run_pairwise_kl(
@@ -333,29 +334,14 @@ def run_pairwise_kl(
     max_contexts: int | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """:func:`model_pairwise_kl` of a trained run on one split, as a record with the protocol."""
-    result = model_pairwise_kl(
-        run_split.model,
-        run_split.ids,
+    """:func:`analyze_kl` of a run split already loaded (:func:`load_run_split`)."""
+    return analyze_kl(
+        RunRows.of(run_split),
         n_pairs=n_pairs,
         seed=seed,
         max_contexts=max_contexts,
-        bptt=run_split.bptt,
         progress=progress,
-        name=run_split.source,
     )
-    return {
-        "run_dir": str(run_split.run_dir),
-        "bptt": run_split.bptt,
-        "head": run_split.config.head.name,
-        "split": run_split.split,
-        "source": run_split.source,
-        "rows_from": "model",
-        "max_contexts": max_contexts,
-        **result,
-        "protocol": PROTOCOL,
-        "numpy": np.__version__,
-    }
 
 
 def causal_lm_pairwise_kl(
@@ -369,24 +355,77 @@ def causal_lm_pairwise_kl(
     max_contexts: int | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """:func:`expected_pairwise_kl` of a Hugging Face causal LM on the text ``ids``, read in
-    windows of ``window`` tokens (only the windows holding a sampled context are run)."""
-    from highrank.analysis.hf_contexts import count_text_contexts, iter_causal_lm_rows
+    """:func:`expected_pairwise_kl` of a Hugging Face causal LM in memory on the text ``ids``,
+    read in windows of ``window`` tokens (the summary numbers only)."""
+    source = TextRows.of_model(model, ids, window=window, bos_token_id=bos_token_id)
+    return analyze_kl_numbers(source, n_pairs, seed, max_contexts, progress)
 
-    n_contexts = _cap(count_text_contexts(ids.numel()), max_contexts)
 
-    def source(needed: np.ndarray) -> Iterator[RowBlock]:
-        for positions, _, rows in iter_causal_lm_rows(
-            model,
-            ids,
-            window=window,
-            bos_token_id=bos_token_id,
-            needed=needed,
-            progress=progress,
-        ):
-            yield positions.numpy(), rows.numpy()
+def analyze_kl_numbers(
+    source: RowSource, n_pairs: int, seed: int, max_contexts: int | None, progress: bool
+) -> dict[str, Any]:
+    """The summary numbers of :func:`analyze_kl` (no description of the source)."""
+    n_contexts = _cap(source.n_contexts(), max_contexts)
 
-    return expected_pairwise_kl(source, n_contexts, n_pairs=n_pairs, seed=seed)
+    def rows_of(needed: np.ndarray) -> Iterator[RowBlock]:
+        for positions, _, rows in source.iter_rows(needed=needed, progress=progress):
+            yield positions, rows.numpy()
+
+    return expected_pairwise_kl(rows_of, n_contexts, n_pairs=n_pairs, seed=seed)
+
+
+def analyze_kl_matrix(
+    run_dir: str | os.PathLike,
+    path: str | os.PathLike,
+    *,
+    split: str = "test",
+    which: str = "best",
+    n_pairs: int = DEFAULT_PAIRS,
+    seed: int = 0,
+    max_contexts: int | None = None,
+) -> dict[str, Any]:
+    """The KL record of ``run_dir`` from the log-prob matrix ``.npy`` at ``path`` (rows read
+    through a memory map), after checking the matrix is the run's log-probabilities of
+    ``split`` in stream order (``batch_size`` 1) and has the run's vocabulary."""
+    from highrank.runs.run_dir import RunDir
+
+    run = RunDir.open(run_dir)
+    vocab_size = len(run.load_vocab())
+    matrix = open_matrix(path)
+    side = _side_record(path)
+    expected = {"kind": "log_prob", "batch_size": 1, "split": split, "which": which}
+    for key, value in expected.items():
+        if key in side and side[key] != value:
+            raise KLError(
+                f"{path}: its record says {key}={side[key]!r}; the KL protocol needs "
+                f"{key}={value!r} (rewrite the matrix, or change --split / --which)"
+            )
+    if matrix.shape[1] != vocab_size:
+        raise KLError(
+            f"{path} has {matrix.shape[1]} columns but run {run_dir} has a vocabulary of "
+            f"{vocab_size}; is it the matrix of another run?"
+        )
+    return {
+        "run_dir": str(run_dir),
+        "head": run.load_config().head.name,
+        "split": split,
+        "source": side.get("source"),
+        "rows_from": str(path),
+        "max_contexts": max_contexts,
+        **matrix_pairwise_kl(matrix, n_pairs=n_pairs, seed=seed, max_contexts=max_contexts),
+        "protocol": PROTOCOL,
+        "numpy": np.__version__,
+    }
+
+
+def _side_record(path: str | os.PathLike) -> dict[str, Any]:
+    """The matrix's ``NAME.json`` written beside it, or ``{}`` when there is none."""
+    if not Path(path).with_suffix(".json").is_file():
+        return {}
+    try:
+        return matrix_record(path)
+    except ValueError as error:
+        raise KLError(str(error)) from None
 
 
 def _cap(n: int, max_contexts: int | None) -> int:

@@ -28,32 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from highrank.analysis.contexts import load_run_split
-from highrank.analysis.hf_contexts import (
-    HFInputError,
-    count_text_contexts,
-    hf_tag,
-    load_text_contexts,
-    model_source,
-    path_fingerprint,
-    vocab_width,
-    write_hf_logprob_matrix,
-)
-from highrank.analysis.logprob_matrix import (
-    check_disk_space,
-    contexts_path,
-    matrix_record,
-    write_log_prob_matrix,
-)
-from highrank.analysis.output import (
-    ANALYSIS_DIR,
-    record_tag,
-    run_record_path,
-    text_table,
-    write_json,
-)
+from highrank.analysis.contexts import count_contexts
+from highrank.analysis.logprob_matrix import check_disk_space, contexts_path, matrix_record
+from highrank.analysis.output import ANALYSIS_DIR, record_tag, text_table, write_json
+from highrank.analysis.rows import RowSource
 from highrank.analysis.spectrum import plot_spectrum
-from highrank.runs.checkpoint import checkpoint_path
 from highrank.runs.locks import exclusive
 from highrank.util.atomic import atomic_file, write_text_atomic
 from highrank.util.progress import progress_bar, progress_note
@@ -710,40 +689,34 @@ class _GramCheckpoint:
             self.directory.rmdir()
 
 
-# ---- a run's split or a causal LM on a text: matrix, rank, records ------------------------
+# ---- the rank of a row source: matrix, rank, records ------------------------------------------
 #
-# ``highrank analyze rank RUN_DIR...``: each run's log-probability matrix on a split, its
-# Press rank, epsilon-effective ranks, singular values and the spectrum plot.
-#
-# Per run, in ``RUN_DIR/analysis/`` (``TAG`` = split and checkpoint, e.g. ``test-best``, plus
-# ``-logits`` or ``-first<N>`` when asked):
+# :func:`analyze_rank` takes any :class:`~highrank.analysis.rows.RowSource`. Its records go
+# to the source's folder (``RUN_DIR/analysis/`` for a run, ``out`` for a causal LM on a text),
+# ``TAG`` being the source's tag (``test-best[-logits][-first<N>]``, or
+# ``<model>-<text stem>[-w<W>][-bos][-first<N>]``):
 #
 # * ``rank-TAG.json``: the record (shape, Press rank and threshold, effective ranks, timings);
 # * ``rank-TAG.singular_values.npy``: every singular value, descending (float64);
 # * ``logprob-TAG.npy`` (+ ``.json``, ``.contexts.npz``): the matrix, kept with
-#   ``--keep-matrix`` (PTB test: 3.3 GB) and otherwise deleted once its rank is known.
+#   ``keep_matrix`` (PTB test: 3.3 GB) and otherwise deleted once its rank is known.
 #
-# An interrupted run resumes: the matrix is only deleted after success and is reused when its
-# record matches, and the Gram matrix is checkpointed in ``rank-TAG.state/``.
-#
-# ``highrank analyze rank --hf MODEL --text FILE --out DIR`` does the same for a Hugging Face
-# causal LM (a model folder or a ``.gguf`` file), its contexts read from the text in windows as
-# :mod:`highrank.analysis.hf_contexts` says; the same files, with ``TAG`` =
-# ``<model>-<text stem>[-w<W>][-bos][-first<N>]``, go to ``DIR``. Before the forward passes it
-# states the memory the Gram matrix will need (on the smaller side: ``A A^T`` when there are
-# fewer contexts than words) and refuses, in one line, what would not fit.
+# An interrupted analysis resumes: the matrix is only deleted after success and is reused
+# (without loading the model) when its side record has the same settings and file
+# fingerprints, and the Gram matrix is checkpointed in ``rank-TAG.state/``. Before the forward
+# passes it states (with ``progress``) the memory the Gram matrix will need (on the smaller
+# side: ``A A^T`` when there are fewer contexts than words) and refuses, in one line, what
+# would not fit, or what the disk cannot hold.
 
 
-def analyze_run(
-    run_dir: str | Path,
+def analyze_rank(
+    source: RowSource,
     *,
-    split: str = "test",
-    which: str = "best",
-    data_dir: str | None = None,
+    max_contexts: int | None = None,
+    out: str | os.PathLike | None = None,
     kind: str = "log_prob",
     batch_size: int = 1,
     bptt: int | None = None,
-    max_contexts: int | None = None,
     keep_matrix: bool = False,
     backend: str = "auto",
     device: str = "cpu",
@@ -751,268 +724,124 @@ def analyze_run(
     checkpoint_seconds: float = 600.0,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Write (or reuse) the run's matrix, compute its rank, save and return the record.
+    """Write (or reuse) the log-prob matrix of ``source``'s first ``max_contexts`` rows,
+    compute its rank, save and return the record (see the comment above).
 
-    ``bptt`` None: the run's own segment length (:func:`highrank.evaluate.default_bptt`)."""
-    run_dir = Path(run_dir)
+    ``out``: the folder of a causal LM's records (a run's go to ``RUN_DIR/analysis``).
+    ``kind``, ``batch_size``, ``bptt``: how a run's split is read (``logits``: the head's
+    transformed logits; ``bptt`` None: the run's own segment length)."""
     resolve_backend(backend, device)  # a bad pair fails now, not after the matrix is written
-    if bptt is None:
-        bptt = _run_bptt(run_dir)
-    tag = record_tag(split, which, kind=kind, max_contexts=max_contexts)
-    folder = run_dir / ANALYSIS_DIR
+    source.check()
+    tag = source.tag(kind=kind, max_contexts=max_contexts)
+    folder = source.folder(out)
     matrix_path = folder / f"logprob-{tag}.npy"
-    settings = {
-        "split": split,
-        "which": which,
-        "kind": kind,
-        "batch_size": batch_size,
-        "bptt": bptt,
-        "max_contexts": max_contexts,
-        "checkpoint_file": file_fingerprint(checkpoint_path(run_dir, which)),
-        "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
-    }
+    settings = source.matrix_settings(
+        kind=kind, batch_size=batch_size, bptt=bptt, max_contexts=max_contexts
+    )
+    options = {"backend": backend, "device": device, "block_rows": block_rows}
     folder.mkdir(parents=True, exist_ok=True)
     # One process per record: the matrix, its temporary and the Gram state have fixed names.
-    with exclusive(folder / f"rank-{tag}.lock", f"the rank record {tag} of {run_dir}"):
+    with exclusive(folder / f"rank-{tag}.lock", f"the rank record {tag} of {source.name}"):
+        side, seconds = _ensure_matrix(source, matrix_path, settings, progress, options)
+        record = source.matrix_description(side, settings, seconds, folder)
         began = time.perf_counter()
-        head = _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress)
-        matrix_seconds = time.perf_counter() - began
-        record = {
-            "run_dir": str(run_dir),
-            "head": head,
-            "checkpoint": which,  # as the other analyses' records name it
-            **settings,
-            "matrix_seconds": round(matrix_seconds, 2),
-        }
-        options = {"backend": backend, "device": device, "block_rows": block_rows}
-        return _rank_of_matrix(
+        report = rank_report_file(
             matrix_path,
-            folder,
-            tag,
-            record,
-            run_record_path(run_dir, "rank", tag),
-            keep_matrix=keep_matrix,
+            state_dir=folder / f"rank-{tag}.state",
             checkpoint_seconds=checkpoint_seconds,
             progress=progress,
             **options,
         )
+        rank_seconds = time.perf_counter() - began
+        values = report.pop("singular_values")
+        values_path = folder / f"rank-{tag}.singular_values.npy"
+        np.save(values_path, values)
+        record = {
+            **record,
+            **report,
+            "s_max": float(values[0]),
+            "singular_values_file": values_path.name,
+            "rank_seconds": round(rank_seconds, 2),
+            "backend": backend,
+            "device": device,
+        }
+        write_json(folder / f"rank-{tag}.json", record)
+        if not keep_matrix:
+            for path in (matrix_path, matrix_path.with_suffix(".json"), contexts_path(matrix_path)):
+                path.unlink(missing_ok=True)
+        return record
 
 
-def _rank_of_matrix(
-    matrix_path: Path,
-    folder: Path,
-    tag: str,
-    record: dict[str, Any],
-    record_path: Path,
-    *,
-    keep_matrix: bool,
-    backend: str,
-    device: str,
-    block_rows: int,
-    checkpoint_seconds: float,
-    progress: bool,
-) -> dict[str, Any]:
-    """The rank report of the matrix at ``matrix_path``, added to ``record`` and saved to
-    ``record_path``, the singular values beside it in ``folder``; the Gram matrix is
-    checkpointed in ``folder/rank-TAG.state``. The matrix is deleted unless kept."""
-    began = time.perf_counter()
-    report = rank_report_file(
-        matrix_path,
-        block_rows=block_rows,
-        backend=backend,
-        device=device,
-        state_dir=folder / f"rank-{tag}.state",
-        checkpoint_seconds=checkpoint_seconds,
-        progress=progress,
-    )
-    rank_seconds = time.perf_counter() - began
-    values = report.pop("singular_values")
-    values_path = folder / f"rank-{tag}.singular_values.npy"
-    np.save(values_path, values)
-    record = {
-        **record,
-        **report,
-        "s_max": float(values[0]),
-        "singular_values_file": values_path.name,
-        "rank_seconds": round(rank_seconds, 2),
-        "backend": backend,
-        "device": device,
-    }
-    write_json(record_path, record)
-    if not keep_matrix:
-        for path in (matrix_path, matrix_path.with_suffix(".json"), contexts_path(matrix_path)):
-            path.unlink(missing_ok=True)
-    return record
-
-
-def analyze_hf(
-    model_path: str | Path,
-    text_path: str | Path,
-    out: str | Path,
-    *,
-    window: int | None = None,
-    bos: bool = False,
-    max_contexts: int | None = None,
-    batch_windows: int | None = None,
-    keep_matrix: bool = False,
-    backend: str = "auto",
-    device: str = "cpu",
-    block_rows: int = 2048,
-    checkpoint_seconds: float = 600.0,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """:func:`analyze_run` for a Hugging Face causal LM (a model folder or a ``.gguf`` file)
-    on a text, read as :mod:`highrank.analysis.hf_contexts` says; everything goes to
-    ``out``: ``rank-TAG.json``, ``rank-TAG.singular_values.npy``, the matrix while it is
-    needed (``logprob-TAG.npy``, reused when its settings match) and ``rank-TAG.state/``.
-    The memory of the Gram matrix is stated and checked before the forward passes."""
-    out = Path(out)
-    resolve_backend(backend, device)  # a bad pair fails now, not after the matrix is written
-    tag = hf_tag(model_path, text_path, window=window, bos=bos, max_contexts=max_contexts)
-    matrix_path = out / f"logprob-{tag}.npy"
-    model_source(model_path)  # a bad path fails before anything else
-    if not Path(text_path).is_file():
-        raise HFInputError(f"text file {text_path} does not exist")
-    settings = {
-        "model_fingerprint": path_fingerprint(model_path),
-        "text_fingerprint": path_fingerprint(text_path),
-        "window_asked": window,
-        "bos": bos,
-        "max_contexts": max_contexts,
-    }
-    options = {"backend": backend, "device": device, "block_rows": block_rows}
-    record, seconds = _ensure_hf_matrix(
-        model_path, text_path, matrix_path, settings, batch_windows, progress, options
-    )
-    record = {
-        "tag": tag,
-        "out_dir": str(out),
-        **{key: value for key, value in record.items() if key not in _MATRIX_ONLY},
-        **seconds,
-        "threads": torch.get_num_threads(),
-    }
-    return _rank_of_matrix(
-        matrix_path,
-        out,
-        tag,
-        record,
-        out / f"rank-{tag}.json",
-        keep_matrix=keep_matrix,
-        checkpoint_seconds=checkpoint_seconds,
-        progress=progress,
-        **options,
-    )
-
-
-# Keys of a matrix's side record that describe the file, not the analysis.
-_MATRIX_ONLY = ("matrix", "shape", "dtype", "kind", "hf_settings")
-
-
-def _ensure_hf_matrix(
-    model_path, text_path, matrix_path, settings, batch_windows, progress, options
-):
+def _ensure_matrix(
+    source: RowSource, matrix_path: Path, settings: dict, progress: bool, options: dict
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(side record, seconds)`` of the matrix at ``matrix_path``: reused when it was
-    written with ``settings`` (same model and text files, reading options), written
-    otherwise; ``seconds`` are those of loading the model and text and of the forward
-    passes (with the writing), this time."""
+    written with ``settings``, written otherwise (the memory of its Gram matrix and the disk
+    space checked first); ``seconds``: ``matrix_reused``, and those of loading the model and
+    of the forward passes (with the writing), this time."""
     if matrix_path.is_file() and matrix_path.with_suffix(".json").is_file():
         existing = matrix_record(matrix_path)
-        if existing.get("hf_settings") == settings:
+        if source.matrix_matches(existing, settings):
             return existing, {"matrix_reused": True, "load_seconds": 0.0, "matrix_seconds": 0.0}
     began = time.perf_counter()
-    loaded = load_text_contexts(
-        model_path,
-        text_path,
-        window=settings["window_asked"],
-        bos=settings["bos"],
-        device=options["device"],
-        progress=progress,
-    )
+    source.load(progress=progress)
     load_seconds = time.perf_counter() - began
-    rows = count_text_contexts(loaded.ids.numel(), settings["max_contexts"])
-    width = vocab_width(loaded.model) or len(loaded.tokenizer)
-    plan = plan_gram((rows, width), **options)
-    check_disk_space(matrix_path, (rows, width))
+    rows = source.n_contexts(settings["max_contexts"])
+    if settings.get("batch_size", 1) > 1:  # a run read in columns: whole columns only
+        rows = count_contexts(len(source.ids), settings["batch_size"])
+        rows = rows if settings["max_contexts"] is None else min(rows, settings["max_contexts"])
+    plan = plan_gram((rows, source.width), **options)
+    check_disk_space(matrix_path, (rows, source.width))
     if progress:
-        progress_note(
-            f"{loaded.name}: {loaded.ids.numel():,} tokens of {text_path}; {plan.describe()}",
-            file=sys.stdout,
-        )
+        progress_note(source.writing_note(settings, plan.describe()), file=sys.stdout)
     plan.check()  # before the forward passes, not after them
     began = time.perf_counter()
-    record = write_hf_logprob_matrix(
-        loaded.model,
-        loaded.ids,
-        matrix_path,
-        window=loaded.window,
-        bos_token_id=loaded.bos_token_id,
-        max_contexts=settings["max_contexts"],
-        batch_windows=batch_windows,
-        progress=progress,
-        source=str(text_path),
-        metadata={**loaded.record(settings["max_contexts"]), "hf_settings": settings},
-    )
+    side = source.write_matrix(matrix_path, settings, progress=progress)
     seconds = {
         "matrix_reused": False,
         "load_seconds": round(load_seconds, 2),
         "matrix_seconds": round(time.perf_counter() - began, 2),
     }
-    return record, seconds
+    return side, seconds
 
 
-def _run_bptt(run_dir: Path) -> int:
-    """The segment length the run's saved config implies (read without loading the model)."""
-    from highrank.config import load_config
-    from highrank.evaluate.perplexity import default_bptt
-    from highrank.runs.run_dir import RunDirError
-
-    path = run_dir / "config.toml"
-    if not path.is_file():
-        raise RunDirError(
-            f"{run_dir} holds no config.toml; expected a run directory of `highrank train`"
-        )
-    return default_bptt(load_config(path))
-
-
-def _ensure_matrix(run_dir, matrix_path, settings, data_dir, device, progress) -> str:
-    """Reuse ``matrix_path`` when it was written by this function with ``settings`` (same
-    split, checkpoint file, reading options); write it otherwise. Returns the head's name."""
-    if matrix_path.is_file() and matrix_path.with_suffix(".json").is_file():
-        existing = matrix_record(matrix_path)
-        if "head_name" in existing and all(existing.get(k) == v for k, v in settings.items()):
-            return existing["head_name"]
-    loaded = load_run_split(
-        run_dir, settings["split"], which=settings["which"], data_dir=data_dir, device=device
+def analyze_run(
+    run_dir: str | os.PathLike,
+    *,
+    split: str = "test",
+    which: str = "best",
+    data_dir: str | None = None,
+    **options,
+) -> dict[str, Any]:
+    """:func:`analyze_rank` of a trained run on ``split`` (``options`` as it takes them;
+    ``device`` also places the model)."""
+    source = RowSource.from_run(
+        run_dir, split, which=which, data_dir=data_dir, device=options.get("device", "cpu")
     )
-    if progress:
-        progress_note(
-            f"{run_dir}: writing the {settings['kind']} matrix of {loaded.source}", file=sys.stdout
-        )
-    write_log_prob_matrix(
-        matrix_path,
-        loaded.model,
-        loaded.ids,
-        kind=settings["kind"],
-        batch_size=settings["batch_size"],
-        bptt=settings["bptt"],
-        max_contexts=settings["max_contexts"],
-        progress=progress,
-        source=loaded.source,
-        metadata={**settings, "run_dir": str(run_dir), "head_name": loaded.config.head.name},
+    return analyze_rank(source, **options)
+
+
+def analyze_hf(
+    model_path: str | os.PathLike,
+    text_path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    window: int | None = None,
+    bos: bool = False,
+    batch_windows: int | None = None,
+    **options,
+) -> dict[str, Any]:
+    """:func:`analyze_rank` of a Hugging Face causal LM (a model folder or a ``.gguf`` file)
+    on a text, read as :mod:`highrank.analysis.hf_contexts` says; records go to ``out``."""
+    source = RowSource.from_causal_lm(
+        model_path,
+        text_path,
+        window=window,
+        bos=bos,
+        device=options.get("device", "cpu"),
+        batch_windows=batch_windows,
     )
-    return loaded.config.head.name
-
-
-def file_fingerprint(path: Path) -> dict[str, Any]:
-    """Name, size and modification time: a rewritten checkpoint no longer matches."""
-    if not path.is_file():
-        from highrank.runs.checkpoint import CheckpointError, missing_best_hint
-
-        if path.name == "best.pt":  # the same hint as every verb
-            raise CheckpointError(missing_best_hint(path.parent.parent))
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    stat = path.stat()
-    return {"file": path.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return analyze_rank(source, out=out, **options)
 
 
 def run_label(record: dict[str, Any]) -> str:

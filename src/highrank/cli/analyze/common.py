@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from highrank.analysis.hf_contexts import BATCH_ELEMENTS, HFInputError
+from highrank.analysis.rows import RowSource
 from highrank.util.argtypes import positive_int
 
 
@@ -86,3 +87,28 @@ def hf_mode(args: argparse.Namespace) -> bool:
     if not getattr(args, "out", None):
         raise HFInputError("--hf needs --out DIR: the records are written there")
     return True
+
+
+def row_sources(args: argparse.Namespace) -> list[RowSource]:
+    """The row sources ``args`` name: one per RUN_DIR (``--split --which --data-dir``) or one
+    per ``--hf MODEL`` on ``--text`` (``--window --bos --batch-windows``); nothing is loaded
+    yet. Refuses a mixture, or ``--hf`` without ``--text`` / ``--out``, in one line."""
+    device = getattr(args, "device", "cpu")
+    if hf_mode(args):
+        return [
+            RowSource.from_causal_lm(
+                model,
+                args.text,
+                window=args.window,
+                bos=args.bos,
+                device=device,
+                batch_windows=getattr(args, "batch_windows", None),
+            )
+            for model in args.hf
+        ]
+    return [
+        RowSource.from_run(
+            run_dir, args.split, which=args.which, data_dir=args.data_dir, device=device
+        )
+        for run_dir in args.run_dirs
+    ]

@@ -10,22 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from highrank.analysis.contexts import load_run_split
 from highrank.analysis.hf_contexts import HFInputError
-from highrank.analysis.kl import (
-    DEFAULT_PAIRS,
-    PROTOCOL,
-    KLError,
-    causal_lm_pairwise_kl,
-    matrix_pairwise_kl,
-    open_matrix,
-    run_pairwise_kl,
-)
-from highrank.analysis.logprob_matrix import matrix_record
+from highrank.analysis.kl import DEFAULT_PAIRS, KLError, analyze_kl, analyze_kl_matrix
 from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
-from highrank.cli.analyze.common import add_run_arguments, hf_mode
+from highrank.cli.analyze.common import add_run_arguments, row_sources
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
 
@@ -67,12 +55,11 @@ def table_rows(records: Sequence[dict[str, Any]]) -> list[list[Any]]:
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze kl``: one record per run, a table, and a summary with ``--out``."""
     try:
-        hf = hf_mode(args)
-        records = _hf_records(args) if hf else _records(args)
+        records = _records(args)
     except (KLError, HFInputError) as error:
         print(f"highrank analyze kl: error: {error}", file=sys.stderr)
         return 2
-    if hf:
+    if args.hf:
         written = [write_json(Path(args.out) / f"kl-{r['tag']}.json", r) for r in records]
     else:
         tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
@@ -88,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One record per RUN_DIR (its model run, or the ``--matrix`` given for it) or per
+    ``--hf`` model on ``--text``, each model loaded in turn."""
+    sources = row_sources(args)
     matrices = args.matrix or []
+    if matrices and args.hf:
+        raise KLError("--matrix reads rows of runs; with --hf the model itself is run")
     if matrices and len(matrices) != len(args.run_dirs):
         raise KLError(
             f"--matrix was given {len(matrices)} time(s) for {len(args.run_dirs)} RUN_DIR(s); "
@@ -96,109 +88,16 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     options = {"n_pairs": args.pairs, "seed": args.seed, "max_contexts": args.max_contexts}
     records = []
-    for index, run_dir in enumerate(args.run_dirs):
+    for index, source in enumerate(sources):
         if matrices:
-            record = _matrix_record(run_dir, matrices[index], args, options)
+            record = analyze_kl_matrix(
+                args.run_dirs[index], matrices[index], split=args.split, which=args.which, **options
+            )
         else:
-            split = load_run_split(
-                run_dir, args.split, which=args.which, data_dir=args.data_dir, device=args.device
-            )
-            record = run_pairwise_kl(split, progress=not args.no_progress, **options)
-        records.append({**record, "checkpoint": args.which})
+            record = analyze_kl(source, progress=not args.no_progress, **options)
+            source.release()  # one model in memory at a time
+        records.append(record if args.hf else {**record, "checkpoint": args.which})
     return records
-
-
-def _hf_records(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One record per ``--hf`` model on ``--text``, each model loaded in turn."""
-    from highrank.analysis.hf_contexts import describe_contexts, hf_tag, load_text_contexts
-
-    if args.matrix:
-        raise KLError("--matrix reads rows of runs; with --hf the model itself is run")
-    records = []
-    for model_path in args.hf:
-        loaded = load_text_contexts(
-            model_path,
-            args.text,
-            window=args.window,
-            bos=args.bos,
-            device=args.device,
-            progress=not args.no_progress,
-        )
-        result = causal_lm_pairwise_kl(
-            loaded.model,
-            loaded.ids,
-            window=loaded.window,
-            bos_token_id=loaded.bos_token_id,
-            n_pairs=args.pairs,
-            seed=args.seed,
-            max_contexts=args.max_contexts,
-            progress=not args.no_progress,
-        )
-        contexts = describe_contexts(loaded.window, loaded.bos_token_id)
-        tag = hf_tag(
-            model_path, args.text, window=args.window, bos=args.bos, max_contexts=args.max_contexts
-        )
-        records.append(
-            {
-                "tag": tag,
-                **loaded.record(args.max_contexts),
-                "source": str(args.text),
-                "split": Path(args.text).name,  # what the summary's note names
-                "rows_from": "model",
-                **result,
-                "protocol": {
-                    **PROTOCOL,
-                    "contexts": f"the first n contexts of the text: {contexts}",
-                },
-                "numpy": np.__version__,
-            }
-        )
-        del loaded  # one model in memory at a time
-    return records
-
-
-def _matrix_record(run_dir: str, path: str, args: argparse.Namespace, options: dict) -> dict:
-    """The KL record of ``run_dir`` from the matrix at ``path``, after checking the matrix
-    is the run's log-probabilities of ``args.split`` in stream order."""
-    from highrank.runs.run_dir import RunDir
-
-    run = RunDir.open(run_dir)
-    vocab_size = len(run.load_vocab())
-    matrix = open_matrix(path)
-    side = _side_record(path)
-    expected = {"kind": "log_prob", "batch_size": 1, "split": args.split, "which": args.which}
-    for key, value in expected.items():
-        if key in side and side[key] != value:
-            raise KLError(
-                f"{path}: its record says {key}={side[key]!r}; the KL protocol needs "
-                f"{key}={value!r} (rewrite the matrix, or change --split / --which)"
-            )
-    if matrix.shape[1] != vocab_size:
-        raise KLError(
-            f"{path} has {matrix.shape[1]} columns but run {run_dir} has a vocabulary of "
-            f"{vocab_size}; is it the matrix of another run?"
-        )
-    return {
-        "run_dir": str(run_dir),
-        "head": run.load_config().head.name,
-        "split": args.split,
-        "source": side.get("source"),
-        "rows_from": str(path),
-        "max_contexts": options["max_contexts"],
-        **matrix_pairwise_kl(matrix, **options),
-        "protocol": PROTOCOL,
-        "numpy": np.__version__,
-    }
-
-
-def _side_record(path: str) -> dict[str, Any]:
-    """The matrix's ``NAME.json`` written beside it, or ``{}`` when there is none."""
-    if not Path(path).with_suffix(".json").is_file():
-        return {}
-    try:
-        return matrix_record(path)
-    except ValueError as error:
-        raise KLError(str(error)) from None
 
 
 def _write_summary(out: Path, records: list[dict[str, Any]]) -> list[Path]:

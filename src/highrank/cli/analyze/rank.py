@@ -1,26 +1,24 @@
 """``highrank analyze rank``: each run's (or --hf model's) log-probability matrix, its Press
 rank, epsilon-effective ranks, singular values and spectrum plot
-(:func:`highrank.analysis.rank.analyze_run`, :func:`highrank.analysis.rank.analyze_hf`)."""
+(:func:`highrank.analysis.rank.analyze_rank` of each :class:`~highrank.analysis.rows.RowSource`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from highrank.analysis.hf_contexts import HFInputError
 from highrank.analysis.logprob_matrix import MATRIX_KINDS, DiskSpaceError
-from highrank.analysis.output import record_tag, run_record_path, write_json
+from highrank.analysis.output import write_json
 from highrank.analysis.rank import (
     GRAM_BACKENDS,
     GramMemoryError,
-    analyze_hf,
-    analyze_run,
+    analyze_rank,
     summary_table,
     write_spectrum,
 )
-from highrank.cli.analyze.common import add_run_arguments, hf_mode
+from highrank.cli.analyze.common import add_run_arguments, row_sources
 from highrank.runs.locks import LockedError
 from highrank.util.argtypes import positive_int
 
@@ -78,7 +76,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        records, written = _hf_records(args) if hf_mode(args) else _run_records(args)
+        sources = row_sources(args)
+        if args.kind != "log_prob" and args.hf:
+            raise HFInputError("--kind logits needs a highrank head; --hf models give log_prob")
+        records, written = [], []
+        for source in sources:
+            record = analyze_rank(
+                source,
+                max_contexts=args.max_contexts,
+                out=args.out,
+                kind=args.kind,
+                batch_size=args.batch_size,
+                bptt=args.bptt,
+                keep_matrix=args.keep_matrix,
+                backend=args.backend,
+                device=args.device,
+                block_rows=args.block_rows,
+                checkpoint_seconds=args.checkpoint_minutes * 60,
+                progress=not args.no_progress,
+            )
+            tag = source.tag(kind=args.kind, max_contexts=args.max_contexts)
+            records.append(record)
+            written.append(source.folder(args.out) / f"rank-{tag}.json")
+            source.release()  # one model in memory at a time
     except (HFInputError, GramMemoryError, DiskSpaceError, LockedError) as error:
         print(f"highrank analyze rank: error: {error}", file=sys.stderr)
         return 2
@@ -92,53 +112,3 @@ def run(args: argparse.Namespace) -> int:
         plot = write_spectrum(records, out / "spectrum.png")
         print(f"wrote {out / 'rank.json'}, {out / 'rank.md'}, {plot}")
     return 0
-
-
-def _run_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Path]]:
-    records, written = [], []
-    for run_dir in args.run_dirs:
-        record = analyze_run(
-            run_dir,
-            split=args.split,
-            which=args.which,
-            data_dir=args.data_dir,
-            kind=args.kind,
-            batch_size=args.batch_size,
-            bptt=args.bptt,
-            max_contexts=args.max_contexts,
-            keep_matrix=args.keep_matrix,
-            backend=args.backend,
-            device=args.device,
-            block_rows=args.block_rows,
-            checkpoint_seconds=args.checkpoint_minutes * 60,
-            progress=not args.no_progress,
-        )
-        records.append(record)
-        tag = record_tag(args.split, args.which, kind=args.kind, max_contexts=args.max_contexts)
-        written.append(run_record_path(run_dir, "rank", tag))
-    return records, written
-
-
-def _hf_records(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[Path]]:
-    if args.kind != "log_prob":
-        raise HFInputError("--kind logits needs a highrank head; --hf models give log_prob")
-    records, written = [], []
-    for model_path in args.hf:
-        record = analyze_hf(
-            model_path,
-            args.text,
-            args.out,
-            window=args.window,
-            bos=args.bos,
-            max_contexts=args.max_contexts,
-            batch_windows=args.batch_windows,
-            keep_matrix=args.keep_matrix,
-            backend=args.backend,
-            device=args.device,
-            block_rows=args.block_rows,
-            checkpoint_seconds=args.checkpoint_minutes * 60,
-            progress=not args.no_progress,
-        )
-        records.append(record)
-        written.append(Path(args.out) / f"rank-{record['tag']}.json")
-    return records, written
