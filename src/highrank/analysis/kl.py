@@ -321,8 +321,7 @@ def model_pairwise_kl(
 ) -> dict[str, Any]:
     """:func:`expected_pairwise_kl` of a highrank ``model`` on the stream ``ids`` (the
     summary numbers only): :func:`analyze_kl` without a run directory."""
-    loaded = RunSplit(Path(name), model, None, None, ids, "", name)  # no run directory
-    source = RunRows(name, "", bptt=bptt, loaded=loaded)
+    source = RunRows.of_model(model, ids, bptt=bptt, name=name)
     return analyze_kl_numbers(source, n_pairs, seed, max_contexts, progress)
 
 

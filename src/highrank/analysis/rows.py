@@ -167,6 +167,20 @@ class RowSource:
         """How the contexts are read, in one sentence (for a record's protocol)."""
         raise NotImplementedError
 
+    def where(self) -> dict[str, Any]:
+        """Where the contexts come from, for a record over several sources that share them:
+        ``split`` (and ``checkpoint``) and ``source`` (the file)."""
+        raise NotImplementedError
+
+    def entry(self, max_contexts: int | None = None) -> dict[str, Any]:
+        """What a record over several sources lists about this one (run, head; or model)."""
+        raise NotImplementedError
+
+    def differs_from(self, first: RowSource, names: tuple[str, str]) -> str | None:
+        """Why this source's rows cannot be compared context by context with ``first``'s
+        (another vocabulary, stream or tokenisation), or None; ``names`` label the two."""
+        raise NotImplementedError
+
     # ---- kept matrices (rank, hidden size) ---------------------------------------------------
 
     def tag(self, *, kind: str = "log_prob", max_contexts: int | None = None) -> str:
@@ -239,6 +253,20 @@ class RunRows(RowSource):
     def of(cls, run_split: RunSplit, *, which: str = "best") -> RunRows:
         """The rows of a run split already loaded (:func:`load_run_split`)."""
         return cls(run_split.run_dir, run_split.split, which=which, loaded=run_split)
+
+    @classmethod
+    def of_model(
+        cls,
+        model: Any,
+        ids: torch.Tensor | np.ndarray,
+        *,
+        bptt: int = 70,
+        name: str = "token stream",
+    ) -> RunRows:
+        """The rows of a highrank model in memory on the stream ``ids`` (no run directory:
+        such a source reads rows but names no run for records)."""
+        loaded = RunSplit(Path(name), model, None, None, ids, "", name)
+        return cls(name, "", bptt=bptt, loaded=loaded)
 
     @property
     def name(self) -> str:
@@ -344,6 +372,29 @@ class RunRows(RowSource):
     def contexts_protocol(self) -> str:
         return "the first n contexts of the split in stream order (iter_contexts, batch_size 1)"
 
+    def where(self) -> dict[str, Any]:
+        return {"split": self.split, "checkpoint": self.which, "source": self.loaded.source}
+
+    def entry(self, max_contexts=None) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "head": self.loaded.config.head.name,
+            "bptt": self.bptt,
+        }
+
+    def differs_from(self, first, names) -> str | None:
+        from highrank.data.streaming import streams_equal
+
+        problem = vocabulary_difference(names, first.vocab, self.vocab)
+        if problem is not None:
+            return problem
+        if not streams_equal(self.ids, first.ids):  # memory maps: a block at a time
+            return (
+                f"runs {names[0]} and {names[1]} read different {self.split} streams "
+                f"({first.loaded.source}, {self.loaded.source}); pass one corpus with --data-dir"
+            )
+        return None
+
     def tag(self, *, kind="log_prob", max_contexts=None) -> str:
         return record_tag(self.split, self.which, kind=kind, max_contexts=max_contexts)
 
@@ -399,6 +450,20 @@ class RunRows(RowSource):
             **settings,
             "matrix_seconds": round(seconds["load_seconds"] + seconds["matrix_seconds"], 2),
         }
+
+
+def vocabulary_difference(names: Sequence[str], first: Any, other: Any) -> str | None:
+    """Why the runs ``names`` (their vocabularies ``first`` and ``other``) cannot be
+    compared token by token, or None when the vocabularies are equal."""
+    if other.words == first.words:
+        return None
+    pairs = zip(first.words, other.words, strict=False)  # up to the shorter
+    differ = next((i for i, (u, v) in enumerate(pairs) if u != v), min(len(other), len(first)))
+    return (
+        f"runs {names[0]} and {names[1]} have different vocabularies ({len(first)} vs "
+        f"{len(other)} tokens, first difference at id {differ}); top-k comparison needs "
+        "models trained on one corpus"
+    )
 
 
 def _run_bptt(run_dir: Path) -> int:
@@ -550,6 +615,20 @@ class TextRows(RowSource):
     def contexts_protocol(self) -> str:
         contexts = describe_contexts(self.loaded.window, self.loaded.bos_token_id)
         return f"the first n contexts of the text: {contexts}"
+
+    def where(self) -> dict[str, Any]:
+        return {"split": Path(self.text_path).name, "source": str(self.text_path)}
+
+    def entry(self, max_contexts=None) -> dict[str, Any]:
+        return self.loaded.record(max_contexts)
+
+    def differs_from(self, first, names) -> str | None:
+        if not torch.equal(self.ids, first.ids):
+            return (
+                f"models {names[0]} and {names[1]} tokenise {first.loaded.text} differently; "
+                "top-k comparison needs models that share one tokenizer"
+            )
+        return None
 
     def tag(self, *, kind="log_prob", max_contexts=None) -> str:
         if kind != "log_prob":

@@ -25,18 +25,25 @@ text as :mod:`highrank.analysis.hf_contexts` says: position ``i`` is the context
 token ``i`` of its window, tokens are shown as the ``repr`` of their decoded text::
 
     highrank analyze topk --hf model-a/ --hf model-b/ --text test.txt --random 5 --out topk/
+
+From Python, :func:`analyze_topk` takes the row sources (:mod:`highrank.analysis.rows`) of
+either kind, one code path for both::
+
+    analyze_topk([RowSource.from_run("runs/ptb-mos"), RowSource.from_run("runs/ptb-softmax")],
+                 margin=2.0, count=10)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from highrank.analysis.contexts import count_contexts, iter_contexts
-from highrank.analysis.logprob_matrix import head_rows
+from highrank.analysis.contexts import count_contexts
+from highrank.analysis.rows import RowSource, RunRows, vocabulary_difference
 from highrank.data import Vocab
 from highrank.model import LanguageModel
 
@@ -51,7 +58,6 @@ class TopKError(ValueError):
 # ---- rows of chosen contexts -----------------------------------------------------------------
 
 
-@torch.no_grad()
 def rows_at(
     model: LanguageModel,
     ids: torch.Tensor,
@@ -61,22 +67,11 @@ def rows_at(
     progress: bool = False,
 ) -> torch.Tensor:
     """``(len(positions), V)`` float32 log-probs (CPU) of the contexts at ``positions``
-    (any order, repeats allowed), streamed once up to the last of them."""
-    wanted = sorted({int(p) for p in positions})
-    if not wanted:
-        return torch.empty(0, model.head.vocab_size)
-    mask = torch.zeros(wanted[-1] + 1, dtype=torch.bool)
-    mask[wanted] = True
-    found: dict[int, torch.Tensor] = {}
-    for block in iter_contexts(model, ids, max_contexts=len(mask), bptt=bptt, progress=progress):
-        chosen = mask[block.positions]  # (b,)
-        if chosen.any():
-            rows = head_rows(model.head, block.hidden[chosen.to(block.hidden.device)]).cpu()
-            found.update(zip(block.positions[chosen].tolist(), rows, strict=True))
-    return torch.stack([found[int(p)] for p in positions])
+    (any order, repeats allowed) of a highrank model on the stream ``ids``, streamed once up
+    to the last of them (:meth:`~highrank.analysis.rows.RowSource.rows_at`)."""
+    return RunRows.of_model(model, ids, bptt=bptt).rows_at(positions, progress=progress)
 
 
-@torch.no_grad()
 def target_log_probs(
     model: LanguageModel,
     ids: torch.Tensor,
@@ -87,12 +82,8 @@ def target_log_probs(
 ) -> np.ndarray:
     """``(n,)`` float64 ``log P(ids[i + 1] | context i)`` of the first ``n`` contexts, from
     the same float32 rows as :func:`rows_at` (one number per context is kept)."""
-    values = []
-    for block in iter_contexts(model, ids, max_contexts=max_contexts, bptt=bptt, progress=progress):
-        rows = head_rows(model.head, block.hidden)  # (b, V)
-        target = block.targets.to(rows.device)[:, None]
-        values.append(rows.gather(1, target)[:, 0].cpu().double())
-    return torch.cat(values).numpy()
+    source = RunRows.of_model(model, ids, bptt=bptt)
+    return source.target_log_probs(max_contexts=max_contexts, progress=progress)
 
 
 # ---- choosing contexts -----------------------------------------------------------------------
@@ -135,17 +126,9 @@ def margin_positions(
 def check_same_vocabulary(names: Sequence[str], vocabs: Sequence[Vocab]) -> None:
     """Every vocabulary equals the first (same tokens, same ids); the error names both runs."""
     for name, vocab in zip(names[1:], vocabs[1:], strict=True):
-        if vocab.words == vocabs[0].words:
-            continue
-        pairs = zip(vocabs[0].words, vocab.words, strict=False)  # up to the shorter
-        differ = next(
-            (i for i, (u, v) in enumerate(pairs) if u != v), min(len(vocab), len(vocabs[0]))
-        )
-        raise TopKError(
-            f"runs {names[0]} and {name} have different vocabularies ({len(vocabs[0])} vs "
-            f"{len(vocab)} tokens, first difference at id {differ}); top-k comparison needs "
-            "models trained on one corpus"
-        )
+        problem = vocabulary_difference((names[0], name), vocabs[0], vocab)
+        if problem is not None:
+            raise TopKError(problem)
 
 
 # ---- records ---------------------------------------------------------------------------------
@@ -230,6 +213,95 @@ def context_records(
             }
         )
     return records
+
+
+# ---- the whole comparison ---------------------------------------------------------------------
+
+# What --margin says when one source is given, by the kind of source.
+_MARGIN_NEEDS_TWO = {
+    "run": "--margin compares two runs (A = first, B = second); got one RUN_DIR",
+    "text": "--margin compares two models (A = first --hf, B = second); got one",
+}
+
+
+def analyze_topk(
+    sources: Sequence[RowSource],
+    *,
+    positions: Sequence[int] | None = None,
+    random: int | None = None,
+    margin: float | None = None,
+    count: int = 10,
+    k: int = 5,
+    context_words: int = 8,
+    max_contexts: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The top-``k`` next tokens of several :class:`~highrank.analysis.rows.RowSource` that
+    read the same contexts (runs on one split, or causal LMs sharing a tokenizer on one text),
+    side by side with the reference token, at the contexts chosen by exactly one of
+    ``positions``, ``random`` (that many, seeded) or ``margin`` (where the first source gives
+    the reference token at least ``margin`` nats more than the second; at most ``count``),
+    among the first ``max_contexts``. Returns the record (``contexts``: one per position)."""
+    sources = list(sources)
+    if sum(x is not None for x in (positions, random, margin)) != 1:
+        raise TopKError("choose the contexts with exactly one of positions, random, margin")
+    if margin is not None and len(sources) < 2:
+        raise TopKError(_MARGIN_NEEDS_TWO[sources[0].kind])
+    for source in sources:  # all at once: a context's rows of every model are needed together
+        source.load(progress=progress)
+    names = run_names([source.name for source in sources])
+    first = sources[0]
+    for name, source in zip(names[1:], sources[1:], strict=True):
+        problem = source.differs_from(first, (names[0], name))
+        if problem is not None:
+            raise TopKError(problem)
+    n_contexts = first.n_contexts(max_contexts)
+    if positions is not None:
+        chosen = check_positions(positions, n_contexts)
+        selection, margins = {"mode": "positions", "positions": chosen}, None
+    elif random is not None:
+        chosen = random_positions(n_contexts, random, seed)
+        selection, margins = {"mode": "random", "count": random, "seed": seed}, None
+    else:
+        a, b = (s.target_log_probs(max_contexts=n_contexts, progress=progress) for s in sources[:2])
+        found, differences = margin_positions(a, b, margin, count)
+        chosen, margins = found.tolist(), differences.tolist()
+        # runs are named by their folders here, models by their short names (as always)
+        a_b = [s.name for s in sources[:2]] if first.kind == "run" else names[:2]
+        selection = {
+            "mode": "margin",
+            "margin": margin,
+            "count": count,
+            "a": a_b[0],
+            "b": a_b[1],
+            "qualifying": int(np.count_nonzero(a - b >= margin)),
+            "largest_difference": float(np.max(a - b)),
+        }
+    check_k(k, first.width)
+    rows = [source.rows_at(chosen, progress=progress) for source in sources]
+    records = context_records(
+        rows, first.ids, first.vocab, chosen, names=names, k=k, context_words=context_words
+    )
+    for record, difference in zip(records, margins or [], strict=False):
+        record["margin"] = difference
+    return {
+        **first.where(),
+        "runs": [
+            {"name": name, **source.entry(max_contexts)}
+            for name, source in zip(names, sources, strict=True)
+        ],
+        "n_contexts": n_contexts,
+        "selection": selection,
+        "k": k,
+        "contexts": records,
+    }
+
+
+def run_names(run_dirs: Sequence[str]) -> list[str]:
+    """Short labels: each run directory's name, or its full path when names repeat."""
+    names = [Path(run_dir).name or str(run_dir) for run_dir in run_dirs]
+    return names if len(set(names)) == len(names) else [str(run_dir) for run_dir in run_dirs]
 
 
 # ---- text ------------------------------------------------------------------------------------
