@@ -57,11 +57,13 @@ import torch
 
 from highrank.analysis.output import read_json
 from highrank.analysis.rank import (
+    analyze_rank,
     gram_resolution,
     press_threshold,
     singular_values,
     streamed_singular_values,
 )
+from highrank.analysis.rows import RowSource
 
 DEFAULT_MIN_GAP = 100.0
 SPECTRUM = "singular values of the raw log-probability matrix (rows not centred)"
@@ -252,51 +254,54 @@ def _record_values(record: dict[str, Any], path: Path) -> np.ndarray:
 # ---- runs: the rank machinery, then the knee -------------------------------------------------
 
 
-def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP, **rank_options):
-    """The knee of a trained run's log-prob matrix: the run's rank record for the same
-    settings (``rank_options``, as :func:`highrank.analysis.rank.analyze_run` takes them)
-    is reused when it exists and computed (and kept) otherwise. Adds the head's configured
-    ``d_embed`` and whether the knee matches it (:func:`matches_hidden_size`)."""
-    from highrank.analysis.output import record_tag, run_record_path
-    from highrank.analysis.rank import analyze_run as rank_run
-    from highrank.runs.run_dir import RunDir
-
-    run = RunDir.open(run_dir)  # a clear error for a folder that is no run
-    tag = record_tag(
-        rank_options.get("split", "test"),
-        rank_options.get("which", "best"),
-        kind=rank_options.get("kind", "log_prob"),
-        max_contexts=rank_options.get("max_contexts"),
+def analyze_hidden_size(
+    source: RowSource,
+    *,
+    min_gap: float = DEFAULT_MIN_GAP,
+    max_contexts: int | None = None,
+    out: str | os.PathLike | None = None,
+    **rank_options: Any,
+) -> dict[str, Any]:
+    """The knee of the log-prob matrix of a :class:`~highrank.analysis.rows.RowSource`: its
+    rank record (:func:`~highrank.analysis.rank.analyze_rank`, in the source's folder: ``out``
+    for a causal LM) is reused when it is current (a run's, computed from the present
+    checkpoint file with the same split, contexts and corpus) and computed (and kept)
+    otherwise; ``rank_options`` as :func:`~highrank.analysis.rank.analyze_rank` takes them.
+    A run's record adds the head's configured ``d_embed`` and whether the knee matches it
+    (:func:`matches_hidden_size`)."""
+    # a run's config first: a folder that is no run gets the clear error of RunDir.open
+    d_embed = source.configured_d_embed() if source.kind == "run" else None
+    source.check()
+    tag = source.tag(max_contexts=max_contexts)
+    rank_path = source.folder(out) / f"rank-{tag}.json"
+    settings = source.matrix_settings(
+        kind="log_prob",
+        batch_size=rank_options.get("batch_size", 1),
+        bptt=rank_options.get("bptt"),
+        max_contexts=max_contexts,
     )
-    rank_path = run_record_path(run_dir, "rank", tag)
-    if not _rank_record_is_current(rank_path, run_dir, rank_options):
-        rank_run(run_dir, **rank_options)
+    if not (rank_path.is_file() and source.record_matches(read_json(rank_path), settings)):
+        analyze_rank(source, max_contexts=max_contexts, out=out, **rank_options)
     result = estimate_from_rank_record(rank_path, min_gap=min_gap)
-    d_embed = run.load_config().model.d_embed
+    if source.kind != "run":
+        return {**result, "model": source.name, "hf_tag": tag}
     return {
         **result,
-        "run_dir": str(run_dir),
+        "run_dir": source.name,
         "tag": tag,
         "head_d_embed": d_embed,
         "matches_d_embed": matches_hidden_size(result, d_embed),
     }
 
 
-def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -> bool:
-    """A rank record at ``path`` computed from the run's present checkpoint file with the
-    same split, contexts and corpus (the settings a rank record stores)."""
-    from highrank.analysis.rows import file_fingerprint
-    from highrank.runs.checkpoint import checkpoint_path
-
-    if not path.is_file():
-        return False
-    record = read_json(path)
-    which = rank_options.get("which", "best")
-    data_dir = rank_options.get("data_dir")
-    expected = {
-        "split": rank_options.get("split", "test"),
-        "max_contexts": rank_options.get("max_contexts"),
-        "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
-        "checkpoint_file": file_fingerprint(checkpoint_path(run_dir, which)),
-    }
-    return all(record.get(key) == value for key, value in expected.items())
+def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP, **rank_options):
+    """:func:`analyze_hidden_size` of a trained run (``split``, ``which``, ``data_dir`` pick
+    its rows; the other ``rank_options`` as :func:`~highrank.analysis.rank.analyze_rank`)."""
+    source = RowSource.from_run(
+        run_dir,
+        rank_options.pop("split", "test"),
+        which=rank_options.pop("which", "best"),
+        data_dir=rank_options.pop("data_dir", None),
+        device=rank_options.get("device", "cpu"),
+    )
+    return analyze_hidden_size(source, min_gap=min_gap, **rank_options)

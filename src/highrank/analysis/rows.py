@@ -203,6 +203,11 @@ class RowSource:
         """Whether the kept matrix whose side record is ``side`` has ``settings``."""
         raise NotImplementedError
 
+    def record_matches(self, record: dict[str, Any], settings: dict[str, Any]) -> bool:
+        """Whether a rank record was computed from rows with ``settings`` (and can be reused
+        without its matrix); a record that cannot tell is not reused."""
+        raise NotImplementedError
+
     def write_matrix(
         self, path: Path, settings: dict[str, Any], *, progress: bool = False
     ) -> dict[str, Any]:
@@ -419,6 +424,16 @@ class RunRows(RowSource):
 
     def matrix_matches(self, side, settings) -> bool:
         return "head_name" in side and all(side.get(k) == v for k, v in settings.items())
+
+    def record_matches(self, record, settings) -> bool:
+        keys = ("split", "max_contexts", "data_dir", "checkpoint_file")  # the rest is in the tag
+        return all(record.get(key) == settings[key] for key in keys)
+
+    def configured_d_embed(self) -> int:
+        """The hidden size the run's config gives its head (read without the model)."""
+        from highrank.runs.run_dir import RunDir
+
+        return RunDir.open(self.run_dir).load_config().model.d_embed
 
     def write_matrix(self, path, settings, *, progress=False) -> dict[str, Any]:
         loaded = self.loaded
@@ -657,6 +672,9 @@ class TextRows(RowSource):
 
     def matrix_matches(self, side, settings) -> bool:
         return side.get("hf_settings") == settings
+
+    def record_matches(self, record, settings) -> bool:
+        return record.get("hf_settings") == settings  # a rank record keeps no file fingerprints
 
     def write_matrix(self, path, settings, *, progress=False) -> dict[str, Any]:
         loaded = self.loaded

@@ -12,6 +12,7 @@ from highrank.analysis.hidden_size import (
     DEFAULT_MIN_GAP,
     SPECTRUM,
     HiddenSizeError,
+    analyze_hidden_size,
     analyze_run,
     estimate_from_rank_record,
     estimate_hidden_size_file,
@@ -19,6 +20,7 @@ from highrank.analysis.hidden_size import (
 )
 from highrank.analysis.output import text_table, write_json
 from highrank.analysis.rank import GRAM_BACKENDS
+from highrank.analysis.rows import RowSource
 from highrank.cli.analyze.common import add_hf_arguments
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
@@ -97,23 +99,24 @@ def _check_sources(args: argparse.Namespace) -> None:
 def _estimate_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """`highrank analyze rank --hf MODEL` (its record and singular values go to --out), then
     the knee of those singular values."""
-    from highrank.analysis.rank import analyze_hf
-
-    rank = analyze_hf(
+    source = RowSource.from_causal_lm(
         model,
         args.text,
-        args.out,
         window=args.window,
         bos=args.bos,
-        max_contexts=args.max_contexts,
+        device=args.device,
         batch_windows=args.batch_windows,
+    )
+    return analyze_hidden_size(
+        source,
+        min_gap=args.min_gap,
+        max_contexts=args.max_contexts,
+        out=args.out,
         backend=args.backend,
         device=args.device,
         block_rows=args.block_rows,
         progress=not args.no_progress,
     )
-    result = estimate_from_rank_record(Path(args.out) / f"rank-{rank['tag']}.json")
-    return {**result, "model": str(model), "hf_tag": rank["tag"]}
 
 
 def _estimate(source: Path, args: argparse.Namespace) -> dict[str, Any]:
