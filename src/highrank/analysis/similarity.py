@@ -37,6 +37,7 @@ Benchmark files (``data/word-sim`` of mfaruqui/eval-word-vectors) hold one pair 
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -243,3 +244,20 @@ def similarity_record(model: torch.nn.Module, vocab, benchmarks: Sequence[Benchm
         "duplicates": "a pair listed twice is one pair with the mean score",
         "benchmarks": {b.name: evaluate_benchmark(b, vocab, embeddings) for b in benchmarks},
     }
+
+
+def analyze_similarity(
+    run_dir: str | os.PathLike,
+    benchmarks: Sequence[Benchmark | str | os.PathLike],
+    *,
+    which: str = "best",
+) -> dict[str, Any]:
+    """The record of a trained run (checkpoint ``which``) on word-similarity ``benchmarks``
+    (read :class:`Benchmark` s or their files): :func:`similarity_record` of its input and
+    output embeddings."""
+    from highrank.model import load_run
+
+    benchmarks = [b if isinstance(b, Benchmark) else read_benchmark(b) for b in benchmarks]
+    model, _, vocab = load_run(run_dir, which)
+    record = {"run_dir": str(run_dir), "checkpoint": which}
+    return record | similarity_record(model, vocab, benchmarks)

@@ -81,6 +81,7 @@ tokens, among them 11 special tokens such as ``<file_sep>``): they can only tie.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -608,3 +609,95 @@ def report_record(report: ArgmaxReport, *, names=None, limit: int = 200) -> dict
 
 def _domain_text(radius: float | None) -> str:
     return "all of R^d" if radius is None else f"box |h_k| <= {radius:g}"
+
+
+# ---- a run's head, a causal LM's output layer --------------------------------------------------
+
+
+def _analyse(weight, bias, radius, patience, progress, *, domain="as asked", names=None):
+    if domain == "box 1":
+        radius = 1.0
+    elif domain == "unbounded":
+        radius = None
+    report = find_unargmaxable(weight, bias, radius=radius, patience=patience, progress=progress)
+    return report_record(report, names=names)
+
+
+def analyze_unargmaxable_run(
+    run_dir: str | os.PathLike,
+    *,
+    which: str = "best",
+    radius: float | None = DEFAULT_RADIUS,
+    patience: int = DEFAULT_PATIENCE,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The record of :func:`find_unargmaxable` on the output layer of a trained run's head
+    (:func:`head_layer` says what is analysed; ``radius`` None: all of R^d)."""
+    from highrank.model import load_run
+
+    model, config, vocab = load_run(run_dir, which)
+    weight, bias, domain, meaning = head_layer(model.head, config.head.name)
+    record = _analyse(
+        weight,
+        bias,
+        radius,
+        patience,
+        progress,
+        domain=domain,
+        names=lambda ids: [vocab.words[i] for i in ids],
+    )
+    return {"run_dir": str(run_dir), "head": config.head.name, "analysed": meaning, **record}
+
+
+def analyze_unargmaxable_hf(
+    model_path: str | os.PathLike,
+    *,
+    radius: float | None = DEFAULT_RADIUS,
+    patience: int = DEFAULT_PATIENCE,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The record of :func:`find_unargmaxable` on the output layer of a Hugging Face causal
+    LM (a model folder or a ``.gguf`` file): its ``lm_head`` weight and bias, or the highrank
+    head attached to it (:mod:`highrank.integrations.hf`)."""
+    from highrank.analysis.hf_contexts import load_causal_lm
+
+    began = time.perf_counter()
+    model, tokenizer = load_causal_lm(model_path, progress=progress)
+    load_seconds = time.perf_counter() - began
+    head = getattr(model, "head", None)
+    if head is not None and hasattr(head, "log_prob"):  # a highrank head attached to the model
+        name = model.config.head_name
+        weight, bias, domain, meaning = head_layer(head, name)
+    else:
+        linear = model.get_output_embeddings()
+        if linear is None or not hasattr(linear, "weight"):
+            raise UnargmaxableError(f"{model_path}: the model has no output embedding (lm_head)")
+        weight, bias, domain, meaning = (
+            linear.weight.detach(),
+            linear.bias,
+            "as asked",
+            ("exact: the lm_head softmax's argmax set"),
+        )
+        name = "lm_head"
+    record = _analyse(
+        weight,
+        None if bias is None else bias.detach(),
+        radius,
+        patience,
+        progress,
+        domain=domain,
+        names=lambda ids: [tokenizer.decode([int(i)]) for i in ids],
+    )
+    return {
+        "model": str(model_path),
+        "head": name,
+        "hidden_size": int(weight.shape[1]),
+        "bias": bias is not None,
+        "analysed": meaning,
+        **record,
+        "load_seconds": round(load_seconds, 2),
+    }
+
+
+def radius_tag(radius: float | None) -> str:
+    return "unbounded" if radius is None else f"box{radius:g}"

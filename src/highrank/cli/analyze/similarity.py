@@ -14,9 +14,9 @@ from highrank.analysis.output import run_record_path, text_table, write_json
 from highrank.analysis.similarity import (
     DEFAULT_DATA_DIR,
     WordSimError,
+    analyze_similarity,
     benchmark_paths,
     read_benchmark,
-    similarity_record,
 )
 from highrank.cli.analyze.common import add_run_arguments
 from highrank.util.atomic import write_text_atomic
@@ -66,8 +66,6 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze similarity``: score each run, write its record, print the table."""
-    from highrank.model import load_run
-
     try:
         paths = benchmark_paths(resolve_data_dir(args.data_dir), args.benchmarks)
         benchmarks = [read_benchmark(path) for path in paths]
@@ -76,9 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     records, written = [], []
     for run_dir in args.run_dirs:
-        model, _, vocab = load_run(run_dir, args.which)
-        record = {"run_dir": str(run_dir), "checkpoint": args.which}
-        record |= similarity_record(model, vocab, benchmarks)
+        record = analyze_similarity(run_dir, benchmarks, which=args.which)
         written.append(write_json(run_record_path(run_dir, "similarity", _tag(args)), record))
         records.append(record)
     print(text_table(HEADERS, table_rows(records)), end="")

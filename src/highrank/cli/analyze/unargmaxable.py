@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.output import text_table, write_json
+from highrank.analysis.hf_contexts import model_name
+from highrank.analysis.output import run_record_path, text_table, write_json
 from highrank.analysis.unargmaxable import (
     DEFAULT_PATIENCE,
     DEFAULT_RADIUS,
     UnargmaxableError,
-    find_unargmaxable,
-    head_layer,
-    report_record,
+    analyze_unargmaxable_hf,
+    analyze_unargmaxable_run,
+    radius_tag,
 )
 from highrank.util.atomic import write_text_atomic
 
@@ -78,78 +78,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _analyse(weight, bias, radius, args, *, domain="as asked", names=None) -> dict[str, Any]:
-    if domain == "box 1":
-        radius = 1.0
-    elif domain == "unbounded":
-        radius = None
-    report = find_unargmaxable(
-        weight, bias, radius=radius, patience=args.patience, progress=not args.no_progress
-    )
-    return report_record(report, names=names)
-
-
 def _run_record(run_dir: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
-    from highrank.analysis.output import run_record_path
-    from highrank.model import load_run
-
-    model, config, vocab = load_run(run_dir, args.which)
-    weight, bias, domain, meaning = head_layer(model.head, config.head.name)
-    record = _analyse(
-        weight, bias, radius, args, domain=domain, names=lambda ids: [vocab.words[i] for i in ids]
-    )
-    record = {"run_dir": str(run_dir), "head": config.head.name, "analysed": meaning, **record}
-    tag = f"{Path(args.which).stem}-{_radius_tag(record['radius'])}"
+    options = {"radius": radius, "patience": args.patience, "progress": not args.no_progress}
+    record = analyze_unargmaxable_run(run_dir, which=args.which, **options)
+    tag = f"{Path(args.which).stem}-{radius_tag(record['radius'])}"
     return record, run_record_path(run_dir, "unargmaxable", tag)
 
 
 def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
-    from highrank.analysis.hf_contexts import load_causal_lm, model_name
-
-    began = time.perf_counter()
-    model, tokenizer = load_causal_lm(model_path, progress=not args.no_progress)
-    load_seconds = time.perf_counter() - began
-    head = getattr(model, "head", None)
-    if head is not None and hasattr(head, "log_prob"):  # a highrank head attached to the model
-        name = model.config.head_name
-        weight, bias, domain, meaning = head_layer(head, name)
-    else:
-        linear = model.get_output_embeddings()
-        if linear is None or not hasattr(linear, "weight"):
-            raise UnargmaxableError(f"{model_path}: the model has no output embedding (lm_head)")
-        weight, bias, domain, meaning = (
-            linear.weight.detach(),
-            linear.bias,
-            "as asked",
-            ("exact: the lm_head softmax's argmax set"),
-        )
-        name = "lm_head"
-    record = _analyse(
-        weight,
-        None if bias is None else bias.detach(),
-        radius,
-        args,
-        domain=domain,
-        names=lambda ids: [tokenizer.decode([int(i)]) for i in ids],
-    )
-    record = {
-        "model": str(model_path),
-        "head": name,
-        "hidden_size": int(weight.shape[1]),
-        "bias": bias is not None,
-        "analysed": meaning,
-        **record,
-        "load_seconds": round(load_seconds, 2),
-    }
-    path = (
-        Path(args.out)
-        / f"unargmaxable-{model_name(model_path)}-{_radius_tag(record['radius'])}.json"
-    )
-    return record, path
-
-
-def _radius_tag(radius: float | None) -> str:
-    return "unbounded" if radius is None else f"box{radius:g}"
+    options = {"radius": radius, "patience": args.patience, "progress": not args.no_progress}
+    record = analyze_unargmaxable_hf(model_path, **options)
+    name = f"unargmaxable-{model_name(model_path)}-{radius_tag(record['radius'])}.json"
+    return record, Path(args.out) / name
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
