@@ -454,7 +454,7 @@ def write_hf_logprob_matrix(
     return write_context_matrix(path, itertools.chain([first], blocks), shape, record)
 
 
-# ---- a model with a text, for the command line ----------------------------------------------
+# ---- a model with a text, as a row source loads it (analysis.rows.TextRows) ------------------
 
 
 @dataclass(frozen=True, eq=False)
