@@ -741,9 +741,9 @@ def learning_curves(args: argparse.Namespace, finished: list[Run], path: Path) -
 
 
 def spectrum_figure(args: argparse.Namespace, finished: list[Run], path: Path) -> str:
-    """The singular-value spectrum (:func:`highrank.analysis.rank_cli.write_spectrum`) of
+    """The singular-value spectrum (:func:`highrank.analysis.rank.write_spectrum`) of
     each head's finished run of lowest seed that has its rank record and singular values."""
-    from highrank.analysis.rank_cli import write_spectrum
+    from highrank.analysis.rank import write_spectrum
 
     records = []
     for head in args.heads:

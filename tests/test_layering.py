@@ -299,3 +299,28 @@ def test_highrank_help_imports_no_torch_numpy_or_scipy(argv):
     assert "highrank.cli" in imported  # the listing is what we think it is
     heavy = sorted(m for m in imported if m.split(".")[0] in HEAVY)
     assert not heavy, f"`highrank {' '.join(argv)}` imported {heavy[:10]}"
+
+
+def test_analysis_is_a_library_without_argparse_or_print():
+    """``analysis/`` returns data; every option and every printed line of the analysis verbs
+    lives in ``cli/analyze/`` (progress lines go through ``util.progress``)."""
+    found = []
+    for name, path in modules().items():
+        if not _in(name, "highrank.analysis"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import) and any(
+                alias.name.split(".")[0] == "argparse" for alias in node.names
+            ):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: imports argparse")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == (
+                "argparse"
+            ):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: imports argparse")
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "print"
+            ):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: calls print")
+    assert not found, "\n".join(found)

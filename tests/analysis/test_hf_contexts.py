@@ -359,9 +359,9 @@ def test_analyze_rank_hf_writes_its_record_to_out(llama, tmp_path, capsys, monke
     assert not (out / f"rank-{tag}.state").exists()
 
     # the kept matrix is reused: the model is not loaded again
-    import highrank.analysis.rank_cli as rank_cli
+    import highrank.analysis.rows as rows
 
-    monkeypatch.setattr(rank_cli, "load_text_contexts", lambda *a, **k: pytest.fail("reloaded"))
+    monkeypatch.setattr(rows, "load_text_contexts", lambda *a, **k: pytest.fail("reloaded"))
     assert _cli(*args) == 0
     again = json.loads((out / f"rank-{tag}.json").read_text())
     assert again["press_rank"] == record["press_rank"] and again["matrix_reused"] is True
@@ -384,10 +384,10 @@ def test_analyze_rank_hf_refuses_a_gram_matrix_that_does_not_fit_before_the_forw
     llama, tmp_path, capsys, monkeypatch
 ):
     import highrank.analysis.rank as rank
-    import highrank.analysis.rank_cli as rank_cli
+    import highrank.analysis.rows as rows
 
     monkeypatch.setattr(rank, "available_memory_bytes", lambda device="cpu": 1000)
-    monkeypatch.setattr(rank_cli, "write_hf_logprob_matrix", lambda *a, **k: pytest.fail("ran"))
+    monkeypatch.setattr(rows, "write_hf_logprob_matrix", lambda *a, **k: pytest.fail("ran"))
     folder, text = llama
     out = tmp_path / "out"
     argv = ["rank", "--hf", str(folder), "--text", str(text), "--out", str(out), "--window", "8"]

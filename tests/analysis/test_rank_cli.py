@@ -11,8 +11,7 @@ import pytest
 
 from highrank.analysis.logprob_matrix import write_log_prob_matrix
 from highrank.analysis.output import record_tag
-from highrank.analysis.rank import rank_report
-from highrank.analysis.rank_cli import analyze_run
+from highrank.analysis.rank import analyze_run, rank_report
 from highrank.analysis.spectrum import cumulative_share
 from highrank.cli import main
 
@@ -58,12 +57,12 @@ def test_the_matrix_is_deleted_unless_kept_and_reused_when_it_matches(run_copy, 
     assert not (run_copy / "analysis" / f"logprob-{tag}.npy").exists()
 
     analyze_run(run_copy, split="valid", max_contexts=30, keep_matrix=True)
-    import highrank.analysis.rank_cli as rank_cli
+    import highrank.analysis.rows as rows
 
     def no_model(*args, **kwargs):
         raise AssertionError("the kept matrix should have been reused")
 
-    monkeypatch.setattr(rank_cli, "load_run_split", no_model)
+    monkeypatch.setattr(rows, "load_run_split", no_model)
     again = analyze_run(run_copy, split="valid", max_contexts=30, keep_matrix=True)
     assert again["press_rank"] == record["press_rank"]
 
@@ -85,7 +84,7 @@ def test_cumulative_share_counts_values_strictly_below():
 
 
 def test_a_matrix_from_other_settings_or_an_older_checkpoint_is_rewritten(run_copy, monkeypatch):
-    import highrank.analysis.rank_cli as rank_cli
+    import highrank.analysis.rows as rows
     from highrank.analysis.contexts import load_run_split
 
     matrix = run_copy / "analysis" / "logprob-test-best-first30.npy"
@@ -100,9 +99,9 @@ def test_a_matrix_from_other_settings_or_an_older_checkpoint_is_rewritten(run_co
         metadata={"split": "test", "which": "best"},
     )
     calls = []
-    real = rank_cli.load_run_split
+    real = rows.load_run_split
     monkeypatch.setattr(
-        rank_cli, "load_run_split", lambda *a, **k: calls.append(1) or real(*a, **k)
+        rows, "load_run_split", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     analyze_run(run_copy, max_contexts=30, keep_matrix=True)
     analyze_run(run_copy, max_contexts=30, keep_matrix=True)  # reused: same settings

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from highrank.analysis.rank_cli import analyze_run
+from highrank.analysis.rank import analyze_run
 from highrank.analysis.report import collect_run, write_report
 from highrank.cli import main
 from highrank.runs.run_dir import RunDirError

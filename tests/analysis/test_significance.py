@@ -19,10 +19,10 @@ from highrank.analysis.significance import (
     pearson,
     read_perplexity,
     read_press_rank,
-    split_groups,
     welch_df,
 )
 from highrank.cli import main
+from highrank.cli.analyze.compare import split_groups
 
 # ---- the t-test --------------------------------------------------------------------------------
 
@@ -236,7 +236,7 @@ def test_cli_compare_input_errors_exit_2_in_one_line(tmp_path, capsys):
 
 
 def test_compare_finds_rank_records_by_the_tag_analyze_rank_gave_them(tiny_run, tmp_path):
-    from highrank.analysis.rank_cli import analyze_run
+    from highrank.analysis.rank import analyze_run
 
     run = shutil.copytree(tiny_run, tmp_path / "r")
     record = analyze_run(run, max_contexts=30)

@@ -41,7 +41,6 @@ module is imported, so ``highrank --help`` works without it.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -53,7 +52,6 @@ import numpy as np
 import torch
 
 from highrank.analysis.logprob_matrix import ContextRows, write_context_matrix
-from highrank.util.argtypes import positive_int
 from highrank.util.progress import progress_bar
 
 DEFAULT_MAX_WINDOW = 1024
@@ -456,7 +454,7 @@ def write_hf_logprob_matrix(
     return write_context_matrix(path, itertools.chain([first], blocks), shape, record)
 
 
-# ---- a model with a text, for the command line ----------------------------------------------
+# ---- a model with a text, as a row source loads it (analysis.rows.TextRows) ------------------
 
 
 @dataclass(frozen=True, eq=False)
@@ -572,62 +570,6 @@ class TokenizerVocab:
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> list[str]:
         return [repr(self.tokenizer.decode([int(i) for i in ids]))]
-
-
-# ---- command-line options shared by the analyses --------------------------------------------
-
-
-def add_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--hf MODEL --text FILE`` (instead of RUN_DIRs) and the window options."""
-    group = parser.add_argument_group(
-        "Hugging Face causal LMs (instead of RUN_DIRs; records go to --out)",
-        "Contexts: the text's tokens (no special tokens added) in non-overlapping windows of "
-        "--window tokens, each run as its own sequence; row i is the model's distribution "
-        "after token i given the tokens of its window up to i (1 .. W tokens), target token "
-        "i + 1.",
-    )
-    group.add_argument(
-        "--hf",
-        action="append",
-        metavar="MODEL",
-        help="a local model folder (save_pretrained output) or a .gguf file; repeat to "
-        "compare models (needs the hf extra)",
-    )
-    group.add_argument("--text", metavar="FILE", help="UTF-8 text file the contexts come from")
-    group.add_argument(
-        "--window",
-        type=positive_int,
-        help="tokens per window (default: min(the model's maximum positions, 1024))",
-    )
-    group.add_argument(
-        "--bos",
-        action="store_true",
-        help="put the tokenizer's BOS token before every window (default: none added)",
-    )
-    group.add_argument(
-        "--batch-windows",
-        type=positive_int,
-        help=f"windows per forward pass (default: logits under {BATCH_ELEMENTS:,} entries)",
-    )
-
-
-def hf_mode(args: argparse.Namespace) -> bool:
-    """Whether ``args`` ask for Hugging Face models (``--hf``) or runs; refuses a mixture
-    or a missing ``--text`` / ``--out`` in one line."""
-    models, runs = getattr(args, "hf", None), getattr(args, "run_dirs", [])
-    if models and runs:
-        raise HFInputError("give RUN_DIRs or --hf MODEL, not both")
-    if not models:
-        if getattr(args, "text", None):
-            raise HFInputError("--text goes with --hf MODEL")
-        if not runs:
-            raise HFInputError("expected RUN_DIR... or --hf MODEL --text FILE --out DIR")
-        return False
-    if not args.text:
-        raise HFInputError("--hf needs --text FILE: the text the contexts come from")
-    if not getattr(args, "out", None):
-        raise HFInputError("--hf needs --out DIR: the records are written there")
-    return True
 
 
 def _first_line(error: BaseException) -> str:

@@ -48,25 +48,22 @@ the next largest gap 1.7x.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from highrank.analysis.output import read_json, text_table, write_json
+from highrank.analysis.output import read_json
 from highrank.analysis.rank import (
-    GRAM_BACKENDS,
+    analyze_rank,
     gram_resolution,
     press_threshold,
     singular_values,
     streamed_singular_values,
 )
-from highrank.util.argtypes import positive_int
-from highrank.util.atomic import write_text_atomic
+from highrank.analysis.rows import RowSource
 
 DEFAULT_MIN_GAP = 100.0
 SPECTRUM = "singular values of the raw log-probability matrix (rows not centred)"
@@ -257,205 +254,54 @@ def _record_values(record: dict[str, Any], path: Path) -> np.ndarray:
 # ---- runs: the rank machinery, then the knee -------------------------------------------------
 
 
-def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP, **rank_options):
-    """The knee of a trained run's log-prob matrix: the run's rank record for the same
-    settings (``rank_options``, as :func:`highrank.analysis.rank_cli.analyze_run` takes them)
-    is reused when it exists and computed (and kept) otherwise. Adds the head's configured
-    ``d_embed`` and whether the knee matches it (:func:`matches_hidden_size`)."""
-    from highrank.analysis.output import record_tag, run_record_path
-    from highrank.analysis.rank_cli import analyze_run as rank_run
-    from highrank.runs.run_dir import RunDir
-
-    run = RunDir.open(run_dir)  # a clear error for a folder that is no run
-    tag = record_tag(
-        rank_options.get("split", "test"),
-        rank_options.get("which", "best"),
-        kind=rank_options.get("kind", "log_prob"),
-        max_contexts=rank_options.get("max_contexts"),
+def analyze_hidden_size(
+    source: RowSource,
+    *,
+    min_gap: float = DEFAULT_MIN_GAP,
+    max_contexts: int | None = None,
+    out: str | os.PathLike | None = None,
+    **rank_options: Any,
+) -> dict[str, Any]:
+    """The knee of the log-prob matrix of a :class:`~highrank.analysis.rows.RowSource`: its
+    rank record (:func:`~highrank.analysis.rank.analyze_rank`, in the source's folder: ``out``
+    for a causal LM) is reused when it is current (a run's, computed from the present
+    checkpoint file with the same split, contexts and corpus) and computed (and kept)
+    otherwise; ``rank_options`` as :func:`~highrank.analysis.rank.analyze_rank` takes them.
+    A run's record adds the head's configured ``d_embed`` and whether the knee matches it
+    (:func:`matches_hidden_size`)."""
+    # a run's config first: a folder that is no run gets the clear error of RunDir.open
+    d_embed = source.configured_d_embed() if source.kind == "run" else None
+    source.check()
+    tag = source.tag(max_contexts=max_contexts)
+    rank_path = source.folder(out) / f"rank-{tag}.json"
+    settings = source.matrix_settings(
+        kind="log_prob",
+        batch_size=rank_options.get("batch_size", 1),
+        bptt=rank_options.get("bptt"),
+        max_contexts=max_contexts,
     )
-    rank_path = run_record_path(run_dir, "rank", tag)
-    if not _rank_record_is_current(rank_path, run_dir, rank_options):
-        rank_run(run_dir, **rank_options)
+    if not (rank_path.is_file() and source.record_matches(read_json(rank_path), settings)):
+        analyze_rank(source, max_contexts=max_contexts, out=out, **rank_options)
     result = estimate_from_rank_record(rank_path, min_gap=min_gap)
-    d_embed = run.load_config().model.d_embed
+    if source.kind != "run":
+        return {**result, "model": source.name, "hf_tag": tag}
     return {
         **result,
-        "run_dir": str(run_dir),
+        "run_dir": source.name,
         "tag": tag,
         "head_d_embed": d_embed,
         "matches_d_embed": matches_hidden_size(result, d_embed),
     }
 
 
-def _rank_record_is_current(path: Path, run_dir, rank_options: dict[str, Any]) -> bool:
-    """A rank record at ``path`` computed from the run's present checkpoint file with the
-    same split, contexts and corpus (the settings a rank record stores)."""
-    from highrank.analysis.rank_cli import file_fingerprint
-    from highrank.runs.checkpoint import checkpoint_path
-
-    if not path.is_file():
-        return False
-    record = read_json(path)
-    which = rank_options.get("which", "best")
-    data_dir = rank_options.get("data_dir")
-    expected = {
-        "split": rank_options.get("split", "test"),
-        "max_contexts": rank_options.get("max_contexts"),
-        "data_dir": None if data_dir is None else str(Path(data_dir).resolve()),
-        "checkpoint_file": file_fingerprint(checkpoint_path(run_dir, which)),
-    }
-    return all(record.get(key) == value for key, value in expected.items())
-
-
-# ---- command line (wired into `highrank analyze hidden-size` by analysis/commands.py) -------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from highrank.analysis.hf_contexts import add_hf_arguments
-
-    parser.add_argument(
-        "inputs",
-        nargs="*",
-        metavar="RUN_DIR|MATRIX.npy|RANK.json",
-        help="runs of `highrank train` (their rank record is reused or computed), log-prob "
-        "matrices (.npy, contexts x vocabulary) or rank records (.json); or --hf MODEL",
+def analyze_run(run_dir: str | os.PathLike, *, min_gap: float = DEFAULT_MIN_GAP, **rank_options):
+    """:func:`analyze_hidden_size` of a trained run (``split``, ``which``, ``data_dir`` pick
+    its rows; the other ``rank_options`` as :func:`~highrank.analysis.rank.analyze_rank`)."""
+    source = RowSource.from_run(
+        run_dir,
+        rank_options.pop("split", "test"),
+        which=rank_options.pop("which", "best"),
+        data_dir=rank_options.pop("data_dir", None),
+        device=rank_options.get("device", "cpu"),
     )
-    parser.add_argument(
-        "--min-gap",
-        type=float,
-        default=DEFAULT_MIN_GAP,
-        help=f"smallest gap s_k/s_(k+1) that counts as a knee ({DEFAULT_MIN_GAP:g})",
-    )
-    parser.add_argument(
-        "--expect", type=positive_int, help="a hidden size to check the knee against"
-    )
-    runs = parser.add_argument_group("runs (as `highrank analyze rank`)")
-    runs.add_argument("--which", default="best", help="checkpoint (best)")
-    runs.add_argument("--split", choices=("train", "valid", "test"), default="test")
-    runs.add_argument("--data-dir", help="corpus folder (default: each run's data.dir)")
-    runs.add_argument(
-        "--max-contexts", type=positive_int, help="only the first N contexts (runs and --hf)"
-    )
-    gram = parser.add_argument_group("matrices on disk and runs")
-    gram.add_argument("--backend", choices=GRAM_BACKENDS, default="auto", help="(auto)")
-    gram.add_argument("--device", default="cpu", help="cpu or cuda (cpu)")
-    gram.add_argument("--block-rows", type=positive_int, default=2048, help="(2048)")
-    add_hf_arguments(parser)  # --hf MODEL --text FILE: `highrank analyze rank --hf`, then the knee
-    parser.add_argument(
-        "--out", help="also write hidden-size.json and hidden-size.md here (with --hf: all)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-
-
-def run(args: argparse.Namespace) -> int:
-    records = []
-    try:
-        _check_sources(args)
-        for source in args.hf or args.inputs:
-            record = _estimate_hf(source, args) if args.hf else _estimate(Path(source), args)
-            if args.expect is not None:
-                record["expected_hidden_size"] = args.expect
-                record["matches_expected"] = matches_hidden_size(record, args.expect)
-            written = write_json(_record_path(Path(source), record, args), record)
-            print(f"wrote {written}")
-            records.append(record)
-    except (ValueError, FileNotFoundError) as error:  # bad input, incl. the Gram memory plan
-        print(f"highrank analyze hidden-size: error: {error}", file=sys.stderr)
-        return 2
-    print(summary_table(records), end="")
-    for record in records:
-        print(f"{record['source']}: {record['verdict']}")
-    if args.out:
-        out = Path(args.out)
-        write_json(out / "hidden-size.json", {"spectrum": SPECTRUM, "inputs": records})
-        write_text_atomic(out / "hidden-size.md", summary_table(records, markdown=True))
-        print(f"wrote {out / 'hidden-size.json'}, {out / 'hidden-size.md'}")
-    return 0
-
-
-def _check_sources(args: argparse.Namespace) -> None:
-    if bool(args.hf) == bool(args.inputs):
-        raise HiddenSizeError("give RUN_DIR|MATRIX.npy|RANK.json... or --hf MODEL, not both")
-    if args.hf and not (args.text and args.out):
-        raise HiddenSizeError("--hf needs --text FILE (the contexts) and --out DIR (the records)")
-    if args.text and not args.hf:
-        raise HiddenSizeError("--text goes with --hf MODEL")
-
-
-def _estimate_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """`highrank analyze rank --hf MODEL` (its record and singular values go to --out), then
-    the knee of those singular values."""
-    from highrank.analysis.rank_cli import analyze_hf
-
-    rank = analyze_hf(
-        model,
-        args.text,
-        args.out,
-        window=args.window,
-        bos=args.bos,
-        max_contexts=args.max_contexts,
-        batch_windows=args.batch_windows,
-        backend=args.backend,
-        device=args.device,
-        block_rows=args.block_rows,
-        progress=not args.no_progress,
-    )
-    result = estimate_from_rank_record(Path(args.out) / f"rank-{rank['tag']}.json")
-    return {**result, "model": str(model), "hf_tag": rank["tag"]}
-
-
-def _estimate(source: Path, args: argparse.Namespace) -> dict[str, Any]:
-    gram = {"backend": args.backend, "device": args.device, "block_rows": args.block_rows}
-    if source.is_dir():
-        record = analyze_run(
-            source,
-            min_gap=args.min_gap,
-            split=args.split,
-            which=args.which,
-            data_dir=args.data_dir,
-            max_contexts=args.max_contexts,
-            progress=not args.no_progress,
-            **gram,
-        )
-        return {**record, "source": str(source)}
-    if source.suffix == ".npy":
-        return estimate_hidden_size_file(
-            source, min_gap=args.min_gap, progress=not args.no_progress, **gram
-        )
-    if source.suffix == ".json":
-        return estimate_from_rank_record(source, min_gap=args.min_gap)
-    raise HiddenSizeError(
-        f"{source}: expected a run directory, a .npy log-prob matrix or a rank record .json"
-    )
-
-
-def _record_path(source: Path, record: dict[str, Any], args: argparse.Namespace) -> Path:
-    """``RUN_DIR/analysis/hidden-size-TAG.json`` for a run, ``--out/hidden-size-TAG.json``
-    for a Hugging Face model, ``hidden-size-<stem>.json`` beside a matrix or record."""
-    if "hf_tag" in record:
-        return Path(args.out) / f"hidden-size-{record['hf_tag']}.json"
-    if "tag" in record:
-        from highrank.analysis.output import run_record_path
-
-        return run_record_path(source, "hidden-size", record["tag"])
-    return source.with_name(f"hidden-size-{source.stem}.json")
-
-
-def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
-    headers = ["input", "matrix", "knee", "gap", "low-rank", "d (bias)", "d (no bias)", "Press"]
-    rows = []
-    for r in records:
-        size = r["hidden_size"] or {}
-        rows.append(
-            [
-                r["source"],
-                f"{r['shape'][0]:,} x {r['shape'][1]:,}",
-                r["knee"],
-                r["gap"],
-                "yes" if r["low_rank_knee"] else "no",
-                size.get("with_bias"),
-                size.get("without_bias"),
-                r["press_rank"],
-            ]
-        )
-    return text_table(headers, rows, markdown=markdown)
+    return analyze_hidden_size(source, min_gap=min_gap, **rank_options)

@@ -43,31 +43,27 @@ read through a memory map, only at the rows the pairs need, in the same order.
 
 A Hugging Face causal LM is measured the same way on the contexts of a text
 (:mod:`highrank.analysis.hf_contexts`: windows of W tokens, row ``i`` the context ending at
-token ``i``), steps 2-4 unchanged (:func:`causal_lm_pairwise_kl`)::
+token ``i``), steps 2-4 unchanged: :func:`analyze_kl` takes either kind of
+:class:`~highrank.analysis.rows.RowSource`::
 
     highrank analyze kl --hf SmolLM2-135M-Instruct.Q4_1.gguf --text test.txt --out kl/
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from highrank.analysis.commands import add_run_arguments
-from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
-from highrank.analysis.logprob_matrix import head_rows, matrix_record, npy_layout
-from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
+from highrank.analysis.contexts import RunSplit
+from highrank.analysis.logprob_matrix import matrix_record, npy_layout
+from highrank.analysis.rows import RowSource, RunRows, TextRows
 from highrank.model import LanguageModel
-from highrank.util.argtypes import positive_int
-from highrank.util.atomic import write_text_atomic
 
 DEFAULT_PAIRS = 10_000
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
@@ -76,7 +72,7 @@ CHUNK_ELEMENTS = 2**21  # pairs scored at once: about this many float64 entries 
 # A block of rows: (context indices (b,) ascending, rows (b, V) of log-probabilities).
 RowBlock = tuple[np.ndarray, np.ndarray]
 # Given the sorted distinct context indices the pairs need, blocks holding (at least) them.
-RowSource = Callable[[np.ndarray], Iterable[RowBlock]]
+RowsOf = Callable[[np.ndarray], Iterable[RowBlock]]
 
 PROTOCOL = {
     "contexts": "the first n contexts of the split in stream order (iter_contexts, batch_size 1)",
@@ -223,30 +219,6 @@ def matrix_row_blocks(
         yield indices, np.asarray(matrix[indices])
 
 
-def model_row_blocks(
-    model: LanguageModel,
-    ids: torch.Tensor,
-    needed: np.ndarray,
-    *,
-    bptt: int = DEFAULT_BPTT,
-    progress: bool = False,
-    name: str = "token stream",
-) -> Iterator[RowBlock]:
-    """Log-prob rows of the contexts ``needed`` (sorted) of the stream ``ids``, read with
-    ``batch_size=1`` up to the last of them; the head runs on the needed contexts only."""
-    wanted = np.zeros(int(needed[-1]) + 1, dtype=bool)
-    wanted[needed] = True
-    with torch.no_grad():
-        for block in iter_contexts(
-            model, ids, bptt=bptt, max_contexts=len(wanted), progress=progress, name=name
-        ):
-            positions = block.positions.numpy()  # (b,) = context indices with batch_size 1
-            mask = wanted[positions]
-            if mask.any():
-                hidden = block.hidden[torch.from_numpy(mask).to(block.hidden.device)]
-                yield positions[mask], head_rows(model.head, hidden).cpu().numpy()
-
-
 # ---- the expectation -------------------------------------------------------------------------
 
 
@@ -266,7 +238,7 @@ def summarize(values: np.ndarray) -> dict[str, Any]:
 
 
 def expected_pairwise_kl(
-    source: RowSource, n_contexts: int, *, n_pairs: int = DEFAULT_PAIRS, seed: int = 0
+    source: RowsOf, n_contexts: int, *, n_pairs: int = DEFAULT_PAIRS, seed: int = 0
 ) -> dict[str, Any]:
     """The module's protocol over ``n_contexts`` contexts whose rows ``source`` streams:
     summary numbers plus the sampling parameters."""
@@ -312,6 +284,30 @@ def open_matrix(path: str | os.PathLike) -> np.ndarray:
     return np.load(path, mmap_mode="r")
 
 
+def analyze_kl(
+    source: RowSource,
+    *,
+    n_pairs: int = DEFAULT_PAIRS,
+    seed: int = 0,
+    max_contexts: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The expected pairwise KL of any :class:`~highrank.analysis.rows.RowSource` (a run's
+    split, a causal LM on a text), as a record: the source, the summary numbers, the
+    protocol. The contexts are streamed once; only the rows some pair needs are computed."""
+    source.load(progress=progress)
+    result = analyze_kl_numbers(source, n_pairs, seed, max_contexts, progress)
+    described = source.describe(max_contexts)
+    return {
+        **described,
+        "rows_from": "model",
+        **({} if "max_contexts" in described else {"max_contexts": max_contexts}),
+        **result,
+        "protocol": {**PROTOCOL, "contexts": source.contexts_protocol()},
+        "numpy": np.__version__,
+    }
+
+
 def model_pairwise_kl(
     model: LanguageModel,
     ids: torch.Tensor,
@@ -323,13 +319,10 @@ def model_pairwise_kl(
     progress: bool = False,
     name: str = "token stream",
 ) -> dict[str, Any]:
-    """:func:`expected_pairwise_kl` of ``model`` on the stream ``ids`` (contexts streamed once)."""
-    n_contexts = _cap(count_contexts(len(ids)), max_contexts)  # len: ids may be a memmap
-
-    def source(needed: np.ndarray) -> Iterator[RowBlock]:
-        return model_row_blocks(model, ids, needed, bptt=bptt, progress=progress, name=name)
-
-    return expected_pairwise_kl(source, n_contexts, n_pairs=n_pairs, seed=seed)
+    """:func:`expected_pairwise_kl` of a highrank ``model`` on the stream ``ids`` (the
+    summary numbers only): :func:`analyze_kl` without a run directory."""
+    source = RunRows.of_model(model, ids, bptt=bptt, name=name)
+    return analyze_kl_numbers(source, n_pairs, seed, max_contexts, progress)
 
 
 def run_pairwise_kl(
@@ -340,29 +333,14 @@ def run_pairwise_kl(
     max_contexts: int | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """:func:`model_pairwise_kl` of a trained run on one split, as a record with the protocol."""
-    result = model_pairwise_kl(
-        run_split.model,
-        run_split.ids,
+    """:func:`analyze_kl` of a run split already loaded (:func:`load_run_split`)."""
+    return analyze_kl(
+        RunRows.of(run_split),
         n_pairs=n_pairs,
         seed=seed,
         max_contexts=max_contexts,
-        bptt=run_split.bptt,
         progress=progress,
-        name=run_split.source,
     )
-    return {
-        "run_dir": str(run_split.run_dir),
-        "bptt": run_split.bptt,
-        "head": run_split.config.head.name,
-        "split": run_split.split,
-        "source": run_split.source,
-        "rows_from": "model",
-        "max_contexts": max_contexts,
-        **result,
-        "protocol": PROTOCOL,
-        "numpy": np.__version__,
-    }
 
 
 def causal_lm_pairwise_kl(
@@ -376,174 +354,45 @@ def causal_lm_pairwise_kl(
     max_contexts: int | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """:func:`expected_pairwise_kl` of a Hugging Face causal LM on the text ``ids``, read in
-    windows of ``window`` tokens (only the windows holding a sampled context are run)."""
-    from highrank.analysis.hf_contexts import count_text_contexts, iter_causal_lm_rows
-
-    n_contexts = _cap(count_text_contexts(ids.numel()), max_contexts)
-
-    def source(needed: np.ndarray) -> Iterator[RowBlock]:
-        for positions, _, rows in iter_causal_lm_rows(
-            model,
-            ids,
-            window=window,
-            bos_token_id=bos_token_id,
-            needed=needed,
-            progress=progress,
-        ):
-            yield positions.numpy(), rows.numpy()
-
-    return expected_pairwise_kl(source, n_contexts, n_pairs=n_pairs, seed=seed)
+    """:func:`expected_pairwise_kl` of a Hugging Face causal LM in memory on the text ``ids``,
+    read in windows of ``window`` tokens (the summary numbers only)."""
+    source = TextRows.of_model(model, ids, window=window, bos_token_id=bos_token_id)
+    return analyze_kl_numbers(source, n_pairs, seed, max_contexts, progress)
 
 
-def _cap(n: int, max_contexts: int | None) -> int:
-    if max_contexts is not None and max_contexts < 1:
-        raise KLError(f"max_contexts must be a positive int or None; got {max_contexts!r}")
-    return n if max_contexts is None else min(n, max_contexts)
+def analyze_kl_numbers(
+    source: RowSource, n_pairs: int, seed: int, max_contexts: int | None, progress: bool
+) -> dict[str, Any]:
+    """The summary numbers of :func:`analyze_kl` (no description of the source)."""
+    n_contexts = _cap(source.n_contexts(), max_contexts)
+
+    def rows_of(needed: np.ndarray) -> Iterator[RowBlock]:
+        for positions, _, rows in source.iter_rows(needed=needed, progress=progress):
+            yield positions, rows.numpy()
+
+    return expected_pairwise_kl(rows_of, n_contexts, n_pairs=n_pairs, seed=seed)
 
 
-# ---- command line: highrank analyze kl -------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``highrank analyze kl``."""
-    add_run_arguments(parser, hf=True)
-    parser.add_argument(
-        "--pairs", type=positive_int, default=DEFAULT_PAIRS, help="context pairs (10000)"
-    )
-    parser.add_argument(
-        "--max-contexts", type=positive_int, help="pair among the first N contexts only"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the pair sampler (0)")
-    parser.add_argument(
-        "--matrix",
-        action="append",
-        metavar="PATH",
-        help="read rows from this log-prob .npy (written with batch_size 1) instead of running "
-        "the model; give one per RUN_DIR, in the same order",
-    )
-    parser.add_argument("--device", default="cpu", help="where the model runs (cpu)")
-    parser.add_argument("--out", help="also write kl.json and kl.md here (with --hf: every record)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-
-
-HEADERS = ["head", "run", "pairs", "mean KL", "std", "s.e."]
-
-
-def table_rows(records: Sequence[dict[str, Any]]) -> list[list[Any]]:
-    """One row per run, in :data:`HEADERS` order (non-finite numbers as ``-``)."""
-    numbers = ("mean", "std", "stderr")
-    return [
-        [r["head"], r.get("run_dir") or r["model"], r["pairs"], *(_finite(r[k]) for k in numbers)]
-        for r in records
-    ]
-
-
-def run(args: argparse.Namespace) -> int:
-    """``highrank analyze kl``: one record per run, a table, and a summary with ``--out``."""
-    from highrank.analysis.hf_contexts import HFInputError, hf_mode
-
-    try:
-        hf = hf_mode(args)
-        records = _hf_records(args) if hf else _records(args)
-    except (KLError, HFInputError) as error:
-        print(f"highrank analyze kl: error: {error}", file=sys.stderr)
-        return 2
-    if hf:
-        written = [write_json(Path(args.out) / f"kl-{r['tag']}.json", r) for r in records]
-    else:
-        tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
-        written = [write_json(run_record_path(r["run_dir"], "kl", tag), r) for r in records]
-    print(text_table(HEADERS, table_rows(records)), end="")
-    infinite = [r.get("run_dir") or r["model"] for r in records if r["infinite_pairs"]]
-    if infinite:
-        print(f"infinite divergences (a zero probability): {', '.join(infinite)}")
-    if args.out:
-        written += _write_summary(Path(args.out), records)
-    print("wrote " + ", ".join(map(str, written)))
-    return 0
-
-
-def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
-    matrices = args.matrix or []
-    if matrices and len(matrices) != len(args.run_dirs):
-        raise KLError(
-            f"--matrix was given {len(matrices)} time(s) for {len(args.run_dirs)} RUN_DIR(s); "
-            "expected one matrix per run directory, in the same order"
-        )
-    options = {"n_pairs": args.pairs, "seed": args.seed, "max_contexts": args.max_contexts}
-    records = []
-    for index, run_dir in enumerate(args.run_dirs):
-        if matrices:
-            record = _matrix_record(run_dir, matrices[index], args, options)
-        else:
-            split = load_run_split(
-                run_dir, args.split, which=args.which, data_dir=args.data_dir, device=args.device
-            )
-            record = run_pairwise_kl(split, progress=not args.no_progress, **options)
-        records.append({**record, "checkpoint": args.which})
-    return records
-
-
-def _hf_records(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One record per ``--hf`` model on ``--text``, each model loaded in turn."""
-    from highrank.analysis.hf_contexts import describe_contexts, hf_tag, load_text_contexts
-
-    if args.matrix:
-        raise KLError("--matrix reads rows of runs; with --hf the model itself is run")
-    records = []
-    for model_path in args.hf:
-        loaded = load_text_contexts(
-            model_path,
-            args.text,
-            window=args.window,
-            bos=args.bos,
-            device=args.device,
-            progress=not args.no_progress,
-        )
-        result = causal_lm_pairwise_kl(
-            loaded.model,
-            loaded.ids,
-            window=loaded.window,
-            bos_token_id=loaded.bos_token_id,
-            n_pairs=args.pairs,
-            seed=args.seed,
-            max_contexts=args.max_contexts,
-            progress=not args.no_progress,
-        )
-        contexts = describe_contexts(loaded.window, loaded.bos_token_id)
-        tag = hf_tag(
-            model_path, args.text, window=args.window, bos=args.bos, max_contexts=args.max_contexts
-        )
-        records.append(
-            {
-                "tag": tag,
-                **loaded.record(args.max_contexts),
-                "source": str(args.text),
-                "split": Path(args.text).name,  # what the summary's note names
-                "rows_from": "model",
-                **result,
-                "protocol": {
-                    **PROTOCOL,
-                    "contexts": f"the first n contexts of the text: {contexts}",
-                },
-                "numpy": np.__version__,
-            }
-        )
-        del loaded  # one model in memory at a time
-    return records
-
-
-def _matrix_record(run_dir: str, path: str, args: argparse.Namespace, options: dict) -> dict:
-    """The KL record of ``run_dir`` from the matrix at ``path``, after checking the matrix
-    is the run's log-probabilities of ``args.split`` in stream order."""
+def analyze_kl_matrix(
+    run_dir: str | os.PathLike,
+    path: str | os.PathLike,
+    *,
+    split: str = "test",
+    which: str = "best",
+    n_pairs: int = DEFAULT_PAIRS,
+    seed: int = 0,
+    max_contexts: int | None = None,
+) -> dict[str, Any]:
+    """The KL record of ``run_dir`` from the log-prob matrix ``.npy`` at ``path`` (rows read
+    through a memory map), after checking the matrix is the run's log-probabilities of
+    ``split`` in stream order (``batch_size`` 1) and has the run's vocabulary."""
     from highrank.runs.run_dir import RunDir
 
     run = RunDir.open(run_dir)
     vocab_size = len(run.load_vocab())
     matrix = open_matrix(path)
     side = _side_record(path)
-    expected = {"kind": "log_prob", "batch_size": 1, "split": args.split, "which": args.which}
+    expected = {"kind": "log_prob", "batch_size": 1, "split": split, "which": which}
     for key, value in expected.items():
         if key in side and side[key] != value:
             raise KLError(
@@ -558,17 +407,17 @@ def _matrix_record(run_dir: str, path: str, args: argparse.Namespace, options: d
     return {
         "run_dir": str(run_dir),
         "head": run.load_config().head.name,
-        "split": args.split,
+        "split": split,
         "source": side.get("source"),
         "rows_from": str(path),
-        "max_contexts": options["max_contexts"],
-        **matrix_pairwise_kl(matrix, **options),
+        "max_contexts": max_contexts,
+        **matrix_pairwise_kl(matrix, n_pairs=n_pairs, seed=seed, max_contexts=max_contexts),
         "protocol": PROTOCOL,
         "numpy": np.__version__,
     }
 
 
-def _side_record(path: str) -> dict[str, Any]:
+def _side_record(path: str | os.PathLike) -> dict[str, Any]:
     """The matrix's ``NAME.json`` written beside it, or ``{}`` when there is none."""
     if not Path(path).with_suffix(".json").is_file():
         return {}
@@ -578,19 +427,7 @@ def _side_record(path: str) -> dict[str, Any]:
         raise KLError(str(error)) from None
 
 
-def _write_summary(out: Path, records: list[dict[str, Any]]) -> list[Path]:
-    title = "# Expected pairwise KL divergence E[KL(P(.|c) || P(.|c'))]\n\n"
-    first = records[0]
-    note = (
-        f"\n{first['pairs']:,} ordered pairs of distinct contexts, uniform with replacement, "
-        f"seed {first['seed']}, split {first['split']}; KL in nats, float64.\n"
-    )
-    table = text_table(HEADERS, table_rows(records), markdown=True)
-    return [
-        write_json(out / "kl.json", {"protocol": first["protocol"], "runs": records}),
-        write_text_atomic(out / "kl.md", title + table + note),
-    ]
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+def _cap(n: int, max_contexts: int | None) -> int:
+    if max_contexts is not None and max_contexts < 1:
+        raise KLError(f"max_contexts must be a positive int or None; got {max_contexts!r}")
+    return n if max_contexts is None else min(n, max_contexts)

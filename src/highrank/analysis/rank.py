@@ -28,8 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from highrank.analysis.contexts import count_contexts
+from highrank.analysis.logprob_matrix import check_disk_space, contexts_path, matrix_record
+from highrank.analysis.output import ANALYSIS_DIR, record_tag, text_table, write_json
+from highrank.analysis.rows import RowSource
+from highrank.analysis.spectrum import plot_spectrum
+from highrank.runs.locks import exclusive
 from highrank.util.atomic import atomic_file, write_text_atomic
-from highrank.util.progress import progress_bar
+from highrank.util.progress import progress_bar, progress_note
 
 EFFECTIVE_RANK_EPSILONS = (1e-3, 1e-4, 1e-5)
 
@@ -193,7 +199,7 @@ def streamed_singular_values(
         )
     plan = plan_gram(shape, block_rows=block_rows, backend=backend, device=device)
     if progress:
-        print(plan.describe(), file=sys.stderr, flush=True)
+        progress_note(plan.describe())
     plan.check()
     accumulate = _accumulate_column_gram if plan.side == "columns" else _accumulate_row_gram
     began = time.perf_counter()
@@ -560,10 +566,8 @@ def _gram_eigenvalues(gram, backend: str, progress: bool) -> np.ndarray:
     """Eigenvalues (ascending, float64) of the symmetric G; scipy overwrites G."""
     n = gram.shape[0]
     if progress:
-        print(
-            f"eigenvalues of the {n:,} x {n:,} Gram matrix: {_eigen_estimate(n, backend)}",
-            file=sys.stderr,
-            flush=True,
+        progress_note(
+            f"eigenvalues of the {n:,} x {n:,} Gram matrix: {_eigen_estimate(n, backend)}"
         )
     if backend == "scipy":
         from scipy.linalg import eigh
@@ -683,3 +687,213 @@ class _GramCheckpoint:
             path.unlink(missing_ok=True)
         if not any(self.directory.iterdir()):
             self.directory.rmdir()
+
+
+# ---- the rank of a row source: matrix, rank, records ------------------------------------------
+#
+# :func:`analyze_rank` takes any :class:`~highrank.analysis.rows.RowSource`. Its records go
+# to the source's folder (``RUN_DIR/analysis/`` for a run, ``out`` for a causal LM on a text),
+# ``TAG`` being the source's tag (``test-best[-logits][-first<N>]``, or
+# ``<model>-<text stem>[-w<W>][-bos][-first<N>]``):
+#
+# * ``rank-TAG.json``: the record (shape, Press rank and threshold, effective ranks, timings);
+# * ``rank-TAG.singular_values.npy``: every singular value, descending (float64);
+# * ``logprob-TAG.npy`` (+ ``.json``, ``.contexts.npz``): the matrix, kept with
+#   ``keep_matrix`` (PTB test: 3.3 GB) and otherwise deleted once its rank is known.
+#
+# An interrupted analysis resumes: the matrix is only deleted after success and is reused
+# (without loading the model) when its side record has the same settings and file
+# fingerprints, and the Gram matrix is checkpointed in ``rank-TAG.state/``. Before the forward
+# passes it states (with ``progress``) the memory the Gram matrix will need (on the smaller
+# side: ``A A^T`` when there are fewer contexts than words) and refuses, in one line, what
+# would not fit, or what the disk cannot hold.
+
+
+def analyze_rank(
+    source: RowSource,
+    *,
+    max_contexts: int | None = None,
+    out: str | os.PathLike | None = None,
+    kind: str = "log_prob",
+    batch_size: int = 1,
+    bptt: int | None = None,
+    keep_matrix: bool = False,
+    backend: str = "auto",
+    device: str = "cpu",
+    block_rows: int = 2048,
+    checkpoint_seconds: float = 600.0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Write (or reuse) the log-prob matrix of ``source``'s first ``max_contexts`` rows,
+    compute its rank, save and return the record (see the comment above).
+
+    ``out``: the folder of a causal LM's records (a run's go to ``RUN_DIR/analysis``).
+    ``kind``, ``batch_size``, ``bptt``: how a run's split is read (``logits``: the head's
+    transformed logits; ``bptt`` None: the run's own segment length)."""
+    resolve_backend(backend, device)  # a bad pair fails now, not after the matrix is written
+    source.check()
+    tag = source.tag(kind=kind, max_contexts=max_contexts)
+    folder = source.folder(out)
+    matrix_path = folder / f"logprob-{tag}.npy"
+    settings = source.matrix_settings(
+        kind=kind, batch_size=batch_size, bptt=bptt, max_contexts=max_contexts
+    )
+    options = {"backend": backend, "device": device, "block_rows": block_rows}
+    folder.mkdir(parents=True, exist_ok=True)
+    # One process per record: the matrix, its temporary and the Gram state have fixed names.
+    with exclusive(folder / f"rank-{tag}.lock", f"the rank record {tag} of {source.name}"):
+        side, seconds = _ensure_matrix(source, matrix_path, settings, progress, options)
+        record = source.matrix_description(side, settings, seconds, folder)
+        began = time.perf_counter()
+        report = rank_report_file(
+            matrix_path,
+            state_dir=folder / f"rank-{tag}.state",
+            checkpoint_seconds=checkpoint_seconds,
+            progress=progress,
+            **options,
+        )
+        rank_seconds = time.perf_counter() - began
+        values = report.pop("singular_values")
+        values_path = folder / f"rank-{tag}.singular_values.npy"
+        np.save(values_path, values)
+        record = {
+            **record,
+            **report,
+            "s_max": float(values[0]),
+            "singular_values_file": values_path.name,
+            "rank_seconds": round(rank_seconds, 2),
+            "backend": backend,
+            "device": device,
+        }
+        write_json(folder / f"rank-{tag}.json", record)
+        if not keep_matrix:
+            for path in (matrix_path, matrix_path.with_suffix(".json"), contexts_path(matrix_path)):
+                path.unlink(missing_ok=True)
+        return record
+
+
+def _ensure_matrix(
+    source: RowSource, matrix_path: Path, settings: dict, progress: bool, options: dict
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(side record, seconds)`` of the matrix at ``matrix_path``: reused when it was
+    written with ``settings``, written otherwise (the memory of its Gram matrix and the disk
+    space checked first); ``seconds``: ``matrix_reused``, and those of loading the model and
+    of the forward passes (with the writing), this time."""
+    if matrix_path.is_file() and matrix_path.with_suffix(".json").is_file():
+        existing = matrix_record(matrix_path)
+        if source.matrix_matches(existing, settings):
+            return existing, {"matrix_reused": True, "load_seconds": 0.0, "matrix_seconds": 0.0}
+    began = time.perf_counter()
+    source.load(progress=progress)
+    load_seconds = time.perf_counter() - began
+    rows = source.n_contexts(settings["max_contexts"])
+    if settings.get("batch_size", 1) > 1:  # a run read in columns: whole columns only
+        rows = count_contexts(len(source.ids), settings["batch_size"])
+        rows = rows if settings["max_contexts"] is None else min(rows, settings["max_contexts"])
+    plan = plan_gram((rows, source.width), **options)
+    check_disk_space(matrix_path, (rows, source.width))
+    if progress:
+        progress_note(source.writing_note(settings, plan.describe()), file=sys.stdout)
+    plan.check()  # before the forward passes, not after them
+    began = time.perf_counter()
+    side = source.write_matrix(matrix_path, settings, progress=progress)
+    seconds = {
+        "matrix_reused": False,
+        "load_seconds": round(load_seconds, 2),
+        "matrix_seconds": round(time.perf_counter() - began, 2),
+    }
+    return side, seconds
+
+
+def analyze_run(
+    run_dir: str | os.PathLike,
+    *,
+    split: str = "test",
+    which: str = "best",
+    data_dir: str | None = None,
+    **options,
+) -> dict[str, Any]:
+    """:func:`analyze_rank` of a trained run on ``split`` (``options`` as it takes them;
+    ``device`` also places the model)."""
+    source = RowSource.from_run(
+        run_dir, split, which=which, data_dir=data_dir, device=options.get("device", "cpu")
+    )
+    return analyze_rank(source, **options)
+
+
+def analyze_hf(
+    model_path: str | os.PathLike,
+    text_path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    window: int | None = None,
+    bos: bool = False,
+    batch_windows: int | None = None,
+    **options,
+) -> dict[str, Any]:
+    """:func:`analyze_rank` of a Hugging Face causal LM (a model folder or a ``.gguf`` file)
+    on a text, read as :mod:`highrank.analysis.hf_contexts` says; records go to ``out``."""
+    source = RowSource.from_causal_lm(
+        model_path,
+        text_path,
+        window=window,
+        bos=bos,
+        device=options.get("device", "cpu"),
+        batch_windows=batch_windows,
+    )
+    return analyze_rank(source, out=out, **options)
+
+
+def run_label(record: dict[str, Any]) -> str:
+    """``<run folder> (<head>, <tag>)``: how a record is named in tables and legends;
+    ``<model> (<text file>, <contexts> contexts, window <W>)`` for a Hugging Face model."""
+    if "model" in record:
+        return (
+            f"{record['model_name']} ({Path(record['text']).name}, "
+            f"{record['shape'][0]:,} contexts, window {record['window']})"
+        )
+    tag = record_tag(
+        record["split"], record["which"], kind=record["kind"], max_contexts=record["max_contexts"]
+    )
+    return f"{Path(record['run_dir']).name} ({record['head']}, {tag})"
+
+
+def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    """One row per run: contexts x vocabulary, Press rank, effective ranks, s_max, seconds
+    (loading a --hf model, writing the matrix, its rank)."""
+    epsilons = [str(eps) for eps in EFFECTIVE_RANK_EPSILONS]
+    headers = [
+        "run",
+        "matrix",
+        "Press rank",
+        *[f"eff. rank {e}" for e in epsilons],
+        "s_max",
+        "seconds",
+    ]
+    rows = [
+        [
+            run_label(r),
+            f"{r['shape'][0]:,} x {r['shape'][1]:,}",
+            r["press_rank"],
+            *[r["effective_rank"][e] for e in epsilons],
+            r["s_max"],
+            r.get("load_seconds", 0.0) + r["matrix_seconds"] + r["rank_seconds"],
+        ]
+        for r in records
+    ]
+    return text_table(headers, rows, markdown=markdown)
+
+
+def write_spectrum(records: list[dict[str, Any]], path: Path) -> Path:
+    """The spectrum plot of rank records, whose singular values were saved beside them in
+    ``<run_dir>/analysis/`` (``run_dir`` as the record says, or as the reader found it)."""
+    curves, thresholds, floors = {}, {}, []
+    for record in records:
+        label = run_label(record)
+        folder = Path(record.get("out_dir") or Path(record["run_dir"]) / ANALYSIS_DIR)
+        curves[label] = np.load(folder / record["singular_values_file"])
+        thresholds[label] = record["press_threshold"] / record["s_max"]
+        if "resolution" in record:
+            floors.append(record["resolution"] / record["s_max"])
+    floor = max(floors, default=None)
+    return plot_spectrum(curves, path, press_thresholds=thresholds, resolution=floor)

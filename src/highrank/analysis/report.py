@@ -16,7 +16,6 @@ of everything shown are written beside it.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 from collections.abc import Sequence
@@ -216,7 +215,7 @@ def _plot_curves(curves: dict[str, list[tuple[int, float]]], path: Path) -> Path
 
 
 def _rank_section(runs: list[dict[str, Any]], out: Path) -> str:
-    from highrank.analysis.rank_cli import write_spectrum
+    from highrank.analysis.rank import write_spectrum
 
     records = [record for r in runs for record in r["rank"].values()]
     if not records:
@@ -309,17 +308,3 @@ def _html_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def _html_cell(value: Any) -> str:
     kind = " class='num'" if is_number(value) else ""
     return f"<td{kind}>{html.escape(format_cell(value))}</td>"
-
-
-# ---- command line (wired into `highrank report` by analysis/commands.py) -------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs of `highrank train`")
-    parser.add_argument("--out", required=True, help="folder for report.html and its files")
-
-
-def run(args: argparse.Namespace) -> int:
-    path = write_report(args.run_dirs, args.out)
-    print(f"wrote {path}")
-    return 0

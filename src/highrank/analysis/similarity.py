@@ -36,9 +36,8 @@ Benchmark files (``data/word-sim`` of mfaruqui/eval-word-vectors) hold one pair 
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,10 +47,6 @@ from typing import Any
 import numpy as np
 import torch
 from scipy import stats
-
-from highrank.analysis.commands import add_run_arguments
-from highrank.analysis.output import run_record_path, text_table, write_json
-from highrank.util.atomic import write_text_atomic
 
 MIN_PAIRS = 3  # Spearman of fewer pairs is meaningless (two points always give +-1)
 DEFAULT_DATA_DIR = Path("..") / "shared" / "data" / "word-sim"  # relative to the cwd
@@ -251,91 +246,18 @@ def similarity_record(model: torch.nn.Module, vocab, benchmarks: Sequence[Benchm
     }
 
 
-# ---- command line: highrank analyze similarity ---------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``highrank analyze similarity``."""
-    add_run_arguments(parser, corpus=False)
-    parser.add_argument(
-        "--data-dir",
-        help=f"folder of the benchmark files (default {DEFAULT_DATA_DIR} if it exists)",
-    )
-    parser.add_argument(
-        "--benchmarks",
-        type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
-        help="comma-separated benchmark names, e.g. EN-WS-353-ALL,EN-SIMLEX-999 (default all)",
-    )
-    parser.add_argument("--out", help="also write similarity.json and similarity.md here")
-
-
-def resolve_data_dir(data_dir: str | None) -> Path:
-    """``--data-dir``, or :data:`DEFAULT_DATA_DIR` when it exists."""
-    if data_dir is not None:
-        return Path(data_dir)
-    if DEFAULT_DATA_DIR.is_dir():
-        return DEFAULT_DATA_DIR
-    raise WordSimError(
-        f"no --data-dir given and the default {DEFAULT_DATA_DIR} does not exist (relative to "
-        f"{Path.cwd()}); pass --data-dir DIR, the folder holding EN-WS-353-ALL.txt and the "
-        "other word-sim files"
-    )
-
-
-HEADERS = ["run", "benchmark", "pairs", "used", "OOV", "Spearman (input)", "Spearman (output)"]
-
-
-def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
-    """One row per run and benchmark, in :data:`HEADERS` order."""
-    rows = []
-    for record in records:
-        for name, result in record["benchmarks"].items():
-            rho = [_finite_or_none(result["spearman"][key]) for key in ("input", "output")]
-            counts = [result[key] for key in ("pairs", "pairs_used", "oov_skipped")]
-            rows.append([record["run_dir"], name, *counts, *rho])
-    return rows
-
-
-def run(args: argparse.Namespace) -> int:
-    """``highrank analyze similarity``: score each run, write its record, print the table."""
+def analyze_similarity(
+    run_dir: str | os.PathLike,
+    benchmarks: Sequence[Benchmark | str | os.PathLike],
+    *,
+    which: str = "best",
+) -> dict[str, Any]:
+    """The record of a trained run (checkpoint ``which``) on word-similarity ``benchmarks``
+    (read :class:`Benchmark` s or their files): :func:`similarity_record` of its input and
+    output embeddings."""
     from highrank.model import load_run
 
-    try:
-        paths = benchmark_paths(resolve_data_dir(args.data_dir), args.benchmarks)
-        benchmarks = [read_benchmark(path) for path in paths]
-    except WordSimError as error:
-        print(f"highrank analyze similarity: error: {error}", file=sys.stderr)
-        return 2
-    records, written = [], []
-    for run_dir in args.run_dirs:
-        model, _, vocab = load_run(run_dir, args.which)
-        record = {"run_dir": str(run_dir), "checkpoint": args.which}
-        record |= similarity_record(model, vocab, benchmarks)
-        written.append(write_json(run_record_path(run_dir, "similarity", _tag(args)), record))
-        records.append(record)
-    print(text_table(HEADERS, table_rows(records)), end="")
-    tied = [record["run_dir"] for record in records if record["tied"]]
-    if tied:
-        print(f"tied weights (input and output are one tensor): {', '.join(tied)}")
-    if args.out:
-        written += _write_summary(Path(args.out), records)
-    print("wrote " + ", ".join(map(str, written)))
-    return 0
-
-
-def _tag(args: argparse.Namespace) -> str:
-    """``best`` for ``--which best``, the file stem for ``--which path/to/x.pt``."""
-    return Path(args.which).stem
-
-
-def _write_summary(out: Path, records: list[dict]) -> list[Path]:
-    title = "# Word similarity: Spearman of embedding cosines vs human scores\n\n"
-    table = text_table(HEADERS, table_rows(records), markdown=True)
-    return [
-        write_json(out / "similarity.json", {"runs": records}),
-        write_text_atomic(out / "similarity.md", title + table),
-    ]
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+    benchmarks = [b if isinstance(b, Benchmark) else read_benchmark(b) for b in benchmarks]
+    model, _, vocab = load_run(run_dir, which)
+    record = {"run_dir": str(run_dir), "checkpoint": which}
+    return record | similarity_record(model, vocab, benchmarks)

@@ -25,12 +25,16 @@ text as :mod:`highrank.analysis.hf_contexts` says: position ``i`` is the context
 token ``i`` of its window, tokens are shown as the ``repr`` of their decoded text::
 
     highrank analyze topk --hf model-a/ --hf model-b/ --text test.txt --random 5 --out topk/
+
+From Python, :func:`analyze_topk` takes the row sources (:mod:`highrank.analysis.rows`) of
+either kind, one code path for both::
+
+    analyze_topk([RowSource.from_run("runs/ptb-mos"), RowSource.from_run("runs/ptb-softmax")],
+                 margin=2.0, count=10)
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,15 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from highrank.analysis.commands import add_run_arguments
-from highrank.analysis.contexts import RunSplit, count_contexts, iter_contexts, load_run_split
-from highrank.analysis.logprob_matrix import head_rows
-from highrank.analysis.output import record_tag, run_record_path, write_json
+from highrank.analysis.contexts import count_contexts
+from highrank.analysis.rows import RowSource, RunRows, vocabulary_difference
 from highrank.data import Vocab
-from highrank.data.streaming import streams_equal
 from highrank.model import LanguageModel
-from highrank.util.argtypes import positive_int
-from highrank.util.atomic import write_text_atomic
 
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
 MARK = "*"  # before the reference token in a model's column
@@ -59,7 +58,6 @@ class TopKError(ValueError):
 # ---- rows of chosen contexts -----------------------------------------------------------------
 
 
-@torch.no_grad()
 def rows_at(
     model: LanguageModel,
     ids: torch.Tensor,
@@ -69,22 +67,11 @@ def rows_at(
     progress: bool = False,
 ) -> torch.Tensor:
     """``(len(positions), V)`` float32 log-probs (CPU) of the contexts at ``positions``
-    (any order, repeats allowed), streamed once up to the last of them."""
-    wanted = sorted({int(p) for p in positions})
-    if not wanted:
-        return torch.empty(0, model.head.vocab_size)
-    mask = torch.zeros(wanted[-1] + 1, dtype=torch.bool)
-    mask[wanted] = True
-    found: dict[int, torch.Tensor] = {}
-    for block in iter_contexts(model, ids, max_contexts=len(mask), bptt=bptt, progress=progress):
-        chosen = mask[block.positions]  # (b,)
-        if chosen.any():
-            rows = head_rows(model.head, block.hidden[chosen.to(block.hidden.device)]).cpu()
-            found.update(zip(block.positions[chosen].tolist(), rows, strict=True))
-    return torch.stack([found[int(p)] for p in positions])
+    (any order, repeats allowed) of a highrank model on the stream ``ids``, streamed once up
+    to the last of them (:meth:`~highrank.analysis.rows.RowSource.rows_at`)."""
+    return RunRows.of_model(model, ids, bptt=bptt).rows_at(positions, progress=progress)
 
 
-@torch.no_grad()
 def target_log_probs(
     model: LanguageModel,
     ids: torch.Tensor,
@@ -95,12 +82,8 @@ def target_log_probs(
 ) -> np.ndarray:
     """``(n,)`` float64 ``log P(ids[i + 1] | context i)`` of the first ``n`` contexts, from
     the same float32 rows as :func:`rows_at` (one number per context is kept)."""
-    values = []
-    for block in iter_contexts(model, ids, max_contexts=max_contexts, bptt=bptt, progress=progress):
-        rows = head_rows(model.head, block.hidden)  # (b, V)
-        target = block.targets.to(rows.device)[:, None]
-        values.append(rows.gather(1, target)[:, 0].cpu().double())
-    return torch.cat(values).numpy()
+    source = RunRows.of_model(model, ids, bptt=bptt)
+    return source.target_log_probs(max_contexts=max_contexts, progress=progress)
 
 
 # ---- choosing contexts -----------------------------------------------------------------------
@@ -143,17 +126,9 @@ def margin_positions(
 def check_same_vocabulary(names: Sequence[str], vocabs: Sequence[Vocab]) -> None:
     """Every vocabulary equals the first (same tokens, same ids); the error names both runs."""
     for name, vocab in zip(names[1:], vocabs[1:], strict=True):
-        if vocab.words == vocabs[0].words:
-            continue
-        pairs = zip(vocabs[0].words, vocab.words, strict=False)  # up to the shorter
-        differ = next(
-            (i for i, (u, v) in enumerate(pairs) if u != v), min(len(vocab), len(vocabs[0]))
-        )
-        raise TopKError(
-            f"runs {names[0]} and {name} have different vocabularies ({len(vocabs[0])} vs "
-            f"{len(vocab)} tokens, first difference at id {differ}); top-k comparison needs "
-            "models trained on one corpus"
-        )
+        problem = vocabulary_difference((names[0], name), vocabs[0], vocab)
+        if problem is not None:
+            raise TopKError(problem)
 
 
 # ---- records ---------------------------------------------------------------------------------
@@ -240,6 +215,95 @@ def context_records(
     return records
 
 
+# ---- the whole comparison ---------------------------------------------------------------------
+
+# What --margin says when one source is given, by the kind of source.
+_MARGIN_NEEDS_TWO = {
+    "run": "--margin compares two runs (A = first, B = second); got one RUN_DIR",
+    "text": "--margin compares two models (A = first --hf, B = second); got one",
+}
+
+
+def analyze_topk(
+    sources: Sequence[RowSource],
+    *,
+    positions: Sequence[int] | None = None,
+    random: int | None = None,
+    margin: float | None = None,
+    count: int = 10,
+    k: int = 5,
+    context_words: int = 8,
+    max_contexts: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The top-``k`` next tokens of several :class:`~highrank.analysis.rows.RowSource` that
+    read the same contexts (runs on one split, or causal LMs sharing a tokenizer on one text),
+    side by side with the reference token, at the contexts chosen by exactly one of
+    ``positions``, ``random`` (that many, seeded) or ``margin`` (where the first source gives
+    the reference token at least ``margin`` nats more than the second; at most ``count``),
+    among the first ``max_contexts``. Returns the record (``contexts``: one per position)."""
+    sources = list(sources)
+    if sum(x is not None for x in (positions, random, margin)) != 1:
+        raise TopKError("choose the contexts with exactly one of positions, random, margin")
+    if margin is not None and len(sources) < 2:
+        raise TopKError(_MARGIN_NEEDS_TWO[sources[0].kind])
+    for source in sources:  # all at once: a context's rows of every model are needed together
+        source.load(progress=progress)
+    names = run_names([source.name for source in sources])
+    first = sources[0]
+    for name, source in zip(names[1:], sources[1:], strict=True):
+        problem = source.differs_from(first, (names[0], name))
+        if problem is not None:
+            raise TopKError(problem)
+    n_contexts = first.n_contexts(max_contexts)
+    if positions is not None:
+        chosen = check_positions(positions, n_contexts)
+        selection, margins = {"mode": "positions", "positions": chosen}, None
+    elif random is not None:
+        chosen = random_positions(n_contexts, random, seed)
+        selection, margins = {"mode": "random", "count": random, "seed": seed}, None
+    else:
+        a, b = (s.target_log_probs(max_contexts=n_contexts, progress=progress) for s in sources[:2])
+        found, differences = margin_positions(a, b, margin, count)
+        chosen, margins = found.tolist(), differences.tolist()
+        # runs are named by their folders here, models by their short names (as always)
+        a_b = [s.name for s in sources[:2]] if first.kind == "run" else names[:2]
+        selection = {
+            "mode": "margin",
+            "margin": margin,
+            "count": count,
+            "a": a_b[0],
+            "b": a_b[1],
+            "qualifying": int(np.count_nonzero(a - b >= margin)),
+            "largest_difference": float(np.max(a - b)),
+        }
+    check_k(k, first.width)
+    rows = [source.rows_at(chosen, progress=progress) for source in sources]
+    records = context_records(
+        rows, first.ids, first.vocab, chosen, names=names, k=k, context_words=context_words
+    )
+    for record, difference in zip(records, margins or [], strict=False):
+        record["margin"] = difference
+    return {
+        **first.where(),
+        "runs": [
+            {"name": name, **source.entry(max_contexts)}
+            for name, source in zip(names, sources, strict=True)
+        ],
+        "n_contexts": n_contexts,
+        "selection": selection,
+        "k": k,
+        "contexts": records,
+    }
+
+
+def run_names(run_dirs: Sequence[str]) -> list[str]:
+    """Short labels: each run directory's name, or its full path when names repeat."""
+    names = [Path(run_dir).name or str(run_dir) for run_dir in run_dirs]
+    return names if len(set(names)) == len(names) else [str(run_dir) for run_dir in run_dirs]
+
+
 # ---- text ------------------------------------------------------------------------------------
 
 
@@ -281,261 +345,3 @@ def format_report(records: Sequence[dict[str, Any]], title: str = "") -> str:
     legend = f"{MARK} marks the reference token (the actual next word, in [brackets])\n"
     blocks = [format_record(record, i + 1) for i, record in enumerate(records)]
     return (title + "\n" if title else "") + legend + "\n" + "\n".join(blocks)
-
-
-# ---- command line: highrank analyze topk -----------------------------------------------------
-
-
-def parse_positions(text: str) -> list[int]:
-    """``"10,200"`` -> ``[10, 200]`` (argparse type of ``--positions``)."""
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated stream positions such as 10,200; got {text!r}"
-        ) from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``highrank analyze topk``."""
-    add_run_arguments(parser, hf=True)
-    choose = parser.add_mutually_exclusive_group(required=True)
-    choose.add_argument(
-        "--positions", type=parse_positions, help="stream positions of the contexts, e.g. 10,200"
-    )
-    choose.add_argument("--random", type=positive_int, metavar="N", help="N random contexts")
-    choose.add_argument(
-        "--margin",
-        type=float,
-        metavar="M",
-        help="contexts where the first run beats the second by >= M nats on the reference",
-    )
-    parser.add_argument(
-        "--count", type=positive_int, default=10, help="contexts --margin shows at most (10)"
-    )
-    parser.add_argument("--k", type=positive_int, default=5, help="tokens per model (5)")
-    parser.add_argument(
-        "--context-words", type=positive_int, default=8, help="context words shown (8)"
-    )
-    parser.add_argument("--max-contexts", type=positive_int, help="choose among the first N only")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --random (0)")
-    parser.add_argument("--device", default="cpu", help="where the models run (cpu)")
-    parser.add_argument(
-        "--out", help="also write topk.json and topk.txt here (with --hf: the records)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-
-
-def run(args: argparse.Namespace) -> int:
-    """``highrank analyze topk``: print the side-by-side blocks; write JSON and text."""
-    from highrank.analysis.hf_contexts import HFInputError, hf_mode
-
-    try:
-        record = _hf_record(args) if hf_mode(args) else _record(args)
-    except (TopKError, HFInputError) as error:
-        print(f"highrank analyze topk: error: {error}", file=sys.stderr)
-        return 2
-    text = format_report(record["contexts"], _title(record))
-    print(text, end="")
-    written = []
-    if len(args.run_dirs) == 1:
-        tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
-        written.append(write_json(run_record_path(args.run_dirs[0], "topk", tag), record))
-    if args.out:
-        out = Path(args.out)
-        written.append(write_json(out / "topk.json", record))
-        written.append(write_text_atomic(out / "topk.txt", text))
-    if written:
-        print("wrote " + ", ".join(map(str, written)))
-    return 0
-
-
-def _record(args: argparse.Namespace) -> dict[str, Any]:
-    if args.margin is not None and len(args.run_dirs) < 2:
-        raise TopKError("--margin compares two runs (A = first, B = second); got one RUN_DIR")
-    splits = [
-        load_run_split(
-            run_dir, args.split, which=args.which, data_dir=args.data_dir, device=args.device
-        )
-        for run_dir in args.run_dirs
-    ]
-    names = run_names(args.run_dirs)
-    check_same_vocabulary(names, [split.vocab for split in splits])
-    _check_same_stream(names, splits)
-    ids = splits[0].ids
-    n_contexts = count_contexts(len(ids))  # len: a data.memmap run's ids are a memory map
-    if args.max_contexts is not None:
-        n_contexts = min(n_contexts, args.max_contexts)
-    positions, selection, margins = _select(args, splits, n_contexts)
-    records = topk_records(
-        [split.model for split in splits],
-        ids,
-        splits[0].vocab,
-        positions,
-        names=names,
-        k=args.k,
-        context_words=args.context_words,
-        bptt=[split.bptt for split in splits],
-        progress=not args.no_progress,
-    )
-    for record, margin in zip(records, margins or [], strict=False):
-        record["margin"] = margin
-    return {
-        "split": args.split,
-        "checkpoint": args.which,
-        "source": splits[0].source,
-        "runs": [
-            {
-                "name": name,
-                "run_dir": str(split.run_dir),
-                "head": split.config.head.name,
-                "bptt": split.bptt,
-            }
-            for name, split in zip(names, splits, strict=True)
-        ],
-        "n_contexts": n_contexts,
-        "selection": selection,
-        "k": args.k,
-        "contexts": records,
-    }
-
-
-def _select(args: argparse.Namespace, splits: list[RunSplit], n_contexts: int):
-    """``(positions, selection record, margins or None)`` for the chosen mode."""
-
-    def targets(split: RunSplit) -> np.ndarray:
-        return target_log_probs(
-            split.model,
-            split.ids,
-            max_contexts=n_contexts,
-            bptt=split.bptt,
-            progress=not args.no_progress,
-        )
-
-    names = [str(split.run_dir) for split in splits[:2]]
-    return _choose(args, n_contexts, lambda: [targets(s) for s in splits[:2]], names)
-
-
-def _choose(args: argparse.Namespace, n_contexts: int, margins_of, names: Sequence[str]):
-    """The selection of ``args`` among ``n_contexts`` contexts; ``margins_of()`` gives the
-    target log-probs of models A and B (named ``names``) when ``--margin`` asks for them."""
-    if args.positions is not None:
-        positions = check_positions(args.positions, n_contexts)
-        return positions, {"mode": "positions", "positions": positions}, None
-    if args.random is not None:
-        positions = random_positions(n_contexts, args.random, args.seed)
-        return positions, {"mode": "random", "count": args.random, "seed": args.seed}, None
-    a, b = margins_of()
-    positions, margins = margin_positions(a, b, args.margin, args.count)
-    selection = {
-        "mode": "margin",
-        "margin": args.margin,
-        "count": args.count,
-        "a": names[0],
-        "b": names[1],
-        "qualifying": int(np.count_nonzero(a - b >= args.margin)),
-        "largest_difference": float(np.max(a - b)),
-    }
-    return positions.tolist(), selection, margins.tolist()
-
-
-def _hf_record(args: argparse.Namespace) -> dict[str, Any]:
-    """The top-k record of the ``--hf`` models on ``--text`` (all loaded at once: a
-    context's rows of every model are needed together)."""
-    from highrank.analysis.hf_contexts import (
-        TokenizerVocab,
-        causal_lm_rows_at,
-        causal_lm_target_log_probs,
-        count_text_contexts,
-        load_text_contexts,
-        vocab_width,
-    )
-
-    if args.margin is not None and len(args.hf) < 2:
-        raise TopKError("--margin compares two models (A = first --hf, B = second); got one")
-    loaded = [
-        load_text_contexts(
-            path,
-            args.text,
-            window=args.window,
-            bos=args.bos,
-            device=args.device,
-            progress=not args.no_progress,
-        )
-        for path in args.hf
-    ]
-    names = run_names([str(path) for path in args.hf])
-    _check_same_tokens(names, loaded)
-    ids, width = loaded[0].ids, vocab_width(loaded[0].model) or len(loaded[0].tokenizer)
-    vocab = TokenizerVocab(loaded[0].tokenizer, width)
-    check_k(args.k, width)
-    n_contexts = count_text_contexts(ids.numel(), args.max_contexts)
-    progress = not args.no_progress
-
-    def reading(model):
-        return {"window": model.window, "bos_token_id": model.bos_token_id, "progress": progress}
-
-    def margins_of():
-        return [
-            causal_lm_target_log_probs(m.model, ids, max_contexts=n_contexts, **reading(m))
-            for m in loaded[:2]
-        ]
-
-    positions, selection, margins = _choose(args, n_contexts, margins_of, names[:2])
-    rows = [causal_lm_rows_at(m.model, ids, positions, **reading(m)) for m in loaded]
-    records = context_records(
-        rows, ids, vocab, positions, names=names, k=args.k, context_words=args.context_words
-    )
-    for record, margin in zip(records, margins or [], strict=False):
-        record["margin"] = margin
-    return {
-        "split": Path(args.text).name,
-        "source": str(args.text),
-        "runs": [
-            {"name": name, **m.record(args.max_contexts)}
-            for name, m in zip(names, loaded, strict=True)
-        ],
-        "n_contexts": n_contexts,
-        "selection": selection,
-        "k": args.k,
-        "contexts": records,
-    }
-
-
-def _check_same_tokens(names: Sequence[str], loaded: Sequence[Any]) -> None:
-    """Every model's tokenizer read the text into the same ids (one vocabulary)."""
-    for name, other in zip(names[1:], loaded[1:], strict=True):
-        if not torch.equal(other.ids, loaded[0].ids):
-            raise TopKError(
-                f"models {names[0]} and {name} tokenise {loaded[0].text} differently; top-k "
-                "comparison needs models that share one tokenizer"
-            )
-
-
-def run_names(run_dirs: Sequence[str]) -> list[str]:
-    """Short labels: each run directory's name, or its full path when names repeat."""
-    names = [Path(run_dir).name or str(run_dir) for run_dir in run_dirs]
-    return names if len(set(names)) == len(names) else [str(run_dir) for run_dir in run_dirs]
-
-
-def _check_same_stream(names: Sequence[str], splits: Sequence[RunSplit]) -> None:
-    for name, split in zip(names[1:], splits[1:], strict=True):
-        if not streams_equal(split.ids, splits[0].ids):  # memory maps: a block at a time
-            raise TopKError(
-                f"runs {names[0]} and {name} read different {split.split} streams "
-                f"({splits[0].source}, {split.source}); pass one corpus with --data-dir"
-            )
-
-
-def _title(record: dict[str, Any]) -> str:
-    selection = record["selection"]
-    runs = ", ".join(f"{r['name']} ({r['head']})" for r in record["runs"])
-    text = f"top-{record['k']} next tokens on {record['split']} ({record['source']}): {runs}"
-    if selection["mode"] != "margin":
-        return text
-    a, b = (run["name"] for run in record["runs"][:2])
-    return text + (
-        f"\nA = {a}, B = {b}: {selection['qualifying']} contexts where A gives the reference "
-        f"token >= {selection['margin']} nats more than B (largest difference "
-        f"{selection['largest_difference']:+.3f}); showing {len(record['contexts'])}"
-    )

@@ -80,20 +80,15 @@ tokens, among them 11 special tokens such as ``<file_sep>``): they can only tie.
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
+import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-
-from highrank.analysis.output import text_table, write_json
-from highrank.util.atomic import write_text_atomic
 
 DEFAULT_RADIUS = 100.0
 DEFAULT_PATIENCE = 10  # braid reflections per token before the LP
@@ -616,96 +611,58 @@ def _domain_text(radius: float | None) -> str:
     return "all of R^d" if radius is None else f"box |h_k| <= {radius:g}"
 
 
-# ---- command line (wired into `highrank analyze unargmaxable` by analysis/commands.py) -------
+# ---- a run's head, a causal LM's output layer --------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "run_dirs", nargs="*", metavar="RUN_DIR", help="runs of `highrank train` (or --hf)"
-    )
-    parser.add_argument("--which", default="best", help="checkpoint of the runs (best)")
-    parser.add_argument(
-        "--hf",
-        action="append",
-        metavar="MODEL",
-        help="a Hugging Face model folder or .gguf file: its lm_head weight and bias "
-        "(needs the hf extra; records go to --out)",
-    )
-    domain = parser.add_mutually_exclusive_group()
-    domain.add_argument(
-        "--radius",
-        type=float,
-        default=DEFAULT_RADIUS,
-        help=f"hidden states in the box |h_k| <= R ({DEFAULT_RADIUS:g}, Grivas et al.)",
-    )
-    domain.add_argument(
-        "--unbounded", action="store_true", help="any hidden state in R^d instead of a box"
-    )
-    parser.add_argument(
-        "--patience",
-        type=int,
-        default=DEFAULT_PATIENCE,
-        help=f"braid reflections per token before its LP ({DEFAULT_PATIENCE})",
-    )
-    parser.add_argument("--out", help="also write unargmaxable.json and unargmaxable.md here")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        if bool(args.hf) == bool(args.run_dirs):
-            raise UnargmaxableError("give RUN_DIR... or --hf MODEL (with --out DIR), not both")
-        if args.hf and not args.out:
-            raise UnargmaxableError("--hf needs --out DIR: the records are written there")
-        radius = None if args.unbounded else args.radius
-        records = []
-        for source in args.hf or args.run_dirs:
-            record, path = (_hf_record if args.hf else _run_record)(source, radius, args)
-            write_json(path, record)
-            print(f"wrote {path}")
-            records.append(record)
-    except ValueError as error:  # UnargmaxableError, HFInputError (a missing hf extra too)
-        print(f"highrank analyze unargmaxable: error: {error}", file=sys.stderr)
-        return 2
-    print(summary_table(records), end="")
-    if args.out:
-        out = Path(args.out)
-        write_json(out / "unargmaxable.json", {"inputs": records})
-        write_text_atomic(out / "unargmaxable.md", summary_table(records, markdown=True))
-        print(f"wrote {out / 'unargmaxable.json'}, {out / 'unargmaxable.md'}")
-    return 0
-
-
-def _analyse(weight, bias, radius, args, *, domain="as asked", names=None) -> dict[str, Any]:
+def _analyse(weight, bias, radius, patience, progress, *, domain="as asked", names=None):
     if domain == "box 1":
         radius = 1.0
     elif domain == "unbounded":
         radius = None
-    report = find_unargmaxable(
-        weight, bias, radius=radius, patience=args.patience, progress=not args.no_progress
-    )
+    report = find_unargmaxable(weight, bias, radius=radius, patience=patience, progress=progress)
     return report_record(report, names=names)
 
 
-def _run_record(run_dir: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
-    from highrank.analysis.output import run_record_path
+def analyze_unargmaxable_run(
+    run_dir: str | os.PathLike,
+    *,
+    which: str = "best",
+    radius: float | None = DEFAULT_RADIUS,
+    patience: int = DEFAULT_PATIENCE,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The record of :func:`find_unargmaxable` on the output layer of a trained run's head
+    (:func:`head_layer` says what is analysed; ``radius`` None: all of R^d)."""
     from highrank.model import load_run
 
-    model, config, vocab = load_run(run_dir, args.which)
+    model, config, vocab = load_run(run_dir, which)
     weight, bias, domain, meaning = head_layer(model.head, config.head.name)
     record = _analyse(
-        weight, bias, radius, args, domain=domain, names=lambda ids: [vocab.words[i] for i in ids]
+        weight,
+        bias,
+        radius,
+        patience,
+        progress,
+        domain=domain,
+        names=lambda ids: [vocab.words[i] for i in ids],
     )
-    record = {"run_dir": str(run_dir), "head": config.head.name, "analysed": meaning, **record}
-    tag = f"{Path(args.which).stem}-{_radius_tag(record['radius'])}"
-    return record, run_record_path(run_dir, "unargmaxable", tag)
+    return {"run_dir": str(run_dir), "head": config.head.name, "analysed": meaning, **record}
 
 
-def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
-    from highrank.analysis.hf_contexts import load_causal_lm, model_name
+def analyze_unargmaxable_hf(
+    model_path: str | os.PathLike,
+    *,
+    radius: float | None = DEFAULT_RADIUS,
+    patience: int = DEFAULT_PATIENCE,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The record of :func:`find_unargmaxable` on the output layer of a Hugging Face causal
+    LM (a model folder or a ``.gguf`` file): its ``lm_head`` weight and bias, or the highrank
+    head attached to it (:mod:`highrank.integrations.hf`)."""
+    from highrank.analysis.hf_contexts import load_causal_lm
 
     began = time.perf_counter()
-    model, tokenizer = load_causal_lm(model_path, progress=not args.no_progress)
+    model, tokenizer = load_causal_lm(model_path, progress=progress)
     load_seconds = time.perf_counter() - began
     head = getattr(model, "head", None)
     if head is not None and hasattr(head, "log_prob"):  # a highrank head attached to the model
@@ -726,11 +683,12 @@ def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, A
         weight,
         None if bias is None else bias.detach(),
         radius,
-        args,
+        patience,
+        progress,
         domain=domain,
         names=lambda ids: [tokenizer.decode([int(i)]) for i in ids],
     )
-    record = {
+    return {
         "model": str(model_path),
         "head": name,
         "hidden_size": int(weight.shape[1]),
@@ -739,30 +697,7 @@ def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, A
         **record,
         "load_seconds": round(load_seconds, 2),
     }
-    path = (
-        Path(args.out)
-        / f"unargmaxable-{model_name(model_path)}-{_radius_tag(record['radius'])}.json"
-    )
-    return record, path
 
 
-def _radius_tag(radius: float | None) -> str:
+def radius_tag(radius: float | None) -> str:
     return "unbounded" if radius is None else f"box{radius:g}"
-
-
-def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
-    headers = ["input", "head", "V", "domain", "unargmaxable", "undecided", "LP tokens", "seconds"]
-    rows = [
-        [
-            r.get("run_dir") or r.get("model"),
-            r["head"],
-            r["vocab_size"],
-            r["domain"],
-            r["unargmaxable"],
-            r["undecided"],
-            r["lp_tokens"],
-            round(sum(r["seconds"].values()), 1),
-        ]
-        for r in records
-    ]
-    return text_table(headers, rows, markdown=markdown)

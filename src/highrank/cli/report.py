@@ -1,5 +1,5 @@
 """``highrank report``: one self-contained HTML page of what trained runs hold
-(:mod:`highrank.analysis.report`, routed by :mod:`highrank.analysis.commands`)."""
+(:mod:`highrank.analysis.report`; its code is :mod:`highrank.cli.analyze.report`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from highrank.cli.common import guarded
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from highrank.analysis.commands import report_arguments
+    from highrank.cli.analyze.report import add_arguments as report_arguments
 
     report_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.analysis.commands import run_report
+    from highrank.cli.analyze.report import run as run_report
 
     return guarded("report", lambda: run_report(args))

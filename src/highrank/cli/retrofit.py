@@ -25,40 +25,91 @@ def knob(text: str) -> tuple[str, object]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hf", required=True, metavar="MODEL",
-                        help="a local causal LM: a save_pretrained folder or a .gguf file")
+    parser.add_argument(
+        "--hf",
+        required=True,
+        metavar="MODEL",
+        help="a local causal LM: a save_pretrained folder or a .gguf file",
+    )
     parser.add_argument("--head", required=True, help="the highrank head (mos, mixtape, ...)")
-    parser.add_argument("--knob", type=knob, action="append", default=[], metavar="KEY=VALUE",
-                        help="a head knob, repeatable (e.g. --knob n_components=2)")
+    parser.add_argument(
+        "--knob",
+        type=knob,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a head knob, repeatable (e.g. --knob n_components=2)",
+    )
     parser.add_argument("--train", required=True, metavar="FILE", help="training text (UTF-8)")
     parser.add_argument("--valid", required=True, metavar="FILE", help="validation text")
     parser.add_argument("--test", metavar="FILE", help="test text (optional)")
-    parser.add_argument("--out", required=True, metavar="DIR",
-                        help="run folder: plan, caches, state, results.json, model/")
-    parser.add_argument("--mode", choices=MODES, default="frozen",
-                        help="frozen: train the head on cached features of the frozen body "
-                        "(default); lora: LoRA on the body + the head; full: everything, small lr")
-    parser.add_argument("--init", choices=("base", "paper"), default="base",
-                        help="base: start exactly at the model's distribution (default)")
-    parser.add_argument("--window", type=positive_int, default=256,
-                        help="tokens per window of text (default %(default)s)")
-    parser.add_argument("--max-train-tokens", type=positive_int, default=None,
-                        help="use only the first N training tokens")
-    parser.add_argument("--max-eval-tokens", type=positive_int, default=None,
-                        help="score only the first N valid/test tokens")
-    parser.add_argument("--steps", type=positive_int, default=None,
-                        help="Adam steps (default: one pass over the training tokens)")
-    parser.add_argument("--batch-tokens", type=positive_int, default=512,
-                        help="tokens per step (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=None,
-                        help="learning rate (default: 3e-4 frozen, 2e-4 lora, 1e-5 full)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="run folder: plan, caches, state, results.json, model/",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="frozen",
+        help="frozen: train the head on cached features of the frozen body "
+        "(default); lora: LoRA on the body + the head; full: everything, small lr",
+    )
+    parser.add_argument(
+        "--init",
+        choices=("base", "paper"),
+        default="base",
+        help="base: start exactly at the model's distribution (default)",
+    )
+    parser.add_argument(
+        "--window",
+        type=positive_int,
+        default=256,
+        help="tokens per window of text (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-train-tokens",
+        type=positive_int,
+        default=None,
+        help="use only the first N training tokens",
+    )
+    parser.add_argument(
+        "--max-eval-tokens",
+        type=positive_int,
+        default=None,
+        help="score only the first N valid/test tokens",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="Adam steps (default: one pass over the training tokens)",
+    )
+    parser.add_argument(
+        "--batch-tokens",
+        type=positive_int,
+        default=512,
+        help="tokens per step (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate (default: 3e-4 frozen, 2e-4 lora, 1e-5 full)",
+    )
     parser.add_argument("--warmup-steps", type=non_negative_int, default=20)
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--lora-rank", type=positive_int, default=8)
-    parser.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="dtype of the cached features in frozen mode (default float32)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--cache-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the cached features in frozen mode (default float32)",
+    )
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,12 +122,25 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         try:
             plan = RetrofitPlan(
-                model=args.hf, head=args.head, knobs=dict(args.knob), train=args.train,
-                valid=args.valid, test=args.test, out=args.out, mode=args.mode, init=args.init,
-                window=args.window, max_train_tokens=args.max_train_tokens,
-                max_eval_tokens=args.max_eval_tokens, steps=args.steps,
-                batch_tokens=args.batch_tokens, lr=args.lr, warmup_steps=args.warmup_steps,
-                seed=args.seed, lora_rank=args.lora_rank, cache_dtype=args.cache_dtype,
+                model=args.hf,
+                head=args.head,
+                knobs=dict(args.knob),
+                train=args.train,
+                valid=args.valid,
+                test=args.test,
+                out=args.out,
+                mode=args.mode,
+                init=args.init,
+                window=args.window,
+                max_train_tokens=args.max_train_tokens,
+                max_eval_tokens=args.max_eval_tokens,
+                steps=args.steps,
+                batch_tokens=args.batch_tokens,
+                lr=args.lr,
+                warmup_steps=args.warmup_steps,
+                seed=args.seed,
+                lora_rank=args.lora_rank,
+                cache_dtype=args.cache_dtype,
             )
             retrofit(plan)
         except RetrofitError as error:

@@ -127,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
                 from highrank.train.warm_start import with_base_init
 
                 config = with_base_init(config)
-            result = training.train(config, options=options, command=command,
-                                    init_from=args.init_from)
+            result = training.train(
+                config, options=options, command=command, init_from=args.init_from
+            )
         if distributed.is_writer():  # under torchrun: process 0 speaks for all
             print(result_line(result))
         return 0

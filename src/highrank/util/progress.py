@@ -122,6 +122,12 @@ class LineProgress:
         self.close()
 
 
+def progress_note(message: str, *, file: TextIO | None = None) -> None:
+    """One plain progress line (what a long step is about to do), to ``file`` (stderr): the
+    library modules (analysis/) show progress through here and never print themselves."""
+    print(message, file=file if file is not None else sys.stderr, flush=True)
+
+
 def _duration(seconds: float) -> str:
     """``42 s``, ``7 min``, ``3.2 h``: a time estimate at the precision it deserves."""
     if seconds < 90:
@@ -131,4 +137,4 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-__all__ = ["LineProgress", "interval_seconds", "progress_bar"]
+__all__ = ["LineProgress", "interval_seconds", "progress_bar", "progress_note"]

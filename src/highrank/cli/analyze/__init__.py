@@ -1,0 +1,45 @@
+"""``highrank analyze KIND``: rank, KL, top-k, word similarity, hidden size, unargmaxable
+tokens of trained runs (or Hugging Face causal LMs); plus the glue of ``highrank compare`` and
+``highrank report``.
+
+Each KIND is one module of this package holding its command-line code, two functions
+``add_arguments(parser)`` and ``run(args) -> exit status``, over the library functions of
+:mod:`highrank.analysis` (which neither parse arguments nor print); adding an analysis is
+adding one module here and one entry to :data:`ANALYSES`.
+
+    highrank analyze rank runs/ptb-softmax runs/ptb-mos --split test
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from highrank.cli.common import guarded
+
+# kind -> (module under highrank.cli.analyze, one-line help)
+ANALYSES: dict[str, tuple[str, str]] = {
+    "rank": ("rank", "log-prob matrix, Press and epsilon-effective rank, singular values"),
+    "similarity": ("similarity", "word similarity of the input and output embeddings (Spearman)"),
+    "kl": ("kl", "expected pairwise KL divergence between next-token distributions"),
+    "topk": ("topk", "top-k next tokens of several models side by side, with the reference"),
+    "hidden-size": ("hidden_size", "output layer's hidden size from the knee of the spectrum"),
+    "unargmaxable": ("unargmaxable", "tokens no hidden state can make the argmax (LP, HiGHS)"),
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"highrank.cli.analyze.{name}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``highrank analyze KIND ...``: one sub-subcommand per entry of :data:`ANALYSES`."""
+    kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for kind, (module, help_text) in ANALYSES.items():
+        sub = kinds.add_parser(kind, help=help_text, description=help_text, allow_abbrev=False)
+        _module(module).add_arguments(sub)
+        sub.set_defaults(analysis_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    return guarded("analyze", lambda: _module(args.analysis_module).run(args))

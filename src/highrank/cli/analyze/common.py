@@ -1,0 +1,114 @@
+"""Options the analysis verbs share: run directories (``RUN_DIR... --which --split
+--data-dir``) and Hugging Face causal LMs on a text (``--hf MODEL --text FILE --window
+--bos --batch-windows``), and which of the two the arguments ask for."""
+
+from __future__ import annotations
+
+import argparse
+
+from highrank.analysis.hf_contexts import BATCH_ELEMENTS, HFInputError
+from highrank.analysis.rows import RowSource
+from highrank.util.argtypes import positive_int
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser, *, corpus: bool = True, hf: bool = False
+) -> None:
+    """The options every analysis of trained runs shares: ``RUN_DIR...`` and ``--which``;
+    with ``corpus`` also ``--split`` and ``--data-dir`` (the corpus the contexts come from);
+    with ``hf`` RUN_DIRs become optional and ``--hf MODEL --text FILE`` (Hugging Face causal
+    LMs, :mod:`highrank.analysis.hf_contexts`) can replace them."""
+    parser.add_argument(
+        "run_dirs",
+        nargs="*" if hf else "+",
+        metavar="RUN_DIR",
+        help="runs of `highrank train`" + (" (or --hf MODEL --text FILE)" if hf else ""),
+    )
+    parser.add_argument(
+        "--which", default="best", help="checkpoint: best, last, finetuned or a .pt path (best)"
+    )
+    if corpus:
+        parser.add_argument(
+            "--split", choices=("train", "valid", "test"), default="test", help="(test)"
+        )
+        parser.add_argument("--data-dir", help="corpus folder (default: each run's data.dir)")
+    if hf:
+        add_hf_arguments(parser)
+
+
+def add_hf_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--hf MODEL --text FILE`` (instead of RUN_DIRs) and the window options."""
+    group = parser.add_argument_group(
+        "Hugging Face causal LMs (instead of RUN_DIRs; records go to --out)",
+        "Contexts: the text's tokens (no special tokens added) in non-overlapping windows of "
+        "--window tokens, each run as its own sequence; row i is the model's distribution "
+        "after token i given the tokens of its window up to i (1 .. W tokens), target token "
+        "i + 1.",
+    )
+    group.add_argument(
+        "--hf",
+        action="append",
+        metavar="MODEL",
+        help="a local model folder (save_pretrained output) or a .gguf file; repeat to "
+        "compare models (needs the hf extra)",
+    )
+    group.add_argument("--text", metavar="FILE", help="UTF-8 text file the contexts come from")
+    group.add_argument(
+        "--window",
+        type=positive_int,
+        help="tokens per window (default: min(the model's maximum positions, 1024))",
+    )
+    group.add_argument(
+        "--bos",
+        action="store_true",
+        help="put the tokenizer's BOS token before every window (default: none added)",
+    )
+    group.add_argument(
+        "--batch-windows",
+        type=positive_int,
+        help=f"windows per forward pass (default: logits under {BATCH_ELEMENTS:,} entries)",
+    )
+
+
+def hf_mode(args: argparse.Namespace) -> bool:
+    """Whether ``args`` ask for Hugging Face models (``--hf``) or runs; refuses a mixture
+    or a missing ``--text`` / ``--out`` in one line."""
+    models, runs = getattr(args, "hf", None), getattr(args, "run_dirs", [])
+    if models and runs:
+        raise HFInputError("give RUN_DIRs or --hf MODEL, not both")
+    if not models:
+        if getattr(args, "text", None):
+            raise HFInputError("--text goes with --hf MODEL")
+        if not runs:
+            raise HFInputError("expected RUN_DIR... or --hf MODEL --text FILE --out DIR")
+        return False
+    if not args.text:
+        raise HFInputError("--hf needs --text FILE: the text the contexts come from")
+    if not getattr(args, "out", None):
+        raise HFInputError("--hf needs --out DIR: the records are written there")
+    return True
+
+
+def row_sources(args: argparse.Namespace) -> list[RowSource]:
+    """The row sources ``args`` name: one per RUN_DIR (``--split --which --data-dir``) or one
+    per ``--hf MODEL`` on ``--text`` (``--window --bos --batch-windows``); nothing is loaded
+    yet. Refuses a mixture, or ``--hf`` without ``--text`` / ``--out``, in one line."""
+    device = getattr(args, "device", "cpu")
+    if hf_mode(args):
+        return [
+            RowSource.from_causal_lm(
+                model,
+                args.text,
+                window=args.window,
+                bos=args.bos,
+                device=device,
+                batch_windows=getattr(args, "batch_windows", None),
+            )
+            for model in args.hf
+        ]
+    return [
+        RowSource.from_run(
+            run_dir, args.split, which=args.which, data_dir=args.data_dir, device=device
+        )
+        for run_dir in args.run_dirs
+    ]

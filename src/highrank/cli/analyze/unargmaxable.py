@@ -1,0 +1,110 @@
+"""``highrank analyze unargmaxable``: tokens no hidden state can make the argmax of a run's
+(or --hf model's) output layer (:mod:`highrank.analysis.unargmaxable`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from highrank.analysis.hf_contexts import model_name
+from highrank.analysis.output import run_record_path, text_table, write_json
+from highrank.analysis.unargmaxable import (
+    DEFAULT_PATIENCE,
+    DEFAULT_RADIUS,
+    UnargmaxableError,
+    analyze_unargmaxable_hf,
+    analyze_unargmaxable_run,
+    radius_tag,
+)
+from highrank.util.atomic import write_text_atomic
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "run_dirs", nargs="*", metavar="RUN_DIR", help="runs of `highrank train` (or --hf)"
+    )
+    parser.add_argument("--which", default="best", help="checkpoint of the runs (best)")
+    parser.add_argument(
+        "--hf",
+        action="append",
+        metavar="MODEL",
+        help="a Hugging Face model folder or .gguf file: its lm_head weight and bias "
+        "(needs the hf extra; records go to --out)",
+    )
+    domain = parser.add_mutually_exclusive_group()
+    domain.add_argument(
+        "--radius",
+        type=float,
+        default=DEFAULT_RADIUS,
+        help=f"hidden states in the box |h_k| <= R ({DEFAULT_RADIUS:g}, Grivas et al.)",
+    )
+    domain.add_argument(
+        "--unbounded", action="store_true", help="any hidden state in R^d instead of a box"
+    )
+    parser.add_argument(
+        "--patience",
+        type=int,
+        default=DEFAULT_PATIENCE,
+        help=f"braid reflections per token before its LP ({DEFAULT_PATIENCE})",
+    )
+    parser.add_argument("--out", help="also write unargmaxable.json and unargmaxable.md here")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if bool(args.hf) == bool(args.run_dirs):
+            raise UnargmaxableError("give RUN_DIR... or --hf MODEL (with --out DIR), not both")
+        if args.hf and not args.out:
+            raise UnargmaxableError("--hf needs --out DIR: the records are written there")
+        radius = None if args.unbounded else args.radius
+        records = []
+        for source in args.hf or args.run_dirs:
+            record, path = (_hf_record if args.hf else _run_record)(source, radius, args)
+            write_json(path, record)
+            print(f"wrote {path}")
+            records.append(record)
+    except ValueError as error:  # UnargmaxableError, HFInputError (a missing hf extra too)
+        print(f"highrank analyze unargmaxable: error: {error}", file=sys.stderr)
+        return 2
+    print(summary_table(records), end="")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "unargmaxable.json", {"inputs": records})
+        write_text_atomic(out / "unargmaxable.md", summary_table(records, markdown=True))
+        print(f"wrote {out / 'unargmaxable.json'}, {out / 'unargmaxable.md'}")
+    return 0
+
+
+def _run_record(run_dir: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
+    options = {"radius": radius, "patience": args.patience, "progress": not args.no_progress}
+    record = analyze_unargmaxable_run(run_dir, which=args.which, **options)
+    tag = f"{Path(args.which).stem}-{radius_tag(record['radius'])}"
+    return record, run_record_path(run_dir, "unargmaxable", tag)
+
+
+def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
+    options = {"radius": radius, "patience": args.patience, "progress": not args.no_progress}
+    record = analyze_unargmaxable_hf(model_path, **options)
+    name = f"unargmaxable-{model_name(model_path)}-{radius_tag(record['radius'])}.json"
+    return record, Path(args.out) / name
+
+
+def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    headers = ["input", "head", "V", "domain", "unargmaxable", "undecided", "LP tokens", "seconds"]
+    rows = [
+        [
+            r.get("run_dir") or r.get("model"),
+            r["head"],
+            r["vocab_size"],
+            r["domain"],
+            r["unargmaxable"],
+            r["undecided"],
+            r["lp_tokens"],
+            round(sum(r["seconds"].values()), 1),
+        ]
+        for r in records
+    ]
+    return text_table(headers, rows, markdown=markdown)
