@@ -363,3 +363,23 @@ def test_eval_refuses_a_checkpoint_copied_from_another_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "belongs to another run" in err and len(err.strip().splitlines()) == 1
     assert not list(ours.glob("eval-*.json"))
+
+
+def test_a_window_beyond_a_transformers_learned_positions_is_one_line(tmp_path, capsys):
+    """Issue: eval / analyze of a Transformer run with --bptt beyond its position table ended
+    in a ValueError traceback from the backbone."""
+    from highrank.cli import main
+    from tests.analysis.conftest import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus")
+    sizes = ["--model.d_embed=8", "--model.n_layers=1", "--model.n_heads=2", "--model.d_ff=16",
+             "--train.bptt=8", "--model.max_len=8", "--train.batch_size=4",
+             "--train.warmup_steps=2"]
+    run = tmp_path / "run"
+    assert main(["train", "configs/ptb/transformer-softmax.toml", f"--data.dir={corpus}",
+                 f"--run.out_dir={run}", *sizes, "--max-steps", "2", "--no-progress"]) == 0
+    capsys.readouterr()
+    for verb in (["eval", str(run)], ["analyze", "rank", str(run), "--max-contexts", "20"]):
+        assert main([*verb, "--which", "last", "--bptt", "50"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(err) == 1 and "exceeds this Transformer run's learned position table" in err[0]

@@ -52,6 +52,7 @@ from highrank.analysis.hf_contexts import (
 )
 from highrank.analysis.logprob_matrix import head_rows, write_log_prob_matrix
 from highrank.analysis.output import ANALYSIS_DIR, record_tag
+from highrank.evaluate.perplexity import check_segment_length
 
 # (positions (b,) int64, targets (b,) int64, rows (b, V) float32 on the CPU), ascending.
 RowBlock = tuple[np.ndarray, np.ndarray, torch.Tensor]
@@ -330,6 +331,7 @@ class RunRows(RowSource):
             wanted = np.zeros(int(needed[-1]) + 1, dtype=bool)
             wanted[needed] = True
             max_contexts = len(wanted)
+        check_segment_length(self.loaded.config, self.bptt)
         with torch.no_grad():
             for block in iter_contexts(
                 model,
@@ -437,6 +439,7 @@ class RunRows(RowSource):
 
     def write_matrix(self, path, settings, *, progress=False) -> dict[str, Any]:
         loaded = self.loaded
+        check_segment_length(loaded.config, settings["bptt"])
         return write_log_prob_matrix(
             path,
             loaded.model,

@@ -103,7 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.evaluate.perplexity import default_bptt, evaluate_perplexity, write_token_nll
+    from highrank.evaluate.perplexity import (
+        check_segment_length,
+        default_bptt,
+        evaluate_perplexity,
+        write_token_nll,
+    )
     from highrank.train import distributed
 
     if distributed.only_process_zero("evaluation"):  # one evaluation, not one per process
@@ -125,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             "test": config.train.test_batch_size,
         }
         batch_size = args.batch_size or default_batch[args.split]
-        bptt = args.bptt or default_bptt(config)
+        bptt = check_segment_length(config, args.bptt or default_bptt(config))
         result = evaluate_perplexity(
             model,
             split_ids(args, corpus),

@@ -48,6 +48,21 @@ def default_bptt(config) -> int:
     return AWD_LSTM_EVAL_BPTT
 
 
+def check_segment_length(config, bptt: int) -> int:
+    """``bptt``, or a ConfigError when a Transformer run's learned position table is shorter
+    (its windows cannot be longer than the positions it learned)."""
+    from highrank.config import ConfigError
+
+    model = config.model
+    if model.backbone == "transformer" and model.positions == "learned" and bptt > model.max_len:
+        raise ConfigError(
+            f"--bptt {bptt} exceeds this Transformer run's learned position table (model.max_len"
+            f" = {model.max_len}): it scores windows of at most {model.max_len} tokens; use "
+            f"--bptt {min(model.max_len, config.train.bptt)} (its training window) or less"
+        )
+    return bptt
+
+
 def evaluate_perplexity(
     model: LanguageModel,
     ids: TokenIds,
