@@ -64,3 +64,17 @@ def test_two_rank_records_of_one_moved_run_give_two_curves(runs, tmp_path):
     record = json.loads((tmp_path / "out" / "report.json").read_text())
     assert len(record["runs"][0]["rank"]) == 2
     assert {r["run_dir"] for r in record["runs"][0]["rank"].values()} == {str(moved)}
+
+
+def test_a_pickled_singular_values_file_is_one_line_and_runs_nothing(runs, tmp_path, capsys):
+    """Issue: report on a pickled .npy ended in a traceback."""
+    import numpy as np
+
+    first = runs[0]
+    rank = analyze_run(first, max_contexts=30)
+    values = first / "analysis" / rank["singular_values_file"]
+    np.save(values, np.array([object()], dtype=object), allow_pickle=True)
+    capsys.readouterr()
+    assert main(["report", str(first), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be read as a plain array" in err[0]

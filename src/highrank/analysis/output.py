@@ -62,6 +62,24 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON (line {error.lineno}): {error.msg}") from None
 
 
+def read_npy(path: str | os.PathLike, mmap_mode: str | None = None) -> np.ndarray:
+    """An array saved beside a record (singular values, a log-prob matrix), read without
+    pickling; a missing, truncated or pickled file is one RunDirError naming it."""
+    from highrank.runs.run_dir import RunDirError
+
+    path = Path(path)
+    try:
+        return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except FileNotFoundError:
+        raise RunDirError(f"{path} does not exist; run the analysis again to write it") from None
+    except (ValueError, OSError, EOFError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RunDirError(
+            f"{path} cannot be read as a plain array ({reason}); delete it and run the "
+            "analysis again"
+        ) from None
+
+
 def text_table(
     headers: Sequence[str], rows: Sequence[Sequence[Any]], *, markdown: bool = False
 ) -> str:

@@ -30,7 +30,7 @@ import torch
 
 from highrank.analysis.contexts import count_contexts
 from highrank.analysis.logprob_matrix import check_disk_space, contexts_path, matrix_record
-from highrank.analysis.output import ANALYSIS_DIR, record_tag, text_table, write_json
+from highrank.analysis.output import ANALYSIS_DIR, read_npy, record_tag, text_table, write_json
 from highrank.analysis.rows import RowSource
 from highrank.analysis.spectrum import plot_spectrum
 from highrank.runs.locks import exclusive
@@ -636,7 +636,7 @@ class _GramCheckpoint:
             return 0, None
         try:
             record = json.loads(self.record_path.read_text(encoding="utf-8"))
-            matrix = np.load(self.directory / record["file"])
+            matrix = read_npy(self.directory / record["file"])
         except (OSError, ValueError, KeyError) as error:
             raise ValueError(
                 f"the Gram checkpoint in {self.directory} cannot be read ({error}); delete the "
@@ -891,7 +891,7 @@ def write_spectrum(records: list[dict[str, Any]], path: Path) -> Path:
     for record in records:
         label = run_label(record)
         folder = Path(record.get("out_dir") or Path(record["run_dir"]) / ANALYSIS_DIR)
-        curves[label] = np.load(folder / record["singular_values_file"])
+        curves[label] = read_npy(folder / record["singular_values_file"])
         thresholds[label] = record["press_threshold"] / record["s_max"]
         if "resolution" in record:
             floors.append(record["resolution"] / record["s_max"])
