@@ -465,3 +465,25 @@ def test_smollm2_gguf_rows_are_normalised_log_probs(tmp_path):
     # a repeated sentence is predictable once seen: the second window does better
     targets = causal_lm_target_log_probs(model, ids, window=32, max_contexts=64)
     assert targets[32:].mean() > targets[:8].mean()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "sizes"])
+def test_a_damaged_model_folder_is_one_clear_error(tmp_path, damage):
+    """Issue: a truncated or empty model.safetensors, or a config.json whose sizes do not fit
+    the weights, ended in a traceback."""
+    import json
+
+    from highrank.analysis.hf_contexts import HFInputError, load_causal_lm
+
+    folder = save_tiny_model(tmp_path / "m")
+    weights = folder / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "empty":
+        weights.write_bytes(b"")
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    expected = "do not have the sizes its config.json" if damage == "sizes" else "truncated or"
+    with pytest.raises(HFInputError, match=expected):
+        load_causal_lm(folder, progress=False)

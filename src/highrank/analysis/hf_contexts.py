@@ -151,6 +151,21 @@ def _load(path, folder: Path, gguf_file: str | None, device, dtype) -> tuple[Any
         raise HFInputError(
             f"{path} could not be loaded as a causal LM: {_first_line(error)}"
         ) from None
+    except RuntimeError as error:  # transformers' size check: the weights do not fit the config
+        if "mismatched_sizes" not in str(error):
+            raise
+        raise HFInputError(
+            f"{path} could not be loaded: its weights do not have the sizes its config.json "
+            "gives (a hidden size, a vocabulary or a layer count differs); restore the "
+            "config.json that was saved with them"
+        ) from None
+    except Exception as error:  # safetensors' own errors: a truncated or damaged weights file
+        if type(error).__name__ != "SafetensorError":
+            raise
+        raise HFInputError(
+            f"{path} could not be loaded: its weights file is truncated or damaged "
+            f"({_first_line(error)}); save or copy the model again"
+        ) from None
     return model.to(device).eval(), tokenizer
 
 
