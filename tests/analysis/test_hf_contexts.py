@@ -487,3 +487,16 @@ def test_a_damaged_model_folder_is_one_clear_error(tmp_path, damage):
     expected = "do not have the sizes its config.json" if damage == "sizes" else "truncated or"
     with pytest.raises(HFInputError, match=expected):
         load_causal_lm(folder, progress=False)
+
+
+@pytest.mark.parametrize("kind", ["rank", "kl", "hidden-size"])
+def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys, kind):
+    """Issue: --out naming a file ended in a FileExistsError traceback."""
+    folder = save_tiny_model(tmp_path / "m")
+    text = write_text(tmp_path / "t.txt", n_words=200)
+    (tmp_path / "f").write_text("x")
+    capsys.readouterr()  # saving the model's own bars
+    argv = ["analyze", kind, "--hf", str(folder), "--text", str(text), "--out", str(tmp_path / "f")]
+    assert main([*argv, "--window", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file; expected a folder for the records" in err[0]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from highrank.analysis.hf_contexts import BATCH_ELEMENTS, HFInputError
 from highrank.analysis.rows import RowSource
@@ -86,6 +87,10 @@ def hf_mode(args: argparse.Namespace) -> bool:
         raise HFInputError("--hf needs --text FILE: the text the contexts come from")
     if not getattr(args, "out", None):
         raise HFInputError("--hf needs --out DIR: the records are written there")
+    for place in (Path(args.out), *Path(args.out).parents):
+        if place.exists() and not place.is_dir():
+            raise HFInputError(f"--out {args.out}: {place} is a file; expected a folder for the "
+                               "records (new or existing)")
     return True
 
 
