@@ -87,11 +87,16 @@ def hf_mode(args: argparse.Namespace) -> bool:
         raise HFInputError("--hf needs --text FILE: the text the contexts come from")
     if not getattr(args, "out", None):
         raise HFInputError("--hf needs --out DIR: the records are written there")
-    for place in (Path(args.out), *Path(args.out).parents):
-        if place.exists() and not place.is_dir():
-            raise HFInputError(f"--out {args.out}: {place} is a file; expected a folder for the "
-                               "records (new or existing)")
+    check_out_folder(args.out, HFInputError)
     return True
+
+
+def check_out_folder(out: str, error: type[Exception]) -> None:
+    """``--out`` must be (or be makeable as) a folder: ``error`` names the file in the way."""
+    for place in (Path(out), *Path(out).parents):
+        if place.exists() and not place.is_dir():
+            raise error(f"--out {out}: {place} is a file; expected a folder for the records "
+                        "(new or existing)")
 
 
 def row_sources(args: argparse.Namespace) -> list[RowSource]:

@@ -21,7 +21,7 @@ from highrank.analysis.hidden_size import (
 from highrank.analysis.output import text_table, write_json
 from highrank.analysis.rank import GRAM_BACKENDS
 from highrank.analysis.rows import RowSource
-from highrank.cli.analyze.common import add_hf_arguments
+from highrank.cli.analyze.common import add_hf_arguments, check_out_folder
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
 
@@ -94,6 +94,8 @@ def _check_sources(args: argparse.Namespace) -> None:
         raise HiddenSizeError("--hf needs --text FILE (the contexts) and --out DIR (the records)")
     if args.text and not args.hf:
         raise HiddenSizeError("--text goes with --hf MODEL")
+    if args.out:
+        check_out_folder(args.out, HiddenSizeError)
 
 
 def _estimate_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
