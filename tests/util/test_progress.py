@@ -75,3 +75,22 @@ def test_lines_say_about_how_long_is_left(monkeypatch):
     bar = LineProgress(1000, "cache", "win", file=out, seconds=0)  # started at 0 s
     bar.update(10)  # read at 20 s: 0.5 win/s, 990 to go: 1,980 s
     assert out.getvalue().splitlines()[-1].endswith("0.5 win/s, about 33 min left")
+
+
+def test_a_max_steps_run_counts_its_bar_in_steps_to_the_limit(tmp_path, capsys, monkeypatch):
+    """Issue: with --max-steps the bar counted the epoch's tokens, so its end and time
+    estimate were the epoch's."""
+    from highrank.cli import main
+    from tests.train.test_interrupts import TINY
+
+    monkeypatch.setenv("HIGHRANK_PROGRESS_SECONDS", "0")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split in ("train", "valid", "test"):
+        (corpus / f"{split}.txt").write_text((" ".join(f"w{i % 17}" for i in range(40)) + "\n") * 20)
+    (tmp_path / "c.toml").write_text("# defaults\n")
+    argv = ["train", str(tmp_path / "c.toml"), f"--data.dir={corpus}",
+            f"--run.out_dir={tmp_path / 'run'}", *(f"--{o}" for o in TINY), "--max-steps", "3"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("train to --max-steps 3: 3/3 step (100%)") for line in lines)

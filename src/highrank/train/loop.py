@@ -89,7 +89,7 @@ class Trainer:
         """Steps from the saved position to the end of the epoch; False if stopped early."""
         self.recipe.model.train()
         size = self.recipe.epoch_size()
-        with self.log.bar(size) as bar:
+        with self.log.bar(size, self.options.max_steps) as bar:
             while self.progress.position < size.positions:
                 if self._stop_here():
                     return False

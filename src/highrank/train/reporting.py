@@ -29,6 +29,7 @@ class RunLog:
 
     def __init__(self, run: RunDir, stage: str, progress: Progress, show_bar: bool) -> None:
         self.stage, self.progress, self.show_bar = stage, progress, show_bar
+        self.counts_steps = False  # the bar counts tokens of the epoch, or steps (--max-steps)
         self.metrics = MetricsLog(run.metrics_file)
         self.tensorboard = TensorBoardLog(
             run.path / "tensorboard" / stage, purge_step=progress.step or None
@@ -81,9 +82,23 @@ class RunLog:
     def close(self) -> None:
         self.tensorboard.close()
 
-    def bar(self, size: EpochSize):
+    def bar(self, size: EpochSize, max_steps: int | None = None):
         """A bar over the epoch's tokens, starting at the progress position (a line now and
-        then when stderr is not a terminal: :mod:`highrank.util.progress`)."""
+        then when stderr is not a terminal: :mod:`highrank.util.progress`); with
+        ``max_steps``, a bar over the steps to that limit instead, so its end and time
+        estimate are the run's, not the epoch's."""
+        self.counts_steps = max_steps is not None
+        if self.counts_steps:
+            return progress_bar(
+                total=max_steps,
+                initial=min(self.progress.step, max_steps),
+                desc=f"{self.stage} to --max-steps {max_steps}",
+                unit="step",
+                leave=False,
+                dynamic_ncols=True,
+                file=sys.stderr,
+                disable=not self.show_bar,
+            )
         return progress_bar(
             total=size.positions * size.tokens_per_position,
             initial=self.progress.position * size.tokens_per_position,
@@ -100,7 +115,7 @@ class RunLog:
         if bar.disable:
             return
         meter = self.progress.epoch_meter
-        bar.update(tokens)
+        bar.update(1 if self.counts_steps else tokens)
         postfix = {"loss": f"{meter.mean_loss:.3f}", "ppl": f"{perplexity(meter.mean_loss):.1f}"}
         bar.set_postfix(postfix | {"tok/s": f"{meter.tokens_per_s:,.0f}"}, refresh=False)
 
