@@ -86,8 +86,9 @@ def test_a_max_steps_run_counts_its_bar_in_steps_to_the_limit(tmp_path, capsys, 
     monkeypatch.setenv("HIGHRANK_PROGRESS_SECONDS", "0")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
+    line = " ".join(f"w{i % 17}" for i in range(40)) + "\n"
     for split in ("train", "valid", "test"):
-        (corpus / f"{split}.txt").write_text((" ".join(f"w{i % 17}" for i in range(40)) + "\n") * 20)
+        (corpus / f"{split}.txt").write_text(line * 20)
     (tmp_path / "c.toml").write_text("# defaults\n")
     argv = ["train", str(tmp_path / "c.toml"), f"--data.dir={corpus}",
             f"--run.out_dir={tmp_path / 'run'}", *(f"--{o}" for o in TINY), "--max-steps", "3"]
