@@ -487,6 +487,10 @@ def test_cli_eval_and_dynamic_eval_of_a_tiny_run(corpus, tmp_path, capsys):
     dynamic = json.loads((out / "dynamic-eval-test-best.json").read_text())
     assert dynamic["split"] == "test" and dynamic["lr"] == 0.002 and dynamic["tokens"] > 0
     assert math.isfinite(dynamic["perplexity"])
+    # the static figure to compare with: the same tokens in the same segments, no adaptation
+    static = evaluate_perplexity(model, load_corpus(corpus).test, batch_size=1, bptt=5)
+    assert dynamic["static_perplexity"] == pytest.approx(static.perplexity, rel=1e-9)
+    assert f"(no adaptation): {static.perplexity:.2f}" in capsys.readouterr().out
 
 
 def test_cli_eval_of_a_missing_run_is_a_clear_error(tmp_path, capsys):

@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
         gradient_statistics,
         refuse_transformer_dynamic_eval,
     )
+    from highrank.evaluate.perplexity import evaluate_perplexity
 
     def job() -> int:
         model, config, corpus = load_for_eval(args)
@@ -45,6 +46,15 @@ def run(args: argparse.Namespace) -> int:
             "epsilon": settings.epsilon if args.epsilon is None else args.epsilon,
             "prior_decay": settings.prior_decay if args.prior_decay is None else args.prior_decay,
         }
+        # The same tokens in the same segments, without adapting: the figure to compare with.
+        static = evaluate_perplexity(
+            model,
+            split_ids(args, corpus),
+            batch_size=settings.batch_size,
+            bptt=settings.bptt,
+            progress=not args.no_progress,
+            name=f"static {corpus.path(args.split)}",
+        )
         result = dynamic_evaluate(
             model,
             split_ids(args, corpus),
@@ -60,8 +70,11 @@ def run(args: argparse.Namespace) -> int:
             "batch_size": settings.batch_size,
             "bptt": settings.bptt,
             "max_stats_batches": args.max_stats_batches,
+            "static_perplexity": static.perplexity,
         }
         report_eval(args, "dynamic-eval", result, extra, corpus)
+        print(f"static perplexity of the same {static.tokens:,} tokens in the same segments "
+              f"(no adaptation): {static.perplexity:.2f}")
         return 0
 
     return guarded("dynamic-eval", job)
