@@ -53,6 +53,8 @@ def check_segment_length(config, bptt: int) -> int:
     (its windows cannot be longer than the positions it learned)."""
     from highrank.config import ConfigError
 
+    if config is None:  # rows built from a bare model (tests, notebooks): nothing to check
+        return bptt
     model = config.model
     if model.backbone == "transformer" and model.positions == "learned" and bptt > model.max_len:
         raise ConfigError(

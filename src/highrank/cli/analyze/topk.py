@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze topk``: print the side-by-side blocks; write JSON and text."""
+    if args.random and args.max_contexts is None and not getattr(args, "hf", None):
+        print("note: --random draws its contexts from the whole split, and the model reads "
+              "every context up to the last one drawn (its state is carried); --max-contexts N "
+              "draws among the first N only, which is faster", file=sys.stderr)
     try:
         record = analyze_topk(
             row_sources(args),
