@@ -192,6 +192,9 @@ def test_the_command_line_takes_matrices_and_records_and_names_bad_input(tmp_pat
     assert main(["analyze", "hidden-size", str(path), "--expect", str(D), "--no-progress"]) == 0
     record = json.loads((tmp_path / "hidden-size-m.json").read_text())
     assert record["knee"] == D + 2 and record["matches_expected"]
+    assert f"the knee at {D + 2} agrees with --expect {D}" in capsys.readouterr().out  # a verdict
+    assert main(["analyze", "hidden-size", str(path), "--expect", str(D + 5)]) == 0
+    assert f"does NOT agree with --expect {D + 5}" in capsys.readouterr().out
     (tmp_path / "notes.txt").write_text("x")
     assert main(["analyze", "hidden-size", str(tmp_path / "notes.txt")]) == 2
     assert "expected a run directory, a .npy" in capsys.readouterr().err

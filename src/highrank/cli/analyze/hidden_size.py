@@ -79,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
     print(summary_table(records), end="")
     for record in records:
         print(f"{record['source']}: {record['verdict']}")
+        if "expected_hidden_size" in record:
+            d = record["expected_hidden_size"]
+            agrees = "agrees with" if record["matches_expected"] else "does NOT agree with"
+            print(f"{record['source']}: the knee at {record['knee']} {agrees} --expect {d} "
+                  f"(a softmax of hidden size {d} has its knee at {d + 1} or {d + 2})")
     if args.out:
         out = Path(args.out)
         write_json(out / "hidden-size.json", {"spectrum": SPECTRUM, "inputs": records})
