@@ -612,3 +612,17 @@ def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CorpusError, match=r"token cache folder .*file cannot be made: .* is a fi"):
         load_stream_corpus(folder, cache_dir=tmp_path / "file")
+
+
+@pytest.mark.parametrize("bad", [-1, 10_000])
+def test_a_cached_id_outside_the_vocabulary_is_refused(tmp_path, cache, bad):
+    """Issue: a negative id in valid.ids was accepted, ids beyond the vocabulary ended in a
+    traceback later."""
+    folder = write_corpus(tmp_path / "c", "a b c\nb c\n")
+    load_stream_corpus(folder, cache_dir=cache)
+    ids_file = next(cache.rglob("valid.ids"))
+    damaged = np.fromfile(ids_file, dtype=np.int32)
+    damaged[0] = bad
+    damaged.tofile(ids_file)
+    with pytest.raises(CorpusError, match=rf"holds the id {bad}, outside the vocabulary"):
+        load_stream_corpus(folder, cache_dir=cache)
