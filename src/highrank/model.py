@@ -27,7 +27,7 @@ from torch import nn
 from highrank.backbones.awd_lstm import AWDLSTM, AWDLSTMExtras, AWDLSTMState
 from highrank.backbones.seq2seq import TransformerSeq2Seq
 from highrank.backbones.transformer import CausalTransformer
-from highrank.config import Config
+from highrank.config import FAMILIES, Config
 from highrank.data import Corpus, Vocab
 from highrank.data.streaming import open_corpus
 from highrank.heads import HEADS, OutputHead, build_head
@@ -226,11 +226,11 @@ def load_run_corpus(
     """:func:`load_run` and the run's corpus: its ``data.dir``, or ``data_dir`` when given,
     which must give the vocabulary the run was trained with (a clear error says otherwise)."""
     model, config, vocab = load_run(run_dir, which, device=device)
-    if config.model.backbone == "seq2seq":
+    if FAMILIES[config.model.backbone].parallel_corpus:
         raise CheckpointError(
-            f"{run_dir} is a translation run (model.backbone = \"seq2seq\"): it has no word "
-            "corpus to score, so this verb does not apply; score it with `highrank eval "
-            f"{run_dir}` or `highrank translate {run_dir}`"
+            f'{run_dir} is a translation run (model.backbone = "{config.model.backbone}"): it '
+            "has no word corpus to score, so this verb does not apply; score it with `highrank "
+            f"eval {run_dir}` or `highrank translate {run_dir}`"
         )
     corpus = open_corpus(config.data, config.train.seed, directory=data_dir)
     if corpus.vocab.words != vocab.words:

@@ -29,3 +29,7 @@ def test_translation_trains_in_one_process_and_refuses_finetune_and_init_from():
     assert corpus_vocab_size(config) == 123
     with pytest.raises(ConfigError, match="--init-from applies to language models"):
         TRANSLATION.start(config, None, None, None, [], "some-run")
+
+
+def test_only_the_translation_family_has_a_parallel_corpus():
+    assert [f for f, family in FAMILIES.items() if family.parallel_corpus] == ["seq2seq"]

@@ -94,11 +94,14 @@ class Family:
             types stay in the section dataclasses of :mod:`highrank.config.schema`. A key no
             family declares is read by every family.
         check: the cross-key rules of a config of this family, run after every key's range.
+        parallel_corpus: its data is a parallel corpus and its model translates (no word
+            corpus to score): the verbs of language models refuse its runs.
     """
 
     name: str
     keys: Mapping[str, Mapping[str, Rule | None]]
     check: Check = _no_check
+    parallel_corpus: bool = False
 
 
 __all__ = [

@@ -63,6 +63,7 @@ SEQ2SEQ = Family(
         },
     },
     check=check_seq2seq,
+    parallel_corpus=True,
 )
 
 __all__ = ["SEQ2SEQ", "check_seq2seq"]
