@@ -6,10 +6,11 @@ import tomllib
 
 import pytest
 
-import highrank.config.schema as config_module
+import highrank.config.families as families_module
 from highrank.config import (
-    FAMILY_KEYS,
+    FAMILIES,
     ConfigError,
+    Family,
     applies_to,
     config_from_dict,
     config_to_dict,
@@ -23,7 +24,7 @@ def test_every_existing_key_is_read_by_the_default_family():
     config = load_config()
     assert config.model.backbone == "awd-lstm"
     table = config_to_dict(config)
-    for section, keys in FAMILY_KEYS["awd-lstm"].items():
+    for section, keys in FAMILIES["awd-lstm"].keys.items():
         assert set(keys) <= table[section].keys()
     assert key_families("model.d_hidden") == ("awd-lstm",)
     assert key_families("model.d_embed") == () and applies_to("train.lr", "any-family")
@@ -33,10 +34,14 @@ def test_every_existing_key_is_read_by_the_default_family():
 def other_family(monkeypatch):
     """A second family that reads model.d_hidden and not model.weight_drop (as if the schema
     had grown one), while awd-lstm keeps its own keys but d_hidden."""
-    awd = dict(FAMILY_KEYS["awd-lstm"])
-    awd["model"] = tuple(k for k in awd["model"] if k != "d_hidden")
-    families = {"awd-lstm": awd, "other": {"model": ("d_hidden",)}}
-    monkeypatch.setattr(config_module, "FAMILY_KEYS", families)
+    awd = FAMILIES["awd-lstm"]
+    keys = dict(awd.keys)
+    keys["model"] = {k: rule for k, rule in keys["model"].items() if k != "d_hidden"}
+    families = {
+        "awd-lstm": Family(awd.name, keys, awd.check),
+        "other": Family("other", {"model": {"d_hidden": awd.keys["model"]["d_hidden"]}}),
+    }
+    monkeypatch.setattr(families_module, "FAMILIES", families)
 
 
 def test_a_key_of_another_family_is_an_error_naming_it_and_where_it_was_set(other_family, tmp_path):

@@ -15,9 +15,11 @@ its corpus too.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +27,7 @@ from torch import nn
 from highrank.backbones.awd_lstm import AWDLSTM, AWDLSTMExtras, AWDLSTMState
 from highrank.backbones.seq2seq import TransformerSeq2Seq
 from highrank.backbones.transformer import CausalTransformer
-from highrank.config import Config
+from highrank.config import FAMILIES, Config
 from highrank.data import Corpus, Vocab
 from highrank.data.streaming import open_corpus
 from highrank.heads import HEADS, OutputHead, build_head
@@ -118,14 +120,6 @@ def _transformer(config: Config, vocab_size: int) -> CausalTransformer:
     )
 
 
-# model.backbone (the model family) -> the function that builds its backbone. A backbone owns
-# the input embedding (``.embedding``, the tied weight) and outputs ``.d_last`` features.
-BACKBONE_BUILDERS: dict[str, Callable[[Config, int], nn.Module]] = {
-    "awd-lstm": _awd_lstm,
-    "transformer": _transformer,
-}
-
-
 def build_seq2seq(config: Config, vocab_size: int | tuple[int, int]) -> TransformerSeq2Seq:
     """The translation model of a ``seq2seq`` config: an encoder-decoder Transformer whose
     decoder ends in the head of ``[head]``. ``vocab_size``: the joint vocabulary's size, or
@@ -155,14 +149,13 @@ def build_seq2seq(config: Config, vocab_size: int | tuple[int, int]) -> Transfor
     )
 
 
-def build_model(config: Config, vocab_size: int) -> LanguageModel:
-    """The model a config describes, for a vocabulary of ``vocab_size`` tokens: the backbone
-    of ``model.backbone`` (:data:`BACKBONE_BUILDERS`) and the head of ``[head]``; for
-    ``seq2seq`` the translation model of :func:`build_seq2seq`."""
+def _language_model(
+    build_backbone: Callable[[Config, int], nn.Module], config: Config, vocab_size: int
+) -> LanguageModel:
+    """The backbone ``build_backbone`` makes and the head of ``[head]``. A backbone owns the
+    input embedding (``.embedding``, the tied weight) and outputs ``.d_last`` features."""
     m = config.model
-    if m.backbone == "seq2seq":
-        return build_seq2seq(config, vocab_size)
-    backbone = BACKBONE_BUILDERS[m.backbone](config, vocab_size)
+    backbone = build_backbone(config, vocab_size)
     wired: dict = {"d_embed": m.d_embed}
     if m.tie_weights:
         wired["tied_weight"] = backbone.embedding.weight
@@ -172,6 +165,22 @@ def build_model(config: Config, vocab_size: int) -> LanguageModel:
         config.head.name, d_in=backbone.d_last, vocab_size=vocab_size, **config.head.knobs, **wired
     )
     return LanguageModel(backbone, head)
+
+
+# model.backbone (the model family) -> the function that builds its model from a config and
+# the vocabulary size: a language model of a backbone and a head, or the translation model.
+MODEL_BUILDERS: dict[str, Callable[[Config, Any], nn.Module]] = {
+    "awd-lstm": functools.partial(_language_model, _awd_lstm),
+    "seq2seq": build_seq2seq,
+    "transformer": functools.partial(_language_model, _transformer),
+}
+
+
+def build_model(config: Config, vocab_size: int) -> LanguageModel:
+    """The model a config describes, for a vocabulary of ``vocab_size`` tokens: that of
+    ``model.backbone`` in :data:`MODEL_BUILDERS`, the backbone and the head of ``[head]``;
+    for ``seq2seq`` the translation model of :func:`build_seq2seq`."""
+    return MODEL_BUILDERS[config.model.backbone](config, vocab_size)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -217,11 +226,11 @@ def load_run_corpus(
     """:func:`load_run` and the run's corpus: its ``data.dir``, or ``data_dir`` when given,
     which must give the vocabulary the run was trained with (a clear error says otherwise)."""
     model, config, vocab = load_run(run_dir, which, device=device)
-    if config.model.backbone == "seq2seq":
+    if FAMILIES[config.model.backbone].parallel_corpus:
         raise CheckpointError(
-            f"{run_dir} is a translation run (model.backbone = \"seq2seq\"): it has no word "
-            "corpus to score, so this verb does not apply; score it with `highrank eval "
-            f"{run_dir}` or `highrank translate {run_dir}`"
+            f'{run_dir} is a translation run (model.backbone = "{config.model.backbone}"): it '
+            "has no word corpus to score, so this verb does not apply; score it with `highrank "
+            f"eval {run_dir}` or `highrank translate {run_dir}`"
         )
     corpus = open_corpus(config.data, config.train.seed, directory=data_dir)
     if corpus.vocab.words != vocab.words:

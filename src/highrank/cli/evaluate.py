@@ -154,12 +154,13 @@ WORD_LM_OPTIONS = ("max_tokens", "token_nll", "bptt", "batch_size")
 
 
 def _is_translation_run(run_dir: str) -> bool:
-    """Whether RUN_DIR's config is a seq2seq one (False when it cannot be read: the
-    perplexity path then says what is wrong)."""
-    from highrank.config import ConfigError, load_config
+    """Whether RUN_DIR's config is one of a translation family, seq2seq (False when it cannot
+    be read: the perplexity path then says what is wrong)."""
+    from highrank.config import FAMILIES, ConfigError, load_config
     from highrank.runs.run_dir import CONFIG_FILE
 
     try:
-        return load_config(f"{run_dir}/{CONFIG_FILE}").model.backbone == "seq2seq"
+        config = load_config(f"{run_dir}/{CONFIG_FILE}")
+        return FAMILIES[config.model.backbone].parallel_corpus
     except ConfigError:
         return False

@@ -79,11 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_overrides(parser)
 
 
-def _translation(args: argparse.Namespace) -> bool:
-    """Whether the run to start or resume is a translation (seq2seq) one."""
+def _one_process(args: argparse.Namespace) -> str | None:
+    """What the training of the run to start or resume is called when its family trains in
+    one process (translation: ``highrank.train.runner.RUN_KINDS``); None otherwise."""
     from pathlib import Path
 
     from highrank.config import ConfigError, load_config
+    from highrank.train.runner import RUN_KINDS
 
     try:
         if args.resume:
@@ -91,8 +93,9 @@ def _translation(args: argparse.Namespace) -> bool:
         else:
             config = load_config(args.config, args.overrides)
     except (ConfigError, OSError):
-        return False  # the training itself reports what is wrong with it
-    return config.model.backbone == "seq2seq"
+        return None  # the training itself reports what is wrong with it
+    kind = RUN_KINDS[config.model.backbone]
+    return None if kind.torchrun else kind.name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         from highrank.train import distributed
 
         options = train_options(args)
-        if _translation(args) and distributed.only_process_zero("translation training"):
+        one_process = _one_process(args)
+        if one_process is not None and distributed.only_process_zero(one_process):
             return 0
         if args.resume:
             kwargs = {"overrides": args.overrides, "options": options, "command": command}

@@ -53,35 +53,37 @@ the MoS values of Yang et al. 2018 are in the docstrings):
 TOML has no null, so a key whose default is "unset" (None) is written by leaving it out.
 
 Model families: ``model.backbone`` picks the family (the backbone :func:`highrank.model.
-build_model` builds and the recipe :mod:`highrank.train` trains it with). Keys that only some
-families read are listed per family in :data:`FAMILY_KEYS`; every other key is read by all.
+build_model` builds and the recipe :mod:`highrank.train` trains it with). Each family declares
+the keys only it reads, their ranges and its cross-key checks in its own module of
+:mod:`highrank.config.families` (:data:`FAMILIES`); every other key is read by all.
 Setting a key of another family is an error naming the key and its families, and a resolved
 config (:func:`config_to_dict`, :func:`dump_toml`, checkpoints) holds only the keys of its
-family, so it reads back. Growing a family: add its name to :data:`BACKBONES`, its keys to the
-section dataclasses (with defaults) and their names to ``FAMILY_KEYS[name]``.
+family, so it reads back. Growing a family: its module in :mod:`highrank.config.families`, one
+line in :data:`FAMILIES`, and its new keys in the section dataclasses (with defaults).
 
-Layout: :mod:`~highrank.config.schema` (the dataclasses, :data:`FAMILY_KEYS`, ConfigError),
-:mod:`~highrank.config.loader` (reading, overrides, type and range checks),
+Layout: :mod:`~highrank.config.keys` (ConfigError, the range rules, what a family declares),
+:mod:`~highrank.config.families` (the families), :mod:`~highrank.config.schema` (the
+dataclasses), :mod:`~highrank.config.loader` (reading, overrides, type and range checks),
 :mod:`~highrank.config.toml_writer` (the resolved config as TOML). Every name is importable
 from ``highrank.config`` itself.
 """
 
+from highrank.config.families import FAMILIES, applies_to, key_families
+from highrank.config.keys import ConfigError, Family
 from highrank.config.loader import (
     RULES,
     config_from_dict,
     load_config,
     parse_override,
+    rules,
     validate_config,
 )
 from highrank.config.schema import (
     BACKBONES,
-    FAMILY_KEYS,
     MODEL_SET_KNOBS,
     SECTIONS,
-    STREAM_DATA_KEYS,
     SWITCH_POLICIES,
     Config,
-    ConfigError,
     DataConfig,
     DecodeConfig,
     DynamicEvalConfig,
@@ -90,25 +92,23 @@ from highrank.config.schema import (
     ModelConfig,
     RunConfig,
     TrainConfig,
-    applies_to,
-    key_families,
     section_fields,
 )
 from highrank.config.toml_writer import config_to_dict, dump_toml, save_config, toml_value
 
 __all__ = [
     "BACKBONES",
-    "FAMILY_KEYS",
+    "FAMILIES",
     "MODEL_SET_KNOBS",
     "RULES",
     "SECTIONS",
-    "STREAM_DATA_KEYS",
     "SWITCH_POLICIES",
     "Config",
     "ConfigError",
     "DataConfig",
     "DecodeConfig",
     "DynamicEvalConfig",
+    "Family",
     "FinetuneConfig",
     "HeadConfig",
     "ModelConfig",
@@ -121,6 +121,7 @@ __all__ = [
     "key_families",
     "load_config",
     "parse_override",
+    "rules",
     "save_config",
     "section_fields",
     "toml_value",

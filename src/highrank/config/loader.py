@@ -6,30 +6,38 @@ the value, where it came from (file and line, or the override) and what was expe
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tomllib
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from highrank.config import families
+from highrank.config.families import applies_to, key_families
+from highrank.config.keys import (
+    DEVICE,
+    NON_EMPTY,
+    NON_NEGATIVE,
+    NON_NEGATIVE_FINITE,
+    POSITIVE,
+    POSITIVE_FINITE,
+    SEED,
+    ConfigError,
+    Rule,
+    one_of,
+)
 from highrank.config.schema import (
     BACKBONES,
     MODEL_SET_KNOBS,
     SECTIONS,
-    SWITCH_POLICIES,
     Config,
-    ConfigError,
     HeadConfig,
-    applies_to,
-    key_families,
     section_fields,
 )
 from highrank.config.toml_writer import toml_value
 from highrank.data import MODES
-from highrank.data.streaming import BATCHINGS
 from highrank.heads import HEADS, head_knobs
 from highrank.util.checks import is_number
 
@@ -296,127 +304,36 @@ def _origin(origins: Mapping[str, str], dotted: str) -> str:
 
 # ---- value constraints ------------------------------------------------------------------------
 
-_Rule = tuple[Callable[[Any], bool], str]
-
-
-def _positive_int(v: Any) -> bool:
-    return v > 0
-
-
-def _non_negative(v: Any) -> bool:
-    return v >= 0
-
-
-def _positive_finite(v: Any) -> bool:
-    return math.isfinite(v) and v > 0
-
-
-def _non_negative_finite(v: Any) -> bool:
-    return math.isfinite(v) and v >= 0
-
-
-def _probability(v: Any) -> bool:
-    return 0 <= v < 1
-
-
-def _one_of(choices: Sequence[str]) -> _Rule:
-    return (lambda v: v in choices), "one of: " + ", ".join(repr(c) for c in choices)
-
-
-POSITIVE: _Rule = (_positive_int, "> 0")
-NON_NEGATIVE: _Rule = (_non_negative, ">= 0")
-POSITIVE_FINITE: _Rule = (_positive_finite, "a finite number > 0")
-NON_NEGATIVE_FINITE: _Rule = (_non_negative_finite, "a finite number >= 0")
-PROBABILITY: _Rule = (_probability, "a probability in [0, 1)")
-NON_EMPTY: _Rule = (bool, "a non-empty string")
-DEVICE: _Rule = (
-    lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) is not None,
-    "'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'",
-)
-SEED: _Rule = (lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
-LANGUAGE: _Rule = (
-    lambda v: re.fullmatch(r"[A-Za-z0-9_\-]+", v) is not None,
-    "a language suffix such as 'en' (letters, digits, '_' or '-'; the split files' extension)",
-)
-
-# Dotted key -> rule; None values (unset optional keys) are not checked.
-RULES: dict[str, _Rule] = {
+# Dotted key -> rule for the keys every family reads; None values (unset optional keys) are not
+# checked. The keys of some families only carry the rules their families declare
+# (:func:`rules`).
+RULES: dict[str, Rule] = {
     "data.dir": NON_EMPTY,
-    "data.mode": _one_of(MODES),
+    "data.mode": one_of(MODES),
     "data.cache_dir": NON_EMPTY,
-    "data.src_lang": LANGUAGE,
-    "data.tgt_lang": LANGUAGE,
-    "data.subword_type": _one_of(("bpe", "unigram")),
-    "data.subword_vocab_size": (lambda v: v > 4, "> 4 (the four special pieces and more)"),
-    "data.max_vocab": (lambda v: v >= 2, ">= 2 (<eos> and <unk> at least)"),
-    "data.batching": _one_of(BATCHINGS),
-    "model.backbone": _one_of(BACKBONES),
-    **{
-        f"model.{k}": POSITIVE
-        for k in (
-            "d_embed",
-            "d_hidden",
-            "n_layers",
-            "d_last",
-            "n_encoder_layers",
-            "n_decoder_layers",
-            "n_heads",
-            "d_ff",
-        )
-    },
-    "model.positions": _one_of(("sinusoidal", "learned", "rotary")),
-    "model.max_len": (lambda v: v >= 2, ">= 2"),
-    "model.dropout_attention": PROBABILITY,
-    "model.dropout_residual": PROBABILITY,
-    **{
-        f"model.{k}": PROBABILITY
-        for k in (
-            "dropout_embedding",
-            "dropout_input",
-            "dropout_hidden",
-            "dropout_output",
-            "weight_drop",
-        )
-    },
-    "model.ar_alpha": NON_NEGATIVE_FINITE,
-    "model.tar_beta": NON_NEGATIVE_FINITE,
+    "model.backbone": one_of(BACKBONES),
+    "model.d_embed": POSITIVE,
     **{
         f"train.{k}": POSITIVE
         for k in (
             "batch_size",
             "bptt",
             "epochs",
-            "nonmono",
-            "switch_epoch",
             "eval_batch_size",
             "test_batch_size",
             "log_every",
             "checkpoint_every",
             "chunk_size",
-            "max_tokens",
-            "eval_every",
         )
     },
-    "train.label_smoothing": PROBABILITY,
-    "train.warmup_steps": NON_NEGATIVE,
-    "train.lr_schedule": _one_of(("inverse-sqrt", "cosine")),
-    "train.adam_beta2": PROBABILITY,
-    "train.accumulate": POSITIVE,
-    "decode.beam_size": POSITIVE,
-    "decode.length_penalty": NON_NEGATIVE_FINITE,
-    "decode.max_len_a": NON_NEGATIVE_FINITE,
-    "decode.max_len_b": POSITIVE,
-    "train.max_seq_len_delta": NON_NEGATIVE,
     "train.max_nonfinite_skips": NON_NEGATIVE,
     "train.checkpoint_minutes": NON_NEGATIVE_FINITE,
     "train.lr": POSITIVE_FINITE,
     "train.weight_decay": NON_NEGATIVE_FINITE,
     "train.clip": NON_NEGATIVE_FINITE,
-    "train.optimizer": _one_of(SWITCH_POLICIES),
     "train.seed": SEED,
     "finetune.lr": POSITIVE_FINITE,
     "finetune.epochs": NON_NEGATIVE,
-    "finetune.max_seq_len_delta": NON_NEGATIVE,
     "dynamic_eval.lr": POSITIVE_FINITE,
     "dynamic_eval.epsilon": POSITIVE_FINITE,
     "dynamic_eval.prior_decay": NON_NEGATIVE_FINITE,
@@ -426,12 +343,33 @@ RULES: dict[str, _Rule] = {
 }
 
 
+def rules() -> dict[str, Rule]:
+    """Dotted key -> rule for every key with one: :data:`RULES` and the family keys' rules
+    (of every family, so a key's range is checked before whether the family reads it), in
+    section and field order."""
+    found = dict(RULES)
+    for family in families.FAMILIES.values():
+        for section, keys in family.keys.items():
+            for key, rule in keys.items():
+                dotted = f"{section}.{key}"
+                if rule is None:
+                    continue
+                if found.setdefault(dotted, rule) is not rule:
+                    raise AssertionError(f"families declare two rules for {dotted}")
+    order = {
+        f"{section}.{key}": (i, j)
+        for i, section in enumerate(SECTIONS)
+        for j, key in enumerate(section_fields(section))
+    }
+    return dict(sorted(found.items(), key=lambda item: order[item[0]]))
+
+
 def validate_config(config: Config, origins: Mapping[str, str] | None = None) -> None:
     """Check the head's name and knobs, value ranges and cross-key rules (also for a Config
     built in code); ``origins`` maps dotted keys to their source for the messages."""
     origins = dict(origins or {})
     _build_head({"name": config.head.name, **config.head.knobs}, origins)
-    for dotted, (accepts, expected) in RULES.items():
+    for dotted, (accepts, expected) in rules().items():
         section, key = dotted.split(".")
         value = getattr(getattr(config, section), key)
         if value is not None and not accepts(value):
@@ -441,11 +379,8 @@ def validate_config(config: Config, origins: Mapping[str, str] | None = None) ->
             )
     _validate_head_values(config, origins)
     _validate_switch_epoch(config, origins)
-    _validate_streaming(config, origins)
-    if config.model.backbone == "seq2seq":
-        _validate_seq2seq(config, origins)
-    if config.model.backbone == "transformer":
-        _validate_transformer(config, origins)
+    family = families.FAMILIES[config.model.backbone]
+    family.check(config, lambda dotted: _origin(origins, dotted), _show)
 
 
 def _validate_head_values(config: Config, origins: Mapping[str, str]) -> None:
@@ -497,64 +432,6 @@ def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
         )
 
 
-def _validate_streaming(config: Config, origins: Mapping[str, str]) -> None:
-    """data.max_vocab and sentence batching are features of the memory-mapped loader."""
-    data = config.data
-    if not applies_to("data.memmap", config.model.backbone):
-        return  # seq2seq: its family check names the key instead
-    for dotted, used in (
-        ("data.max_vocab", data.max_vocab is not None),
-        ("data.batching", data.batching == "sentences"),
-    ):
-        if used and not data.memmap:
-            value = getattr(data, dotted.split(".")[1])
-            raise ConfigError(
-                f"{_origin(origins, dotted)}: {dotted} = {_show(value)} needs the memory-mapped "
-                f"corpus loader, but data.memmap = false; set data.memmap = true"
-            )
-
-
-def _validate_seq2seq(config: Config, origins: Mapping[str, str]) -> None:
-    """Cross-key rules of a translation config."""
-    data, model = config.data, config.model
-    if data.src_lang == data.tgt_lang:
-        raise ConfigError(
-            f"{_origin(origins, 'data.tgt_lang')}: data.tgt_lang = {_show(data.tgt_lang)} is also "
-            f"data.src_lang; expected two languages"
-        )
-    if model.d_embed % model.n_heads:
-        raise ConfigError(
-            f"{_origin(origins, 'model.n_heads')}: model.n_heads = {model.n_heads} does not "
-            f"divide model.d_embed = {model.d_embed}; expected a divisor"
-        )
-    if model.share_embeddings and not data.subword_joint:
-        raise ConfigError(
-            f"{_origin(origins, 'model.share_embeddings')}: model.share_embeddings = true needs "
-            f"one joint vocabulary, but data.subword_joint = false; set one of them"
-        )
-
-
-def _validate_transformer(config: Config, origins: Mapping[str, str]) -> None:
-    """Cross-key rules of a decoder-only Transformer LM config."""
-    model, train = config.model, config.train
-    if model.d_embed % model.n_heads:
-        raise ConfigError(
-            f"{_origin(origins, 'model.n_heads')}: model.n_heads = {model.n_heads} does not "
-            f"divide model.d_embed = {model.d_embed}; expected a divisor"
-        )
-    if model.positions == "rotary" and (model.d_embed // model.n_heads) % 2:
-        raise ConfigError(
-            f"{_origin(origins, 'model.positions')}: rotary positions rotate pairs of "
-            f"features, but d_embed / n_heads = {model.d_embed // model.n_heads} is odd"
-        )
-    if model.positions == "learned" and model.max_len < train.bptt:
-        raise ConfigError(
-            f"{_origin(origins, 'model.max_len')}: model.max_len = {model.max_len} is shorter "
-            f"than the windows (train.bptt = {train.bptt}) the learned positions must cover; "
-            f"expected max_len >= bptt"
-        )
-
-
 def _check_family_keys(family: str, origins: Mapping[str, str]) -> None:
     """A key given in the file or an override must be one the chosen family reads."""
     for dotted, where in origins.items():
@@ -566,4 +443,11 @@ def _check_family_keys(family: str, origins: Mapping[str, str]) -> None:
             )
 
 
-__all__ = ["RULES", "config_from_dict", "load_config", "parse_override", "validate_config"]
+__all__ = [
+    "RULES",
+    "config_from_dict",
+    "load_config",
+    "parse_override",
+    "rules",
+    "validate_config",
+]

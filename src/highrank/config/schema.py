@@ -1,9 +1,11 @@
-"""The config schema: one dataclass per TOML section, the model families and the keys only
-some of them read (:data:`FAMILY_KEYS`), and the error every config problem raises.
+"""The config schema: one dataclass per TOML section (every key's type and default), and the
+error every config problem raises.
 
-Growing a family: add its name to :data:`BACKBONES`, its keys to the section dataclasses (with
-defaults) and their names to ``FAMILY_KEYS[name]``. Reading and checking a config:
-:mod:`highrank.config.loader`; writing one: :mod:`highrank.config.toml_writer`.
+Which family reads which key, the keys' ranges and the families' cross-checks are declared by
+the families themselves (:mod:`highrank.config.families`). Growing a family: its module there,
+one line in :data:`~highrank.config.families.FAMILIES`, and its new keys here (with defaults).
+Reading and checking a config: :mod:`highrank.config.loader`; writing one:
+:mod:`highrank.config.toml_writer`.
 """
 
 from __future__ import annotations
@@ -12,82 +14,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKBONES = ("awd-lstm", "seq2seq", "transformer")  # model.backbone: the model families
-# train.optimizer: the SGD -> ASGD switch policies of highrank.train.asgd (which reads them here)
-SWITCH_POLICIES = ("nt-asgd", "et-asgd", "sgd")
-# Family -> section -> the keys of that section only this family (and any other family listing
-# them too) reads; a key listed for no family is read by every family.
-STREAM_DATA_KEYS = ("memmap", "max_vocab", "batching")  # the stream LMs' corpus on disk
-FAMILY_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
-    "awd-lstm": {
-        "data": STREAM_DATA_KEYS,
-        "model": (
-            "d_hidden",
-            "n_layers",
-            "d_last",
-            "dropout_embedding",
-            "dropout_input",
-            "dropout_hidden",
-            "dropout_output",
-            "weight_drop",
-            "ar_alpha",
-            "tar_beta",
-        ),
-        "train": ("max_seq_len_delta", "optimizer", "nonmono", "switch_epoch"),
-        "finetune": ("max_seq_len_delta",),
-    },
-    "seq2seq": {
-        "data": ("src_lang", "tgt_lang", "subword_type", "subword_vocab_size", "subword_joint"),
-        "model": (
-            "n_encoder_layers",
-            "n_decoder_layers",
-            "n_heads",
-            "d_ff",
-            "positions",
-            "max_len",
-            "dropout_input",
-            "dropout_attention",
-            "dropout_residual",
-            "share_embeddings",
-        ),
-        "train": (
-            "max_tokens",
-            "label_smoothing",
-            "warmup_steps",
-            "lr_schedule",
-            "adam_beta2",
-            "eval_every",
-        ),
-        "decode": ("beam_size", "length_penalty", "max_len_a", "max_len_b"),
-    },
-    "transformer": {
-        "data": STREAM_DATA_KEYS,
-        "model": (
-            "n_layers",
-            "n_heads",
-            "d_ff",
-            "positions",
-            "max_len",
-            "dropout_input",
-            "dropout_attention",
-            "dropout_residual",
-        ),
-        "train": (
-            "warmup_steps",
-            "lr_schedule",
-            "adam_beta2",
-            "eval_every",
-            "accumulate",
-            "bf16",
-        ),
-    },
-}
+from highrank.config.families import FAMILIES
+from highrank.config.families.awd_lstm import SWITCH_POLICIES
+from highrank.config.keys import ConfigError
+
+BACKBONES = tuple(FAMILIES)  # model.backbone: the model families
 # Head constructor arguments that the model sets from [model], not the user from [head].
 MODEL_SET_KNOBS = ("d_embed", "tied_weight", "dropout_time_dim")
-
-
-class ConfigError(ValueError):
-    """Bad configuration: the message names the dotted key, the value, its source and the fix."""
 
 
 # ---- schema ---------------------------------------------------------------------------------
@@ -140,7 +73,7 @@ class ModelConfig:
     dropout_hidden 0.2; MoS PTB: d_embed 280, d_hidden 960, d_last 620, dropout_hidden 0.225).
 
     Attributes:
-        backbone: the model family, ``"awd-lstm"`` (see :data:`FAMILY_KEYS`).
+        backbone: the model family, ``"awd-lstm"`` (see :data:`highrank.config.families.FAMILIES`).
         d_embed: embedding size (the tied decoder's size).
         d_hidden: hidden size of the inner LSTM layers.
         n_layers: number of stacked single-layer LSTMs.
@@ -390,27 +323,10 @@ def section_fields(section: str) -> dict[str, Any]:
     return {"name": str} if section == "head" else hints
 
 
-# ---- model families ---------------------------------------------------------------------------
-
-
-def key_families(dotted: str) -> tuple[str, ...]:
-    """The families that read ``section.key``; () when every family reads it."""
-    section, key = dotted.split(".", 1)
-    return tuple(f for f, keys in FAMILY_KEYS.items() if key in keys.get(section, ()))
-
-
-def applies_to(dotted: str, family: str) -> bool:
-    """Whether backbone ``family`` reads the key ``section.key``."""
-    families = key_families(dotted)
-    return not families or family in families
-
-
 __all__ = [
     "BACKBONES",
-    "FAMILY_KEYS",
     "MODEL_SET_KNOBS",
     "SECTIONS",
-    "STREAM_DATA_KEYS",
     "SWITCH_POLICIES",
     "Config",
     "ConfigError",
@@ -422,7 +338,5 @@ __all__ = [
     "ModelConfig",
     "RunConfig",
     "TrainConfig",
-    "applies_to",
-    "key_families",
     "section_fields",
 ]

@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from highrank.config.schema import SECTIONS, Config, ConfigError, applies_to
+from highrank.config.families import applies_to
+from highrank.config.keys import ConfigError
+from highrank.config.schema import SECTIONS, Config
 
 # ---- writing ----------------------------------------------------------------------------------
 

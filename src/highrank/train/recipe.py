@@ -48,7 +48,7 @@ AdamW ``state_dict`` already holds its step counts).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -150,4 +150,32 @@ class Recipe(Protocol):
         """One sentence on what to change when steps keep being non-finite."""
 
 
-__all__ = ["EpochSize", "Recipe", "Stage", "StepBatch", "StepResult", "Verdict"]
+@dataclass(frozen=True)
+class RunKind:
+    """How runs of a family start and continue, besides its recipe: the word-corpus language
+    models share one (:data:`highrank.train.runner.LANGUAGE_MODEL`), translation has its own
+    (:data:`highrank.train.seq2seq.TRANSLATION`); :data:`highrank.train.runner.RUN_KINDS`
+    maps ``model.backbone`` to it.
+
+    Attributes:
+        name: what its training is called in messages (``"translation training"``).
+        start: ``start(config, stage, device, options, command, init_from) -> TrainResult``,
+            a new run in ``config.run.out_dir`` (absolute paths, the run locked).
+        resume: ``resume(run, stage, payload, path, config, options) -> Trainer``, a trainer
+            in exactly the state of the checkpoint ``payload`` (read from ``path``).
+        vocab_size: ``vocab_size(config) -> int``, the vocabulary the model is built for.
+        torchrun: whether it trains as several processes under torchrun (False: process 0
+            alone does it all).
+        no_finetune: why ``highrank finetune`` does not apply, ``{run}`` standing for the run
+            directory; None: it does.
+    """
+
+    name: str
+    start: Callable[..., Any]
+    resume: Callable[..., Any]
+    vocab_size: Callable[[Any], int]
+    torchrun: bool = True
+    no_finetune: str | None = None
+
+
+__all__ = ["EpochSize", "Recipe", "RunKind", "Stage", "StepBatch", "StepResult", "Verdict"]

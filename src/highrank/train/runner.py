@@ -1,7 +1,9 @@
 """Starting, resuming and finetuning runs: a run directory, a model, a recipe, the loop.
 
 The recipe is chosen by ``model.backbone`` in :data:`RECIPES`; each entry is a class built as
-``Recipe(config, model, corpus, stage, device)`` (:mod:`highrank.train.recipe`).
+``Recipe(config, model, corpus, stage, device)`` (:mod:`highrank.train.recipe`). How a run of
+the family starts and continues (its data, its processes) is its
+:class:`~highrank.train.recipe.RunKind` in :data:`RUN_KINDS`.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from highrank.runs.run_dir import RunDir, check_writable
 from highrank.train import distributed
 from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore
-from highrank.train.recipe import Recipe, Stage
-from highrank.train.seq2seq import Seq2SeqRecipe, continue_translation, start_translation
+from highrank.train.recipe import Recipe, RunKind, Stage
+from highrank.train.seq2seq import TRANSLATION, Seq2SeqRecipe
 from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import Progress, TrainOptions, TrainResult
 from highrank.train.transformer import TransformerRecipe
@@ -155,8 +157,13 @@ def _continue(
     run: RunDir, stage: Stage, payload: dict, path: Path, config: Config, options: TrainOptions
 ) -> Trainer:
     """A trainer in exactly the state of a checkpoint with training state."""
-    if config.model.backbone == "seq2seq":  # parallel text and subwords, not a word corpus
-        return continue_translation(run, stage, payload, path, config, options)
+    return RUN_KINDS[config.model.backbone].resume(run, stage, payload, path, config, options)
+
+
+def _continue_words(
+    run: RunDir, stage: Stage, payload: dict, path: Path, config: Config, options: TrainOptions
+) -> Trainer:
+    """:func:`_continue` for a language model on a word corpus."""
     device = resolve_device(config.run.device)
     corpus = _corpus(config)
     _check_same_vocab(run, corpus, path)
@@ -184,7 +191,8 @@ def train(
     ``config.head`` at that softmax's distribution (:mod:`highrank.train.warm_start`).
     """
     options = options or TrainOptions()
-    if config.model.backbone != "seq2seq":  # translation runs in one process (cli.train)
+    kind = RUN_KINDS[config.model.backbone]
+    if kind.torchrun:  # the others run in one process (cli.train)
         distributed.init_from_env()  # under torchrun: join the other processes
     config = _absolute_paths(config)
     command = _command(command, ["highrank", "train"])
@@ -193,15 +201,15 @@ def train(
     # held until the run ends: one writer per directory (process 0 under torchrun)
     with _lock(config.run.out_dir):
         _on_writer(RunDir(Path(config.run.out_dir)).remove_temporaries)
-        if config.model.backbone == "seq2seq":  # parallel text and subwords, not a word corpus
-            if init_from is not None:
-                raise ConfigError("--init-from applies to language models, not translation")
-            return start_translation(config, train_stage(config), options, command)
-        return _train_words(config, device, options, command, init_from)
+        return kind.start(config, train_stage(config), device, options, command, init_from)
 
 
 def _train_words(
-    config: Config, device: torch.device, options: TrainOptions, command: list[str],
+    config: Config,
+    stage: Stage,
+    device: torch.device,
+    options: TrainOptions,
+    command: list[str],
     init_from: str | os.PathLike | None = None,
 ) -> TrainResult:
     corpus = _corpus(config)
@@ -211,7 +219,6 @@ def _train_words(
     if init_from is not None:
         init_from_run(model, init_from, corpus.vocab)
     model = model.to(device)
-    stage = train_stage(config)
     recipe = build_recipe(config, model, corpus, stage, device)
     _on_writer(lambda: _note_restart(RunDir(Path(config.run.out_dir))))
     run = distributed.on_writer(  # inputs all good
@@ -255,7 +262,7 @@ def resume(
     from its config.toml (as if trained anew: same seed, same result).
     """
     run = _open_locked_run(run_dir)
-    if run.load_config().model.backbone != "seq2seq":  # translation: one process (cli.train)
+    if RUN_KINDS[run.load_config().model.backbone].torchrun:  # else one process (cli.train)
         distributed.init_from_env()
     with _lock(run.path):
         _on_writer(run.remove_temporaries)
@@ -305,7 +312,7 @@ def finetune(
     before its first epoch end has no best.pt).
     """
     run = _open_locked_run(run_dir)
-    if run.load_config().model.backbone != "seq2seq":  # translation: one process (cli.train)
+    if RUN_KINDS[run.load_config().model.backbone].torchrun:  # else one process (cli.train)
         distributed.init_from_env()
     default = ["highrank", "finetune", str(run_dir), *(["--resume"] if resume else [])]
     options = options or TrainOptions()
@@ -341,12 +348,9 @@ def _start_finetune(
     payload = load_checkpoint(best)
     check_own_checkpoint(run, payload, best)
     config = _apply_overrides(payload, best, overrides, FINETUNE_OVERRIDES)
-    if config.model.backbone == "seq2seq":
-        raise ConfigError(
-            f"{run.path} is a translation run: finetune (averaged SGD on a word corpus, the "
-            "AWD-LSTM recipe) does not apply; train it longer with `highrank train --resume "
-            f"{run.path} --train.epochs=N`"
-        )
+    no_finetune = RUN_KINDS[config.model.backbone].no_finetune
+    if no_finetune is not None:
+        raise ConfigError(no_finetune.format(run=run.path))
     stage = finetune_stage(config)
     if stage.epochs == 0:
         raise ConfigError("finetune.epochs = 0: nothing to finetune; set --finetune.epochs=N")
@@ -429,16 +433,35 @@ def parameter_count(config: Config, vocab_size: int) -> int:
 def corpus_vocab_size(config: Config) -> int:
     """Vocabulary size of the corpus at ``config.data.dir`` (read once, then cached); for
     ``seq2seq``, data.subword_vocab_size (SentencePiece learns exactly that many pieces)."""
-    if config.model.backbone == "seq2seq":
-        return config.data.subword_vocab_size
+    return RUN_KINDS[config.model.backbone].vocab_size(config)
+
+
+def _words_vocab_size(config: Config) -> int:
     return len(_corpus(config).vocab)
+
+
+# How the word-corpus language models' runs start and continue.
+LANGUAGE_MODEL = RunKind(
+    name="language-model training",
+    start=_train_words,
+    resume=_continue_words,
+    vocab_size=_words_vocab_size,
+)
+# model.backbone -> how its runs start and continue.
+RUN_KINDS: dict[str, RunKind] = {
+    "awd-lstm": LANGUAGE_MODEL,
+    "transformer": LANGUAGE_MODEL,
+    "seq2seq": TRANSLATION,
+}
 
 
 __all__ = [
     "FINETUNE_OVERRIDES",
     "FINETUNE_RESUME_OVERRIDES",
+    "LANGUAGE_MODEL",
     "RECIPES",
     "RESUME_OVERRIDES",
+    "RUN_KINDS",
     "build_recipe",
     "check_model_fits",
     "check_own_checkpoint",

@@ -46,7 +46,7 @@ from highrank.runs.checkpoint import CheckpointError, load_weights
 from highrank.runs.run_dir import RunDir, RunDirError
 from highrank.train import distributed
 from highrank.train.loop import Trainer, restore
-from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
+from highrank.train.recipe import EpochSize, RunKind, Stage, StepBatch, StepResult, Verdict
 from highrank.train.schedule import build_adamw, lr_factor, set_lr
 from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import Progress, TrainOptions, TrainResult
@@ -283,4 +283,39 @@ def continue_translation(
     return restore(config, run, stage, recipe, training, options, data.vocab_sizes[1])
 
 
-__all__ = ["Seq2SeqRecipe", "continue_translation", "start_translation"]
+def _start(
+    config: Config,
+    stage: Stage,
+    device: torch.device,
+    options: TrainOptions,
+    command: Sequence[str],
+    init_from: Any = None,
+) -> TrainResult:
+    """:func:`start_translation` (which picks its device itself), refusing ``--init-from``."""
+    if init_from is not None:
+        raise ConfigError("--init-from applies to language models, not translation")
+    return start_translation(config, stage, options, command)
+
+
+def _vocab_size(config: Config) -> int:
+    """data.subword_vocab_size: SentencePiece learns exactly that many pieces."""
+    return config.data.subword_vocab_size
+
+
+# How translation runs start and continue (highrank.train.runner.RUN_KINDS): parallel text and
+# subwords, not a word corpus; one process.
+TRANSLATION = RunKind(
+    name="translation training",
+    start=_start,
+    resume=continue_translation,
+    vocab_size=_vocab_size,
+    torchrun=False,
+    no_finetune=(
+        "{run} is a translation run: finetune (averaged SGD on a word corpus, the "
+        "AWD-LSTM recipe) does not apply; train it longer with `highrank train --resume "
+        "{run} --train.epochs=N`"
+    ),
+)
+
+
+__all__ = ["TRANSLATION", "Seq2SeqRecipe", "continue_translation", "start_translation"]
