@@ -107,3 +107,46 @@ def test_a_saved_model_naming_an_unknown_head_is_one_clear_error(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "head_name": "nope"}))
     with pytest.raises(ValueError, match=r"names the head 'nope', which this highrank does not"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+
+
+@pytest.mark.parametrize("base_name", sorted(BASES))
+def test_the_config_states_the_base_models_context_length(base_name, tmp_path):
+    """Issue 21: tools (lm-eval's HFLM) read max_position_embeddings / n_positions from
+    model.config; they lived only inside base_config."""
+    from transformers import AutoModelForCausalLM
+
+    from highrank.integrations.hf import attach_head
+
+    model = attach_head(BASES[base_name](), "mos", n_components=2)
+    assert model.config.max_position_embeddings == 64
+    model.save_pretrained(tmp_path / "m")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert again.config.max_position_embeddings == 64
+
+
+def test_analyze_hf_reads_a_saved_highrank_model(tmp_path, capsys):
+    """Issue 21: `highrank analyze rank --hf FOLDER` of an attach_head(...).save_pretrained
+    folder said Transformers does not recognise the model type `highrank`."""
+    import subprocess
+    import sys
+
+    from tests.analysis.test_hf_contexts import save_tiny_model, write_text
+
+    base = save_tiny_model(tmp_path / "base")
+    folder = tmp_path / "mos"
+    script = (  # a fresh process: nothing of highrank.integrations imported beforehand
+        "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer;"
+        "from highrank.integrations.hf import attach_head;"
+        f"m = attach_head(AutoModelForCausalLM.from_pretrained({str(base)!r}), 'mos', "
+        f"n_components=2); m.save_pretrained({str(folder)!r});"
+        f"AutoTokenizer.from_pretrained({str(base)!r}).save_pretrained({str(folder)!r})"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+    text = write_text(tmp_path / "t.txt", n_words=200)
+    probe = (
+        "import sys; from highrank.cli import main; sys.exit(main(['analyze', 'rank', '--hf', "
+        f"{str(folder)!r}, '--text', {str(text)!r}, '--out', {str(tmp_path / 'out')!r}, "
+        "'--window', '16']))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-500:]

@@ -21,6 +21,9 @@ except ImportError:  # older transformers: other configuration and weight-tying 
     ) from None
 
 MODEL_TYPE = "highrank"
+# The fields in which configs state their context length (lm-eval's HFLM and others read them
+# from model.config): copied from the base model's text config.
+LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 
 
 class HighrankConfig(PreTrainedConfig):
@@ -65,6 +68,9 @@ class HighrankConfig(PreTrainedConfig):
             self.head_d_in = text.hidden_size
         if self.vocab_size is None:
             self.vocab_size = text.vocab_size
+        for name in LENGTH_FIELDS:  # the base model's context length, where tools look for it
+            if getattr(text, name, None) is not None:
+                setattr(self, name, getattr(text, name))
 
     def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
         """The base model's text config: generation and caches read layers, heads and the

@@ -42,4 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "hf", None):
+        register_highrank_models()
     return guarded("analyze", lambda: _module(args.analysis_module).run(args))
+
+
+def register_highrank_models() -> None:
+    """Make ``--hf`` read highrank's own saved models (config.json ``model_type =
+    "highrank"``): importing the integration registers that type with the Auto classes.
+    Without transformers nothing happens here; loading then names the missing extra."""
+    try:
+        import highrank.integrations.hf  # noqa: F401
+    except ImportError:
+        pass
