@@ -55,7 +55,10 @@ def test_loss_is_the_mean_nll_of_the_returned_log_probs(attached, token_batch, b
     with torch.no_grad():
         out = model(ids, labels=labels)
         log_probs = model(ids).logits
-    assert out.logits is None  # the loss path builds no (tokens x V) logits
+        training = model.train()(ids, labels=labels)
+    model.eval()
+    assert training.logits is None  # training's loss path builds no (tokens x V) logits
+    torch.testing.assert_close(out.logits, log_probs)  # evaluation returns them with the loss
     assert torch.allclose(log_probs.logsumexp(-1), torch.zeros(()), atol=1e-5)  # normalised
     torch.testing.assert_close(out.loss, manual_nll(log_probs, labels), atol=1e-5, rtol=1e-5)
 
@@ -310,6 +313,30 @@ def test_three_trainer_steps_lower_the_loss(attached, tmp_path, base, head):
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     assert trainer.evaluate()["eval_loss"] < before
+
+
+def test_trainer_evaluate_with_metrics_and_predict_get_the_log_probs(attached, tmp_path):
+    """Issue 21: both crashed on the cache in the outputs, and predictions were empty."""
+    model = attached("llama", "mos")
+    data = _Sequences(torch.randint(0, VOCAB, (4, 12)))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to="none",
+        use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+
+    def metrics(prediction):
+        log_probs, labels = prediction.predictions, prediction.label_ids
+        right = (log_probs[:, :-1].argmax(-1) == labels[:, 1:]).mean()
+        return {"next_token_accuracy": float(right)}
+
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=data,
+                                   compute_metrics=metrics)
+    result = trainer.evaluate()
+    assert 0.0 <= result["eval_next_token_accuracy"] <= 1.0
+    predicted = trainer.predict(data)
+    assert predicted.predictions.shape == (4, 12, VOCAB)
+    sums = torch.from_numpy(predicted.predictions).double().logsumexp(-1)
+    torch.testing.assert_close(sums, torch.zeros(4, 12, dtype=torch.float64), atol=1e-4, rtol=0)
 
 
 # ---- bad calls ---------------------------------------------------------------------------

@@ -49,8 +49,10 @@ What ``forward`` returns (``CausalLMOutputWithPast``):
 * with ``labels`` (or ``shift_labels``), ``loss`` is the mean NLL of the next tokens, shifted
   exactly as transformers shifts them and with ``-100`` ignored (``num_items_in_batch``, which
   ``Trainer`` passes under gradient accumulation, replaces the count of valid tokens), computed
-  by the head's chunked loss: **no (tokens x V) logits are built**, so ``logits`` is None
-  unless ``logits_to_keep`` asks for some positions (then their log-probabilities). Label
+  by the head's chunked loss: **in training mode no (tokens x V) logits are built**, so
+  ``logits`` is None unless ``logits_to_keep`` asks for some positions (then their
+  log-probabilities); in eval mode ``logits`` holds the log-probabilities too, as
+  ``Trainer.evaluate(compute_metrics=...)`` and ``Trainer.predict`` need. Label
   smoothing in ``Trainer`` needs logits and is therefore not supported.
 
 Training: ``model.parameters()`` holds a tied embedding once, so any optimizer works; a head
@@ -195,7 +197,9 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         loss, logits = None, None
         if labels is not None or loss_kwargs.get("shift_labels") is not None:
             loss = self._next_token_loss(hidden, labels, **loss_kwargs)
-        if loss is None or not _keeps_all(logits_to_keep):
+        # The fused-loss convention: only training skips the (tokens x V) output; evaluation
+        # (Trainer.evaluate / predict with compute_metrics) gets the loss and the log-probs.
+        if loss is None or not _keeps_all(logits_to_keep) or not self.training:
             logits = self.head.log_prob(_keep_positions(hidden, logits_to_keep))
         return CausalLMOutputWithPast(
             loss=loss,

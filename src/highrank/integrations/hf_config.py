@@ -42,7 +42,8 @@ class HighrankConfig(PreTrainedConfig):
     """
 
     model_type = MODEL_TYPE
-    keys_to_ignore_at_inference = ["past_key_values"]  # Trainer's evaluation gathers the rest
+    # Trainer's evaluation gathers every other output (transformers 5 names the cache "cache").
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # "llama" is only the fallback type for a base_config dict without its own model_type.
     sub_configs_defaults = {
         "base_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")
