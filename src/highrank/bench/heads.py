@@ -7,9 +7,10 @@ What is measured, per head and vocabulary size:
   naive softmax baseline (``F.cross_entropy(F.linear(h, E, b))``, the layer written the
   usual way) in the same process, so that machine noise hits both alike. Reported as the
   ratio of medians, and the median of the per-run ratios.
-* **peak memory**: the same step in a fresh process per head, as the growth of peak memory
-  over the memory held before the step (parameters and inputs): peak RSS on CPU (the
-  kernel's high-water mark, reset just before the step), ``max_memory_allocated`` on CUDA.
+* **peak memory**: the same step, as the growth of peak memory over the memory held before the
+  step (parameters and inputs): peak RSS on CPU, in a fresh process per head (the kernel's
+  high-water mark, reset just before the step); ``max_memory_allocated`` on CUDA, in this
+  process (the allocator's counter, reset just before the step).
   Parameter gradients count, since every training step allocates them.
 * **same memory budget** (optional): the most tokens a head can process within a memory
   budget (from the peak memory measured at two token counts, which grows linearly), and its
@@ -166,11 +167,17 @@ def _timed(step: Callable[[], None], device: str) -> float:
     return time.perf_counter() - start
 
 
-# ---- memory (in a fresh process) ------------------------------------------------------------
+# ---- memory (CPU: in a fresh process) --------------------------------------------------------
 
 
 def peak_memory_mb(case: BenchCase, vocab_size: int, tokens: int, device: str) -> float:
-    """Peak memory growth (MiB) of one step of ``case``, measured in a fresh process."""
+    """Peak memory growth (MiB) of one step of ``case``: on CUDA in this process (the
+    allocator's peak counter resets exactly), on the CPU in a fresh process (the kernel's
+    high-water mark of a process that has run nothing else)."""
+    if device.startswith("cuda"):
+        return _peak_memory_in_this_process(
+            dataclasses.asdict(case), vocab_size, tokens, device, torch.get_num_threads()
+        )
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
         return pool.apply(
