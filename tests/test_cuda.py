@@ -78,7 +78,9 @@ def test_under_bfloat16_autocast_every_head_returns_normalised_float32(make_head
         log_p = head.log_prob(hidden)
         loss = head.loss(hidden, torch.randint(0, 300, (64,), device=DEVICE))
     assert log_p.dtype == loss.dtype == torch.float32
-    torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(64, device=DEVICE), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        log_p.logsumexp(-1), torch.zeros(64, device=DEVICE), atol=1e-5, rtol=0
+    )
     # bfloat16 keeps 8 significant bits: log-probs of size ~6 move by a few hundredths at most
     assert (log_p - exact).abs().max().item() < 0.1
 
@@ -215,4 +217,3 @@ def test_a_hugging_face_model_with_a_warm_head_generates_on_the_device(head):
     base_greedy = base.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(greedy, base_greedy)  # warm start: the same distribution, the same text
     assert greedy.device.type == torch.device(DEVICE).type
-
