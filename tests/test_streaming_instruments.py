@@ -82,7 +82,8 @@ def nothing_read_whole(monkeypatch):
     monkeypatch.setattr(streaming.StreamCorpus, "split", refuse)
     monkeypatch.setattr("highrank.data.corpus.load_corpus", refuse)
     for module in list(sys.modules.values()):  # every module that imported batchify by name
-        if module.__name__.startswith("highrank") and vars(module).get("batchify") is batchify:
+        name = getattr(module, "__name__", "")  # sys.modules may hold objects of other kinds
+        if name.startswith("highrank") and vars(module).get("batchify") is batchify:
             monkeypatch.setattr(module, "batchify", guarded_batchify)
 
 

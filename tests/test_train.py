@@ -38,6 +38,7 @@ TINY = [
     "train.eval_batch_size=2",
     "train.lr=5",
     "train.log_every=1",
+    "run.device=cpu",  # exact figures are the CPU's (tests/test_cuda.py checks a GPU)
 ]
 QUIET = TrainOptions(progress=False)
 
