@@ -126,7 +126,7 @@ def test_the_v1_fixture_without_run_ids_still_resumes(tmp_path):
     assert "run_id" not in payload and "metrics_lines" not in payload["training"]
     step = payload["training"]["progress"]["step"]
     corpus = write_corpus(tmp_path / "corpus")
-    resume(run, overrides=[f"data.dir={corpus}"],
+    resume(run, overrides=[f"data.dir={corpus}", "run.device=cpu"],  # the twin ran on a CPU
            options=TrainOptions(progress=False, max_steps=step + 1))
     straight = [json.loads(line) for line in (FIXTURE.parent / "straight-metrics.jsonl").open()]
     resumed = [json.loads(line) for line in (run / "metrics.jsonl").open()]
@@ -275,7 +275,8 @@ def test_cuda_on_a_cpu_build(corpus, tmp_path, capsys):
 
 def test_an_absurd_model_size_is_refused_before_allocating(corpus, tmp_path, capsys):
     start = time.perf_counter()
-    assert main(cli_train(corpus, tmp_path / "run", "--model.d_hidden=2000000")) == 2
+    args = cli_train(corpus, tmp_path / "run", "--model.d_hidden=2000000", "--run.device=cpu")
+    assert main(args) == 2
     line = one_error_line(capsys)
     assert "parameters" in line and "GiB is available on cpu" in line
     assert time.perf_counter() - start < 30  # counted on the meta device
