@@ -111,3 +111,14 @@ def test_auto_chunking_matches_the_whole_batch(make_head, name, monkeypatch):
     assert head._resolve_chunk_size("auto", "none") is None
     with torch.no_grad():
         assert head._resolve_chunk_size("auto", "none") == expected_chunk
+
+
+def test_auto_chunks_on_a_gpu_hold_about_2_to_the_26_logits(make_head):
+    """No CUDA needed: the chunk size depends only on the device's type."""
+    mos = make_head("mos", vocab_size=100_000, n_components=15, d_embed=8)
+    assert mos.auto_chunk_tokens() == 1  # CPU: 2**21 logits are one token of 15 x V
+    assert mos.auto_chunk_tokens("cuda") == 2**26 // 1_500_000 == 44
+    assert mos.auto_chunk_tokens(torch.device("cuda", 1)) == 44
+    sigsoftmax = make_head("sigsoftmax", vocab_size=100_000)  # the generic path
+    assert sigsoftmax.auto_chunk_tokens() == 256
+    assert sigsoftmax.auto_chunk_tokens("cuda") == 2**26 // 100_000 == 671

@@ -41,8 +41,9 @@ def base_init_knobs(name: str, knobs: dict) -> dict:
     head_class = _head_class(name)
     if head_class.BASE_INIT_KNOBS is None:
         raise ValueError(f"head {name!r} cannot start at the base model: {head_class.NO_BASE_INIT}")
-    clashing = {k: knobs[k] for k, v in head_class.BASE_INIT_KNOBS.items()
-                if k in knobs and knobs[k] != v}
+    clashing = {
+        k: knobs[k] for k, v in head_class.BASE_INIT_KNOBS.items() if k in knobs and knobs[k] != v
+    }
     if clashing:
         needed = ", ".join(f"{k}={head_class.BASE_INIT_KNOBS[k]!r}" for k in clashing)
         raise ValueError(

@@ -48,6 +48,11 @@ _REDUCTIONS = ("mean", "sum", "none")
 # so it takes fewer, larger chunks of 256 tokens.
 AUTO_CHUNK_ELEMENTS = 2**21
 GENERIC_AUTO_CHUNK_TOKENS = 256
+# On a GPU each chunk is a handful of kernel launches, and 2**21 logits keep the chip idle:
+# MoS (K = 15, V = 100,000, 1,400 tokens) took 107x a naive softmax on an H200 with one token
+# per chunk (benchmarks/results/cuda-check/). There chunks hold about 2**26 logits (256 MiB
+# in float32), still far below the (tokens x K x V) an unchunked mixture would hold.
+CUDA_AUTO_CHUNK_ELEMENTS = 2**26
 
 
 class OutputHead(nn.Module):
@@ -132,7 +137,7 @@ class OutputHead(nn.Module):
         target_rows = self._flatten_target(hidden, target, ignore_index)
         masks = self._draw_masks(hidden)
         n = rows.shape[0]
-        chunk_size = self._resolve_chunk_size(chunk_size, reduction)
+        chunk_size = self._resolve_chunk_size(chunk_size, reduction, hidden.device)
         token_losses = functools.partial(
             self._token_losses, label_smoothing=label_smoothing, ignore_index=ignore_index
         )
@@ -178,26 +183,33 @@ class OutputHead(nn.Module):
         )
         return torch.where(kept, losses, 0.0)
 
-    def _resolve_chunk_size(self, chunk_size: int | None | str, reduction: str) -> int | None:
+    def _resolve_chunk_size(
+        self, chunk_size: int | None | str, reduction: str, device: torch.device | None = None
+    ) -> int | None:
         if chunk_size == "auto":
             if reduction == "none" and torch.is_grad_enabled():
                 return None
-            return self.auto_chunk_tokens()
+            return self.auto_chunk_tokens(device)
         if chunk_size is not None:
             check_positive_int("chunk_size", chunk_size)
         return chunk_size
 
-    def auto_chunk_tokens(self) -> int:
-        """Tokens per chunk under ``chunk_size="auto"``."""
+    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
+        """Tokens per chunk under ``chunk_size="auto"`` for hidden states on ``device`` (the
+        CPU's when None)."""
+        if _is_cuda(device):
+            return max(GENERIC_AUTO_CHUNK_TOKENS, self.fused_auto_chunk_tokens(device))
         return GENERIC_AUTO_CHUNK_TOKENS
 
     def logits_per_token(self) -> int:
         """How many vocabulary-sized values one token's loss materialises (K x V for MoS)."""
         return self.vocab_size
 
-    def fused_auto_chunk_tokens(self) -> int:
-        """Chunks of about ``AUTO_CHUNK_ELEMENTS`` logits, for heads with a fused chunked loss."""
-        return max(1, AUTO_CHUNK_ELEMENTS // self.logits_per_token())
+    def fused_auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
+        """Chunks of about ``AUTO_CHUNK_ELEMENTS`` logits (``CUDA_AUTO_CHUNK_ELEMENTS`` on a
+        GPU), for heads with a fused chunked loss."""
+        elements = CUDA_AUTO_CHUNK_ELEMENTS if _is_cuda(device) else AUTO_CHUNK_ELEMENTS
+        return max(1, elements // self.logits_per_token())
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         if target is None:
@@ -215,8 +227,10 @@ class OutputHead(nn.Module):
         the softmax over its decoder E and bias b, which ``attach_head`` and ``--init-from``
         copy from the model being extended (g' = g, or ``projection(g)`` when d_in != d_embed:
         the replaced softmax's projection). E and b are left as they are."""
-        raise ValueError(f"{type(self).__name__} cannot start at the base softmax: "
-                         f"{self.NO_BASE_INIT or 'it has no start_at_base'}")
+        raise ValueError(
+            f"{type(self).__name__} cannot start at the base softmax: "
+            f"{self.NO_BASE_INIT or 'it has no start_at_base'}"
+        )
 
     def parameter_groups(self, lr: float) -> list[dict]:
         """Optimizer parameter groups; heads whose paper prescribes a separate lr override it."""
@@ -383,3 +397,7 @@ def _resolve_embed_size(
         expected = f"({vocab_size}, {d_embed if d_embed is not None else 'd_embed'})"
         raise ValueError(f"tied_weight has shape {tuple(tied_weight.shape)}; expected {expected}")
     return width
+
+
+def _is_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"

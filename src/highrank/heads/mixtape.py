@@ -202,10 +202,10 @@ class Mixtape(OutputHead):
     # so that benchmarks and tests can compare the two on one head.
     fused_loss = True
 
-    def auto_chunk_tokens(self) -> int:
+    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
         if not self.fused_loss:
-            return super().auto_chunk_tokens()
-        return max(self.fused_auto_chunk_tokens(), MIN_AUTO_CHUNK_TOKENS)
+            return super().auto_chunk_tokens(device)
+        return max(self.fused_auto_chunk_tokens(device), MIN_AUTO_CHUNK_TOKENS)
 
     def logits_per_token(self) -> int:
         """The fused loss's V logits, plus 12 values per frequent id at its peak: 4

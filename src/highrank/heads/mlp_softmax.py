@@ -62,8 +62,8 @@ class MLPSoftmax(OutputHead):
     def start_at_base(self, projection: nn.Linear | None = None) -> None:
         self.residual_branch.start_at_base(projection)
 
-    def auto_chunk_tokens(self) -> int:
-        return self.fused_auto_chunk_tokens()
+    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
+        return self.fused_auto_chunk_tokens(device)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
         return (self._dropout_mask(hidden, self.mlp_width, self.latent_dropout),)

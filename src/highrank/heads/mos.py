@@ -77,8 +77,8 @@ class ContextMixture(OutputHead):
             )
         self.residual_branch.start_at_base(projection)
 
-    def auto_chunk_tokens(self) -> int:
-        return self.fused_auto_chunk_tokens()
+    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
+        return self.fused_auto_chunk_tokens(device)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
         width = self.n_components * self.d_embed

@@ -85,4 +85,3 @@ def copy_projection(target: nn.Linear | None, source: nn.Linear | None) -> None:
         )
     target.weight.copy_(source.weight)
     target.bias.copy_(source.bias)
-

@@ -77,8 +77,8 @@ class Softmax(PointwiseSoftmax):
         tied_weight: the input embedding Parameter ``(V, d_embed)`` to share as E.
     """
 
-    def auto_chunk_tokens(self) -> int:
-        return self.fused_auto_chunk_tokens()
+    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
+        return self.fused_auto_chunk_tokens(device)
 
     def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
         latents = self._project(rows).unsqueeze(1)  # (N, 1, d_embed)

@@ -259,14 +259,14 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _head_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.head.loss(
-            hidden, targets, reduction="sum", chunk_size=loss_chunk_tokens(self.head)
+            hidden, targets, reduction="sum", chunk_size=loss_chunk_tokens(self.head, hidden.device)
         )
 
 
 # ---- building the head -------------------------------------------------------------------
 
 
-def loss_chunk_tokens(head: OutputHead) -> int:
+def loss_chunk_tokens(head: OutputHead, device: torch.device | str | None = None) -> int:
     """Tokens per chunk of the training loss: the head's own ``auto_chunk_tokens()``, but at
     least ``MIN_CHUNK_ROWS`` rows of V logits (``MIN_CHUNK_ROWS / K`` tokens for K mixture
     components).
@@ -279,8 +279,7 @@ def loss_chunk_tokens(head: OutputHead) -> int:
     at V = 49,152) stay far below the (tokens x V) logits the base model's loss builds.
     """
     rows_per_token = max(1, head.logits_per_token() // head.vocab_size)  # K
-    return max(head.auto_chunk_tokens(), math.ceil(MIN_CHUNK_ROWS / rows_per_token))
-
+    return max(head.auto_chunk_tokens(device), math.ceil(MIN_CHUNK_ROWS / rows_per_token))
 
 
 def _build_head_for(config: HighrankConfig, body: PreTrainedModel) -> OutputHead:
