@@ -77,7 +77,7 @@ def test_chunked_loss_path_equals_the_unchunked_one(attached, token_batch, monke
 
     model = attached("llama", head)
     whole = loss_and_grads(model)
-    monkeypatch.setattr(hf, "loss_chunk_tokens", lambda head: 4)
+    monkeypatch.setattr(hf, "loss_chunk_tokens", lambda head, device=None: 4)
     chunked = loss_and_grads(model)
     torch.testing.assert_close(chunked[0], whole[0], atol=1e-6, rtol=1e-6)
     assert chunked[1].keys() == whole[1].keys()
