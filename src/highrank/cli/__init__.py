@@ -61,7 +61,7 @@ VERBS: list[Verb] = [
         "fit every head to a synthetic language of known rank (the softmax bottleneck)",
         demo,
     ),
-    _verb("data", "corpus statistics: lines, tokens with <eos>, vocabulary", data),
+    _verb("data", "corpora: get a benchmark corpus (checked), statistics, synthetic Zipf", data),
     _verb("bench", "benchmark the heads' time and peak memory against a naive softmax", bench),
     _verb("train", "train a language model from a TOML config (or --resume a run exactly)", train),
     _verb(
