@@ -17,8 +17,14 @@ import torch
 
 from highrank.config import ConfigError, load_config
 from highrank.data import EOS, UNK, CorpusError, Vocab, batchify, get_batch, load_corpus, streaming
-from highrank.data.streaming import epoch_view, frequency_order, load_stream_corpus
+from highrank.data.streaming import (
+    corpus_checksums,
+    epoch_view,
+    frequency_order,
+    load_stream_corpus,
+)
 from highrank.data.zipf import write_zipf_corpus, zipf_probabilities
+from highrank.runs.checkpoint import CheckpointError
 from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, resume, train
 
@@ -626,3 +632,41 @@ def test_a_cached_id_outside_the_vocabulary_is_refused(tmp_path, cache, bad):
     damaged.tofile(ids_file)
     with pytest.raises(CorpusError, match=rf"holds the id {bad}, outside the vocabulary"):
         load_stream_corpus(folder, cache_dir=cache)
+
+
+def test_a_cached_id_changed_to_another_valid_id_fails_the_checksum(tmp_path, cache):
+    """Issue: wrong in-range ids trained silently (the cache carried no checksum)."""
+    folder = write_corpus(tmp_path / "c", "a b c\nb c\n")
+    load_stream_corpus(folder, cache_dir=cache)
+    ids_file = next(cache.rglob("train.ids"))
+    damaged = np.fromfile(ids_file, dtype=np.int32)
+    damaged[0] = (damaged[0] + 1) % 4  # still inside the vocabulary of 4
+    damaged.tofile(ids_file)
+    with pytest.raises(CorpusError, match=r"train.ids does not match the checksum written"):
+        load_stream_corpus(folder, cache_dir=cache)
+
+
+def test_the_checksums_of_a_memory_map_equal_the_in_memory_corpus(lm_corpus, cache):
+    mapped = load_stream_corpus(lm_corpus, cache_dir=cache)
+    in_memory = load_corpus(lm_corpus, cache_dir=cache)
+    assert corpus_checksums(mapped) == corpus_checksums(in_memory)
+    assert set(corpus_checksums(mapped)) == {"train", "valid", "test"}
+
+
+@pytest.mark.parametrize("memmap", [True, False], ids=["memmap", "in-memory"])
+def test_a_run_does_not_resume_on_a_changed_corpus_with_the_same_vocabulary(
+    lm_corpus, tmp_path, cache, memmap
+):
+    """Issue: a memmap run resumed after its corpus changed continued when the vocabulary did
+    not change."""
+    out = tmp_path / "run"
+    config = run_config(lm_corpus, out, cache, TINY, f"data.memmap={str(memmap).lower()}")
+    train(config, options=TrainOptions(progress=False, max_steps=5))
+    train_file = lm_corpus / "train.txt"
+    lines = train_file.read_text().splitlines()
+    edited = [*lines[:-1], " ".join(reversed(lines[-1].split()))]  # its words appear earlier
+    train_file.write_text("\n".join(edited) + "\n")  # same counts and first appearances
+    with pytest.raises(CheckpointError, match=r"is not the one the run started on \(train ids"):
+        resume(out, options=QUIET)
+    train_file.write_text("\n".join(lines) + "\n")  # put back: the run continues
+    assert resume(out, options=QUIET).stop_reason == "epochs"

@@ -42,6 +42,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ from highrank.data.corpus import (
 from highrank.util.atomic import sync
 
 # Bump when the tokenisation, the vocabulary rule or the cache layout changes.
-STREAM_VERSION = 1
+STREAM_VERSION = 2  # 2: meta.json holds each split's ids crc32
 BATCHINGS = ("stream", "sentences")  # data.batching
 BLOCK_BYTES = 1 << 20  # text read per block, cut at its last newline (its tokens: tens of MiB)
 ID_DTYPE = np.dtype("<i4")
@@ -308,7 +309,8 @@ def _build(folder: Path, files: dict[str, list[Path]], mode: str, max_vocab: int
         _check_not_empty(files, split, out.stat().st_size // ID_DTYPE.itemsize, lines[split], mode)
     sizes = {s: (folder / f"{s}.ids").stat().st_size // ID_DTYPE.itemsize for s in SPLITS}
     vocab.save(folder / "vocab.json")
-    meta = {"version": STREAM_VERSION, "tokens": sizes, "lines": lines, "oov": oov}
+    crc = {s: ids_crc32(np.memmap(folder / f"{s}.ids", dtype=ID_DTYPE, mode="r")) for s in SPLITS}
+    meta = {"version": STREAM_VERSION, "tokens": sizes, "lines": lines, "oov": oov, "crc32": crc}
     return meta
 
 
@@ -331,6 +333,7 @@ def _read_cached(folder: Path, key: str) -> tuple[Vocab, dict] | None:
             size = (folder / f"{split}.ids").stat().st_size
             if size != meta["tokens"][split] * ID_DTYPE.itemsize or size == 0:
                 return None
+            int(meta["crc32"][split], 16)  # a meta without checksums is stale
         return Vocab.load(folder / "vocab.json"), meta
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -400,6 +403,7 @@ class StreamCorpus:
     cache: Path
     batching: str = "stream"
     seed: int = 0
+    checksums: dict[str, str] | None = None  # {split: crc32 of its ids}, from meta.json
 
     def path(self, name: str) -> Path:
         """The file of split ``name``, or its shard folder."""
@@ -476,15 +480,20 @@ def load_stream_corpus(
     vocab, meta = cached
     ids = {s: np.memmap(folder / f"{s}.ids", dtype=ID_DTYPE, mode="r") for s in SPLITS}
     for split, split_ids in ids.items():
-        _check_id_range(folder / f"{split}.ids", split_ids, len(vocab))
+        _check_ids(folder / f"{split}.ids", split_ids, len(vocab), meta["crc32"][split])
     return StreamCorpus(
-        directory, mode, vocab, ids, files, meta["lines"], meta["oov"], folder, batching, seed
-    )
+        directory, mode, vocab, ids, files, meta["lines"], meta["oov"], folder, batching, seed,
+        checksums=dict(meta["crc32"]),
+    )  # fmt: skip
 
 
-def _check_id_range(path: Path, ids: np.ndarray, vocab_size: int, block: int = 1 << 24) -> None:
-    """Every cached id lies in [0, V): a damaged cache is one error, not silent wrong training
-    (one pass over the ids, a block at a time: about a second per 100M tokens)."""
+def _check_ids(
+    path: Path, ids: np.ndarray, vocab_size: int, crc32: str, block: int = 1 << 24
+) -> None:
+    """Every cached id lies in [0, V) and the ids have the crc32 written with them: a damaged
+    cache is one error, not silent wrong training (one pass over the ids, a block at a time:
+    about a second per 100M tokens)."""
+    crc = 0
     for start in range(0, ids.size, block):
         part = _read_ids(ids, start, block)
         low, high = int(part.min()), int(part.max())
@@ -494,6 +503,33 @@ def _check_id_range(path: Path, ids: np.ndarray, vocab_size: int, block: int = 1
                 f"the token-id cache {path} holds the id {bad}, outside the vocabulary of "
                 f"{vocab_size}: the cache is damaged; delete {path.parent} to rebuild it"
             )
+        crc = zlib.crc32(part.astype("<i4", copy=False).tobytes(), crc)
+    if f"{crc:08x}" != crc32:
+        raise CorpusError(
+            f"the token-id cache {path} does not match the checksum written with it (crc32 "
+            f"{crc:08x}, expected {crc32}): the cache is damaged; delete {path.parent} to "
+            "rebuild it"
+        )
+
+
+def ids_crc32(ids: np.ndarray | torch.Tensor, block: int = 1 << 24) -> str:
+    """crc32 (8 hex digits) of a token-id stream as int32 little-endian bytes: the same for a
+    memory-mapped split and the in-memory int64 tensor of the same ids."""
+    array = ids.numpy() if isinstance(ids, torch.Tensor) else ids
+    crc = 0
+    for start in range(0, array.size, block):
+        part = _read_ids(array, start, block)
+        crc = zlib.crc32(part.astype("<i4", copy=False).tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def corpus_checksums(corpus) -> dict[str, str]:
+    """``{split: crc32}`` of a corpus's token ids (memory-mapped: as written with its cache;
+    in memory: computed now); a run keeps them to tell a changed corpus on resume."""
+    stored = getattr(corpus, "checksums", None)
+    if stored:
+        return dict(stored)
+    return {split: ids_crc32(corpus.split(split)) for split in SPLITS}
 
 
 # ---- batches ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Layout of ``config.run.out_dir``::
     command.txt         the command line that started the run; resumes and finetunes append one
     environment.json    the run id, the machine (highrank.util.machine), git commit (or null)
     vocab.json          the vocabulary (highrank.data.Vocab.save), id order
+    corpus.json         crc32 of each split's token ids (word corpora), checked on resume
     metrics.jsonl       one JSON object per line: "kind": "step" every train.log_every steps,
                         "kind": "epoch" after each epoch's validation, "kind": "eval" after a
                         mid-epoch one (see highrank.train.reporting); never a half line (a
@@ -36,6 +37,7 @@ from highrank.util.atomic import write_bytes_atomic
 from highrank.util.machine import describe_machine
 
 COMMAND_FILE = "command.txt"
+CORPUS_FILE = "corpus.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"  # one subfolder per stage: train, finetune
 
@@ -95,11 +97,28 @@ class RunDir:
             path.unlink(missing_ok=True)
         return removed
 
+    @property
+    def corpus_file(self) -> Path:
+        return self.path / CORPUS_FILE
+
+    def load_corpus_checksums(self) -> dict[str, str] | None:
+        """``{split: crc32}`` of the corpus the run started on; None for runs without them
+        (translation runs, runs written before they existed)."""
+        if not self.corpus_file.is_file():
+            return None
+        return json.loads(self.corpus_file.read_text(encoding="utf-8"))["ids_crc32"]
+
     @classmethod
     def create(
-        cls, path: str | os.PathLike, config: Config, vocab: Vocab, command: Sequence[str]
+        cls,
+        path: str | os.PathLike,
+        config: Config,
+        vocab: Vocab,
+        command: Sequence[str],
+        corpus_checksums: Mapping[str, str] | None = None,
     ) -> RunDir:
-        """A new run directory with config, command, environment and vocabulary written.
+        """A new run directory with config, command, environment and vocabulary written (and
+        ``corpus_checksums``, when given, as corpus.json).
 
         Refuses a directory that already holds a run with a checkpoint, so nothing is
         overwritten; a run stopped before its first checkpoint starts again in place (its
@@ -121,6 +140,10 @@ class RunDir:
             json.dumps(facts, indent=2) + "\n", encoding="utf-8"
         )
         vocab.save(run.vocab_file)
+        run.corpus_file.unlink(missing_ok=True)
+        if corpus_checksums is not None:
+            record = {"ids_crc32": dict(corpus_checksums)}
+            run.corpus_file.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         return run
 
     @classmethod

@@ -25,7 +25,7 @@ from highrank.config import (
     parse_override,
 )
 from highrank.data import Corpus
-from highrank.data.streaming import open_corpus
+from highrank.data.streaming import corpus_checksums, open_corpus
 from highrank.model import build_model, count_parameters
 from highrank.runs.checkpoint import (
     CheckpointError,
@@ -122,6 +122,23 @@ def _check_same_vocab(run: RunDir, corpus: Corpus, path: Path) -> None:
         )
 
 
+def _check_same_corpus(run: RunDir, corpus: Corpus, path: Path) -> None:
+    """The corpus's token ids are those the run started on (same vocabulary is not enough:
+    edited text with the same words would continue the run on other data)."""
+    recorded = run.load_corpus_checksums()
+    if recorded is None:
+        return
+    now = corpus_checksums(corpus)
+    changed = [split for split in recorded if recorded[split] != now.get(split)]
+    if changed:
+        what = ", ".join(f"{s} ids crc32 {now.get(s)} vs {recorded[s]}" for s in changed)
+        raise CheckpointError(
+            f"the corpus at {corpus.directory} is not the one the run started on ({what}; "
+            f"recorded in {run.corpus_file}), although its vocabulary is: checkpoint {path} "
+            "cannot continue on it; point --data.dir at the run's corpus, or start a new run"
+        )
+
+
 def _check_allowed(overrides: Sequence[str], allowed: Sequence[str]) -> None:
     for text in overrides:
         section, key, _ = parse_override(text)
@@ -167,6 +184,7 @@ def _continue_words(
     device = resolve_device(config.run.device)
     corpus = _corpus(config)
     _check_same_vocab(run, corpus, path)
+    _check_same_corpus(run, corpus, path)
     training = payload["training"]
     model = build_model(config, len(corpus.vocab)).to(device)
     load_weights(model, training["model"], path)
@@ -222,7 +240,9 @@ def _train_words(
     recipe = build_recipe(config, model, corpus, stage, device)
     _on_writer(lambda: _note_restart(RunDir(Path(config.run.out_dir))))
     run = distributed.on_writer(  # inputs all good
-        lambda: RunDir.create(config.run.out_dir, config, corpus.vocab, command),
+        lambda: RunDir.create(
+            config.run.out_dir, config, corpus.vocab, command, corpus_checksums(corpus)
+        ),
         lambda: RunDir(Path(config.run.out_dir)),
     )
     return Trainer(config, run, stage, recipe, Progress(), options, len(corpus.vocab)).run()
@@ -357,6 +377,7 @@ def _start_finetune(
     device = resolve_device(config.run.device)
     corpus = _corpus(config)
     _check_same_vocab(run, corpus, best)
+    _check_same_corpus(run, corpus, best)
     seed_everything(config.train.seed)
     model = build_model(config, len(corpus.vocab)).to(device)
     load_weights(model, payload["model"], best)
