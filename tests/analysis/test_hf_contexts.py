@@ -6,7 +6,9 @@ are built here and saved with save_pretrained: nothing is downloaded."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -282,6 +284,45 @@ def test_bad_texts_are_named(llama, tmp_path):
         check_window(model, 5, source="short")
     with pytest.raises(HFInputError, match="window must be a positive number of tokens"):
         check_window(model, 100, 0)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo ran > ran.txt",))
+
+
+def test_a_pickled_weights_file_is_refused_in_one_line_and_runs_nothing(llama, tmp_path):
+    folder = tmp_path / "pickled"
+    shutil.copytree(llama[0], folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": _RunsCode()}, folder / "pytorch_model.bin")
+    with pytest.raises(HFInputError, match=r"holds Python objects beyond tensors \(posix.system\)"):
+        load_causal_lm(folder)
+    assert not (tmp_path / "ran.txt").exists() and not Path("ran.txt").exists()
+
+
+def test_nan_weights_are_named_when_the_model_loads(llama, tmp_path):
+    folder = tmp_path / "nan"
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama[0])
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+    with pytest.raises(HFInputError, match=r"weight model.layers.0.mlp.up_proj.weight \(\d+, \d+\) "
+                       r"holds 1 NaN or infinite entries"):  # fmt: skip
+        load_causal_lm(folder)
+
+
+def test_a_tokenizer_that_fails_is_one_line(tmp_path):
+    text = write_text(tmp_path / "t.txt")
+    with pytest.raises(HFInputError, match=r"tokenizer could not tokenise .*t.txt: RuntimeError: "
+                       r"the vocabulary file is damaged$"):  # fmt: skip
+        text_token_ids(_Broken(), text)
+
+
+class _Broken:
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("the vocabulary file is damaged\nsecond line")
 
 
 def _cli(*argv: str) -> int:

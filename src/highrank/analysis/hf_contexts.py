@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +161,12 @@ def _load(path, folder: Path, gguf_file: str | None, device, dtype) -> tuple[Any
             "gives (a hidden size, a vocabulary or a layer count differs); restore the "
             "config.json that was saved with them"
         ) from None
+    except pickle.UnpicklingError as error:  # torch's weights-only load refused a pickle
+        raise HFInputError(
+            f"{path} could not be loaded: its PyTorch weights file holds Python objects "
+            f"beyond tensors{_unpickled_global(error)}, which could run code, so it was "
+            "refused; convert the model to safetensors where you trust its source"
+        ) from None
     except Exception as error:  # safetensors' own errors: a truncated or damaged weights file
         if type(error).__name__ != "SafetensorError":
             raise
@@ -166,7 +174,27 @@ def _load(path, folder: Path, gguf_file: str | None, device, dtype) -> tuple[Any
             f"{path} could not be loaded: its weights file is truncated or damaged "
             f"({_first_line(error)}); save or copy the model again"
         ) from None
+    check_finite_weights(model, path)
     return model.to(device).eval(), tokenizer
+
+
+def _unpickled_global(error: Exception) -> str:
+    """`` (posix.system)``: the global torch's weights-only unpickler refused, when it says."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return f" ({found.group(1)})" if found else ""
+
+
+def check_finite_weights(model: Any, path: str | os.PathLike) -> None:
+    """One line naming the first parameter with a NaN or infinite entry (such a model's
+    log-probabilities are undefined, and every instrument would fail later, further away)."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise HFInputError(
+                f"{path}: the weight {name} {tuple(tensor.shape)} holds {bad} NaN or infinite "
+                "entries; the model's log-probabilities are undefined (a diverged or damaged "
+                "checkpoint): load an earlier or intact copy"
+            )
 
 
 def text_token_ids(tokenizer: Any, path: str | os.PathLike) -> torch.Tensor:
@@ -183,7 +211,13 @@ def text_token_ids(tokenizer: Any, path: str | os.PathLike) -> torch.Tensor:
         raise HFInputError(
             f"text file {path} is not UTF-8 (byte {error.start}: {error.reason})"
         ) from None
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    try:
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    except Exception as error:  # the tokenizer's own failure, whatever its library raises
+        raise HFInputError(
+            f"the model's tokenizer could not tokenise {path}: {type(error).__name__}: "
+            f"{_first_line(error)}"
+        ) from None
     return torch.tensor(ids, dtype=torch.int64)
 
 
