@@ -117,12 +117,16 @@ def retrofit(plan: RetrofitPlan, *, progress: bool = True) -> dict:
     """Check, (cache,) train, evaluate and save: ``results.json``'s contents."""
     out = Path(plan.out)
     _check_out(out, plan)
+    say = print if progress else (lambda *a, **k: None)
+    say(f"loading {plan.model}", flush=True)  # a GGUF file takes minutes to dequantise
     model, tokenizer = _load(plan)
-    ids = {split: _token_ids(plan, tokenizer, split) for split in _splits(plan)}
+    ids = {}
+    for split in _splits(plan):
+        say(f"tokenising --{split} {getattr(plan, split)}", flush=True)
+        ids[split] = _token_ids(plan, tokenizer, split)
     _check_plan_fits(plan, model, ids)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "plan.json", asdict(plan))
-    say = print if progress else (lambda *a, **k: None)
     base_scores = {}
     if plan.mode == "frozen":
         hf_model, summary, scores, base_scores = _run_frozen(plan, model, ids, out, progress)
