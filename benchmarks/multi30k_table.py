@@ -401,13 +401,12 @@ def main(argv=None) -> int:
               "pass --data", file=sys.stderr)  # fmt: skip
         return 0
     runner = study(heads, args, data_dir, argv if argv is not None else sys.argv[1:])
-    if args.stage:
-        runner.run_stage(args.stage)
-        return 0
-    status = runner.run()
-    if status == 0 and "table" in {s.strip() for s in args.stages.split(",")}:
-        table(heads, out, args)
-    return status
+
+    def summary() -> None:
+        if "table" in {s.strip() for s in args.stages.split(",")}:
+            table(heads, out, args)
+
+    return runner.main(args.stage, summarize=summary)
 
 
 def study(heads, args, data_dir: Path, argv) -> Study:

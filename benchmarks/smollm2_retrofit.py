@@ -321,16 +321,13 @@ def main(argv=None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     runner = study(args, argv if argv is not None else sys.argv[1:])
-    if args.stage:
-        runner.run_stage(args.stage)
-        return 0
-    status = runner.run()
-    if status:
-        return status
-    summarize(args)
-    if args.commit:
-        commit(args.out, "smollm2-retrofit: summary")
-    return 0
+
+    def summary() -> None:
+        summarize(args)
+        if args.commit:
+            commit(args.out, "smollm2-retrofit: summary")
+
+    return runner.main(args.stage, summarize=summary)
 
 
 def summarize(args) -> None:

@@ -311,16 +311,7 @@ def main(argv=None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     runner = study(args, argv if argv is not None else sys.argv[1:])
-    if args.stage:
-        runner.run_stage(args.stage)
-        return 0
-    if args.summarize:
-        summarize(args)
-        return 0
-    status = runner.run()  # rounds: a stage waiting for another process's output runs later
-    if status == 0:
-        summarize(args)
-    return status
+    return runner.main(args.stage, summarize=lambda: summarize(args), only_summary=args.summarize)
 
 
 def inputs(stage: str, args) -> tuple[tuple[str, ...], object]:

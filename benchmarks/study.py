@@ -229,6 +229,24 @@ class Study:
             return 1
 
 
+    def main(
+        self, stage: str | None, *, summarize: Callable[[], None], only_summary: bool = False
+    ) -> int:
+        """A study script's ``main`` once its arguments are parsed: the one ``stage`` a parent
+        asked for (``--stage``, in a child process), the summary alone (``only_summary``), or
+        every stage in rounds and then ``summarize()``."""
+        if stage:
+            self.run_stage(stage)
+            return 0
+        if only_summary:
+            summarize()
+            return 0
+        status = self.run()
+        if status == 0:
+            summarize()
+        return status
+
+
 def module_command(module: str, argv: Sequence[str], *drop: str) -> Callable[[str], list[str]]:
     """``child`` for a study run as ``python -m MODULE ARGV``: the same command (less the flags
     in ``drop``, e.g. ``--commit``) with ``--stage NAME``."""
