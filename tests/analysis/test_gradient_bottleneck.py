@@ -1,0 +1,133 @@
+"""Known answers of the gradient bottleneck (highrank.analysis.gradient_bottleneck)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from highrank.analysis.gradient_bottleneck import (
+    GradientBottleneckError,
+    LinearBasis,
+    analyze_gradient_bottleneck_run,
+    head_shares,
+    logit_gradients,
+    summarise,
+)
+from highrank.heads import build_head
+
+
+def random_log_probs(n, v, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, v, generator=generator, dtype=torch.float64) * 2
+    targets = torch.randint(0, v, (n,), generator=generator)
+    return torch.log_softmax(logits, dim=-1), targets
+
+
+def test_logit_gradient_is_softmax_minus_onehot_and_sums_to_zero():
+    log_probs, targets = random_log_probs(5, 9)
+    g = logit_gradients(log_probs, targets)
+    expected = log_probs.exp() - torch.nn.functional.one_hot(targets, 9)
+    torch.testing.assert_close(g, expected.double())
+    torch.testing.assert_close(g.sum(dim=1), torch.zeros(5, dtype=torch.float64))
+
+
+def test_target_entry_is_exact_when_p_is_nearly_one():
+    log_probs = torch.tensor([[-1e-12, -30.0, -30.0]], dtype=torch.float64)
+    g = logit_gradients(log_probs, torch.tensor([0]))
+    assert float(g[0, 0]) == pytest.approx(-1e-12, rel=1e-6)  # 1 - p_y, not 0
+
+
+def test_full_rank_wide_decoder_passes_everything():
+    log_probs, targets = random_log_probs(6, 8)
+    weight = torch.randn(8, 12, dtype=torch.float64)  # d >= V, full rank
+    shares = LinearBasis(weight).shares(log_probs, targets)
+    torch.testing.assert_close(shares["share"], torch.ones(6, dtype=torch.float64))
+    torch.testing.assert_close(shares["share_w"], torch.ones(6, dtype=torch.float64))
+
+
+def test_rank_one_decoder_passes_the_share_along_its_direction():
+    log_probs, targets = random_log_probs(6, 10, seed=1)
+    w = torch.randn(10, dtype=torch.float64)
+    w = w - w.mean()  # 1^T w = 0: the two formulas agree
+    weight = torch.outer(w, torch.randn(4, dtype=torch.float64))  # rank 1, V x d
+    g = logit_gradients(log_probs, targets)
+    expected = (g @ w) ** 2 / (w @ w) / g.square().sum(dim=1)
+    shares = LinearBasis(weight).shares(log_probs, targets)
+    torch.testing.assert_close(shares["share"], expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(shares["share_w"], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_share_depends_on_the_model_not_on_the_logit_gauge():
+    log_probs, targets = random_log_probs(6, 10, seed=2)
+    weight = torch.randn(10, 3, dtype=torch.float64)
+    shifted = weight + torch.ones(10, 1, dtype=torch.float64) * torch.randn(1, 3).double()
+    a, b = LinearBasis(weight), LinearBasis(shifted)  # the same distributions for every h
+    torch.testing.assert_close(
+        a.shares(log_probs, targets)["share"], b.shares(log_probs, targets)["share"]
+    )
+    # the literal col(W) share is not gauge-free, and never above the share
+    literal = a.shares(log_probs, targets)["share_w"]
+    assert bool((literal <= a.shares(log_probs, targets)["share"] + 1e-7).all())
+
+
+def test_two_token_example_of_the_docstring():
+    log_probs = torch.log(torch.tensor([[0.3, 0.7]], dtype=torch.float64))
+    shares = LinearBasis(torch.tensor([[1.0], [0.0]])).shares(log_probs, torch.tensor([0]))
+    assert float(shares["share"][0]) == pytest.approx(1.0, abs=1e-6)
+    assert float(shares["share_w"][0]) == pytest.approx(0.5, abs=1e-6)
+
+
+def test_softmax_closed_form_equals_its_jacobian():
+    torch.manual_seed(0)
+    head = build_head("softmax", d_in=5, vocab_size=30).eval()
+    with torch.no_grad():
+        head.weight.normal_()
+        head.bias.normal_()
+    hidden, targets = torch.randn(9, 5), torch.randint(0, 30, (9,))
+    with torch.no_grad():
+        closed = LinearBasis(head.weight).shares(head.log_prob(hidden), targets)["share"]
+    jacobian = head_shares(head, hidden, targets)["share"]
+    torch.testing.assert_close(closed, jacobian, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mos", "moc", "mixtape"])
+def test_mixture_heads_give_shares_in_range(name):
+    torch.manual_seed(0)
+    head = build_head(name, d_in=4, vocab_size=40).eval()
+    shares = head_shares(head, torch.randn(5, 4), torch.randint(0, 40, (5,)))["share"]
+    assert bool(((shares >= -1e-9) & (shares <= 1 + 1e-9)).all())
+
+
+def test_mos_passes_more_than_its_width_allows_a_softmax():
+    """A MoS with d_in = 1 has a Jacobian of rank 1 per token, like a width-1 softmax, but
+    its direction varies with the context; the check here is only that one direction
+    passes at most ||g||^2 and the mean is a proper share."""
+    torch.manual_seed(1)
+    head = build_head("mos", d_in=1, vocab_size=20, n_components=3).eval()
+    shares = head_shares(head, torch.randn(6, 1), torch.randint(0, 20, (6,)))["share"]
+    assert bool((shares <= 1 + 1e-9).all())
+
+
+def test_summary_weights_by_tokens_and_by_energy():
+    summary = summarise(np.array([0.0, 1.0]), np.array([1.0, 3.0]))
+    assert summary["mean"] == 0.5 and summary["energy_weighted"] == 0.75
+    with pytest.raises(GradientBottleneckError):
+        summarise(np.array([]), np.array([]))
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(GradientBottleneckError, match=r"\(n, V\)"):
+        logit_gradients(torch.zeros(3), torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("head", ["softmax", "mos"])
+def test_a_run(tmp_path, head):
+    from tests.analysis.conftest import train_tiny_run
+
+    run = train_tiny_run(tmp_path, head, f"head.name={head}")
+    record = analyze_gradient_bottleneck_run(run, which="last", max_tokens=40)
+    assert record["n_tokens"] == 40
+    assert 0.0 < record["share"]["mean"] <= 1.0
+    assert ("share_w" in record) == (head == "softmax")
+    assert record["method"].startswith("closed" if head == "softmax" else "Jacobian")
