@@ -131,3 +131,21 @@ def test_a_run(tmp_path, head):
     assert 0.0 < record["share"]["mean"] <= 1.0
     assert ("share_w" in record) == (head == "softmax")
     assert record["method"].startswith("closed" if head == "softmax" else "Jacobian")
+
+
+def test_cli_writes_a_record_and_refuses_hf_without_text(tiny_run, tmp_path, capsys):
+    import json
+    import shutil
+
+    from highrank.cli import main
+
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    argv = ["analyze", "gradient-bottleneck", str(run), "--which", "last", "--max-tokens", "25"]
+    assert main([*argv, "--no-progress"]) == 0
+    assert "mean share" in capsys.readouterr().out
+    record = json.loads(
+        (run / "analysis" / "gradient-bottleneck-test-last-first25.json").read_text()
+    )
+    assert record["n_tokens"] == 25 and record["head"] == "softmax"
+    assert main(["analyze", "gradient-bottleneck", "--hf", "m.gguf"]) == 2
+    assert "--text" in capsys.readouterr().err

@@ -102,3 +102,18 @@ def test_a_run_gives_one_point_per_checkpoint(tiny_run, tmp_path):
     assert point["shape"][1] == 8  # E: V x d_embed of the tiny run
     assert point["anisotropy"]["n_contexts"] == 50
     assert -1.0 <= point["anisotropy"]["mean_cosine"] <= 1.0
+
+
+def test_cli_writes_the_curve_and_refuses_mixed_inputs(tiny_run, tmp_path, capsys):
+    from highrank.cli import main
+
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    out = tmp_path / "out"
+    argv = ["analyze", "saturation", str(run), "--max-contexts", "30", "--top-k", "1,3"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "top-3 energy" in printed and "anisotropy" in printed
+    assert (run / "analysis" / "saturation-test-first30.json").is_file()
+    assert (out / "saturation.json").is_file() and (out / "saturation.md").is_file()
+    assert main(["analyze", "saturation", str(run), "--hf", "m.gguf"]) == 2
+    assert "not both" in capsys.readouterr().err
