@@ -16,7 +16,8 @@ Inputs:
   ``--runs-dir`` unless a run is already there. Every checkpoint of a run is a point of its
   saturation curve (a run stopped by --max-steps keeps last.pt and last.prev.pt). The MoS
   gradient bottleneck needs a Jacobian per token (200 forward-mode passes of the head), so it
-  reads ``--jacobian-tokens`` contexts.
+  reads ``--jacobian-tokens`` contexts (512), and so does the softmax run for the
+  comparison (and all ``--contexts`` too, in ``ptb-softmax/all-contexts/``).
 
 Every command runs with ``--threads`` threads (default 1); the seconds of each are recorded
 in ``summary.json`` with the machine.
@@ -52,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--contexts", type=int, default=4096)
-    parser.add_argument("--jacobian-tokens", type=int, default=256)
+    parser.add_argument("--jacobian-tokens", type=int, default=512)
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {STEPS}")
     args = parser.parse_args(argv)
     unknown = set(args.steps.split(",")) - set(STEPS)
@@ -111,11 +112,17 @@ def runs(args: argparse.Namespace, seconds: dict) -> None:
             "analyze", "saturation", str(run_dir), "--max-contexts", str(args.contexts),
             "--out", str(out), *data, threads=args.threads,
         )
-        tokens = args.contexts if head == "softmax" else args.jacobian_tokens
+        # both heads on the same first --jacobian-tokens contexts; the softmax also on all
         seconds[f"{head} gradient-bottleneck"] = timed(
             "analyze", "gradient-bottleneck", str(run_dir), "--which", "last", "--max-tokens",
-            str(tokens), "--out", str(out), *data, threads=args.threads,
+            str(args.jacobian_tokens), "--out", str(out), *data, threads=args.threads,
         )
+        if head == "softmax":
+            seconds[f"{head} gradient-bottleneck {args.contexts}"] = timed(
+                "analyze", "gradient-bottleneck", str(run_dir), "--which", "last",
+                "--max-tokens", str(args.contexts), "--out", str(out / "all-contexts"), *data,
+                threads=args.threads,
+            )
         for name in ("config.toml", "command.txt", "metrics.jsonl"):
             shutil.copy(run_dir / name, out / f"run-{name}")
 
