@@ -99,14 +99,20 @@ def test_mixture_heads_give_shares_in_range(name):
     assert bool(((shares >= -1e-9) & (shares <= 1 + 1e-9)).all())
 
 
-def test_mos_passes_more_than_its_width_allows_a_softmax():
-    """A MoS with d_in = 1 has a Jacobian of rank 1 per token, like a width-1 softmax, but
-    its direction varies with the context; the check here is only that one direction
-    passes at most ||g||^2 and the mean is a proper share."""
-    torch.manual_seed(1)
-    head = build_head("mos", d_in=1, vocab_size=20, n_components=3).eval()
-    shares = head_shares(head, torch.randn(6, 1), torch.randint(0, 20, (6,)))["share"]
-    assert bool((shares <= 1 + 1e-9).all())
+@pytest.mark.parametrize("name", ["mos", "mixtape"])
+def test_a_mixture_started_at_a_softmax_has_the_softmax_share(name):
+    """residual_contexts + start_at_base make the mixture exactly softmax(E g + b): its
+    Jacobian share must equal the closed form of E."""
+    torch.manual_seed(5)
+    head = build_head(name, d_in=6, vocab_size=30, residual_contexts=True).eval()
+    head.start_at_base()
+    hidden, targets = torch.randn(5, 6), torch.randint(0, 30, (5,))
+    with torch.no_grad():
+        head.weight.normal_()
+        closed = LinearBasis(head.weight).shares(head.log_prob(hidden), targets)["share"]
+    torch.testing.assert_close(
+        head_shares(head, hidden, targets)["share"], closed, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_summary_weights_by_tokens_and_by_energy():
@@ -149,3 +155,32 @@ def test_cli_writes_a_record_and_refuses_hf_without_text(tiny_run, tmp_path, cap
     assert record["n_tokens"] == 25 and record["head"] == "softmax"
     assert main(["analyze", "gradient-bottleneck", "--hf", "m.gguf"]) == 2
     assert "--text" in capsys.readouterr().err
+
+
+def test_softmax_with_a_projection_uses_e_times_p_and_equals_its_jacobian():
+    from highrank.analysis.gradient_bottleneck import linear_decoder
+
+    torch.manual_seed(3)
+    head = build_head("softmax", d_in=3, vocab_size=25, d_embed=6).eval()  # E P: rank <= 3
+    weight = linear_decoder(head)
+    assert tuple(weight.shape) == (25, 3)
+    hidden, targets = torch.randn(6, 3), torch.randint(0, 25, (6,))
+    with torch.no_grad():
+        closed = LinearBasis(weight).shares(head.log_prob(hidden), targets)["share"]
+    torch.testing.assert_close(
+        closed, head_shares(head, hidden, targets)["share"], rtol=1e-5, atol=1e-6
+    )
+    assert linear_decoder(build_head("sigsoftmax", d_in=3, vocab_size=25)) is None
+
+
+def test_pointwise_head_goes_through_the_jacobian():
+    torch.manual_seed(4)
+    head = build_head("sigsoftmax", d_in=4, vocab_size=30).eval()
+    shares = head_shares(head, torch.randn(4, 4), torch.randint(0, 30, (4,)))["share"]
+    assert bool(((shares > 0) & (shares <= 1 + 1e-9)).all())
+
+
+def test_a_head_torch_func_cannot_differentiate_is_one_clear_error():
+    head = build_head("plif", d_in=3, vocab_size=12).eval()
+    with pytest.raises(GradientBottleneckError, match="autograd.Function"):
+        head_shares(head, torch.randn(2, 3), torch.tensor([0, 1]))

@@ -175,7 +175,8 @@ def head_jacobians(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return head.log_prob(row[None])[0]
 
     try:
-        return vmap(jacfwd(log_prob))(hidden)
+        with torch.no_grad():  # forward mode only: no graph over the parameters
+            return vmap(jacfwd(log_prob))(hidden.detach())
     except RuntimeError as error:
         if "functorch" not in str(error) and "setup_context" not in str(error):
             raise
@@ -187,7 +188,7 @@ def head_jacobians(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def jacobian_shares(jacobians: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``||P_{CJ} g||^2 / ||g||^2`` per token, for ``jacobians (n, V, d)`` and ``g (n, V)``."""
-    cj = centred_batch(jacobians.double())  # (n, V, d)
+    cj = centred_batch(jacobians.detach().double())  # (n, V, d)
     gram = cj.transpose(1, 2) @ cj  # (n, d, d)
     eigenvalues, vectors = torch.linalg.eigh(gram)  # (n, d), (n, d, d)
     s = eigenvalues.clamp(min=0).sqrt()
