@@ -146,7 +146,7 @@ class LinearBasis:
             raise GradientBottleneckError(
                 f"expected a decoder matrix (V, d); got shape {tuple(weight.shape)}"
             )
-        weight = weight.detach()
+        weight = weight.detach().cpu()  # the shares are computed on the CPU
         self.shape = tuple(weight.shape)
         # the products in the decoder's own precision (float32 for a float32 or bf16 one)
         self.dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -220,10 +220,11 @@ def jacobian_chunk_tokens(head: nn.Module) -> int:
 def head_shares(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
     """Per-token shares of any highrank head on ``hidden (n, d_in)`` with ``targets (n,)``,
     through the Jacobian of its log-probs."""
+    device = head.weight.device
     with torch.no_grad():
-        log_probs = head.log_prob(hidden)  # (n, V)
-    g = logit_gradients(log_probs, targets)
-    jacobians = head_jacobians(head, hidden).detach()  # (n, V, d_in)
+        log_probs = head.log_prob(hidden.to(device)).cpu()  # (n, V)
+    g = logit_gradients(log_probs, targets.cpu())
+    jacobians = head_jacobians(head, hidden.to(device)).cpu()  # (n, V, d_in)
     return {
         "share": jacobian_shares(jacobians, g),
         "g_energy": g.square().sum(dim=1),
@@ -340,8 +341,12 @@ def analyze_gradient_bottleneck_run(
     total = count_contexts(len(loaded.ids))
     total = total if max_tokens is None else min(total, max_tokens)
     blocks = iter_run_head_inputs(loaded, max_contexts=max_tokens, progress=False)
+
+    def log_probs_of(hidden: torch.Tensor) -> torch.Tensor:  # (b, d_in) on the CPU -> (b, V)
+        return head.log_prob(hidden.to(head.weight.device)).cpu()
+
     summary = shares_of_blocks(
-        head, basis, blocks, total=total, log_probs_of=head.log_prob, progress=progress
+        head, basis, blocks, total=total, log_probs_of=log_probs_of, progress=progress
     )
     return {
         "kind": "gradient-bottleneck",
@@ -385,8 +390,8 @@ def analyze_gradient_bottleneck_hf(
     basis_seconds = time.perf_counter() - began - load_seconds
 
     def log_probs_of(hidden: torch.Tensor) -> torch.Tensor:  # (b, d) -> (b, V), float64 lse
-        logits = linear(hidden.to(linear.weight.dtype)).double()
-        return torch.log_softmax(logits, dim=-1)
+        logits = linear(hidden.to(linear.weight.device, linear.weight.dtype)).double()
+        return torch.log_softmax(logits, dim=-1).cpu()
 
     blocks = iter_causal_lm_head_inputs(loaded, max_contexts=max_tokens)
     total = count_text_contexts(loaded.ids.numel(), max_tokens)
