@@ -375,9 +375,11 @@ def analyze_gradient_bottleneck_hf(
     device: str | torch.device = "cpu",
     progress: bool = False,
 ) -> dict[str, Any]:
-    """The gradient bottleneck of a Hugging Face causal LM's lm_head (closed form) on the
-    first ``max_tokens`` contexts of a text."""
-    from highrank.analysis.head_inputs import iter_causal_lm_head_inputs, output_linear
+    """The gradient bottleneck of a Hugging Face causal LM on the first ``max_tokens``
+    contexts of a text: its linear lm_head in closed form, or the highrank head attached to
+    it (``integrations.hf``) as a run's head (closed form for a softmax, else the Jacobian)."""
+    from highrank.analysis.head_inputs import highrank_head, iter_causal_lm_head_inputs
+    from highrank.analysis.head_inputs import output_linear
     from highrank.analysis.hf_contexts import count_text_contexts, hf_tag, load_text_contexts
 
     began = time.perf_counter()
@@ -385,25 +387,38 @@ def analyze_gradient_bottleneck_hf(
         model_path, text_path, window=window, bos=bos, device=device, progress=progress
     )
     load_seconds = time.perf_counter() - began
-    linear = output_linear(loaded.model, loaded.name)
-    basis = LinearBasis(linear.weight)
+    head = highrank_head(loaded.model)
+    if head is not None:
+        head.eval()
+        weight = linear_decoder(head)
+        basis = LinearBasis(weight) if weight is not None else None
+
+        def log_probs_of(hidden: torch.Tensor) -> torch.Tensor:  # (b, d_in) -> (b, V)
+            return head.log_prob(hidden.to(head.weight.device)).cpu()
+
+        d_in, vocab_size = head.d_in, head.vocab_size
+    else:
+        linear = output_linear(loaded.model, loaded.name)
+        basis = LinearBasis(linear.weight)
+
+        def log_probs_of(hidden: torch.Tensor) -> torch.Tensor:  # (b, d) -> (b, V), f64 lse
+            logits = linear(hidden.to(linear.weight.device, linear.weight.dtype)).double()
+            return torch.log_softmax(logits, dim=-1).cpu()
+
+        vocab_size, d_in = linear.weight.shape
     basis_seconds = time.perf_counter() - began - load_seconds
-
-    def log_probs_of(hidden: torch.Tensor) -> torch.Tensor:  # (b, d) -> (b, V), float64 lse
-        logits = linear(hidden.to(linear.weight.device, linear.weight.dtype)).double()
-        return torch.log_softmax(logits, dim=-1).cpu()
-
     blocks = iter_causal_lm_head_inputs(loaded, max_contexts=max_tokens)
     total = count_text_contexts(loaded.ids.numel(), max_tokens)
     summary = shares_of_blocks(
-        None, basis, blocks, total=total, log_probs_of=log_probs_of, progress=progress
+        head, basis, blocks, total=total, log_probs_of=log_probs_of, progress=progress
     )
     return {
         "kind": "gradient-bottleneck",
         "tag": hf_tag(model_path, text_path, window=window, bos=bos, max_contexts=max_tokens),
         **loaded.record(max_tokens),
-        "d_in": int(linear.weight.shape[1]),
-        "vocab_size": int(linear.weight.shape[0]),
+        "head": loaded.model.config.head_name if head is not None else "lm_head",
+        "d_in": int(d_in),
+        "vocab_size": int(vocab_size),
         "method": _method(basis),
         "max_tokens": max_tokens,
         **summary,

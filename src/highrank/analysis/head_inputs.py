@@ -7,7 +7,8 @@ not only its log-prob rows).
   mode, state carried, ``batch_size`` 1: context ``i`` ends at stream position ``i``);
 * a Hugging Face causal LM: :func:`iter_causal_lm_head_inputs`, the input of its output
   embedding (``lm_head``, captured by a forward pre-hook, so whatever final norm the model
-  applies is included) on the text read in windows as
+  applies is included; for a highrank head attached by ``integrations.hf``, the body's last
+  hidden state, which is what that head reads) on the text read in windows as
   :mod:`~highrank.analysis.hf_contexts` reads it (row ``i`` the context ending at token ``i``).
 
 Both yield ``(hidden (b, d) float32, targets (b,) int64)`` blocks on the CPU, at most
@@ -44,6 +45,13 @@ def iter_run_head_inputs(
         yield block.hidden.float().cpu(), block.targets
 
 
+def highrank_head(model: Any) -> nn.Module | None:
+    """The highrank head of a model built by :func:`highrank.integrations.hf.attach_head`
+    (``model.head``, fed ``model.model(...).last_hidden_state``), or None."""
+    head = getattr(model, "head", None)
+    return head if head is not None and hasattr(head, "log_prob") else None
+
+
 def output_linear(model: Any, name: str) -> nn.Linear:
     """The ``lm_head`` of a transformers causal LM: a plain linear layer (V x d), or one
     clear error naming the model and what it has instead."""
@@ -51,22 +59,36 @@ def output_linear(model: Any, name: str) -> nn.Linear:
     if not isinstance(linear, nn.Linear):
         kind = "no output embedding" if linear is None else f"a {type(linear).__name__}"
         raise HFInputError(
-            f"{name}: the model's output layer is {kind}, not a linear lm_head (V x d); "
-            "this instrument reads the lm_head weight and its input"
+            f"{name}: the model's output layer is {kind}, neither a linear lm_head (V x d) "
+            "nor a highrank head; this instrument reads the output layer and its input"
         )
     return linear
+
+
+def output_layer(model: Any, name: str) -> nn.Module:
+    """What a causal LM's next-token distribution is computed by: its highrank head
+    (:func:`highrank_head`), else its linear ``lm_head`` (:func:`output_linear`)."""
+    return highrank_head(model) or output_linear(model, name)
 
 
 @torch.no_grad()
 def iter_causal_lm_head_inputs(
     loaded: TextContexts, *, max_contexts: int | None = None, progress: bool = False
 ) -> Iterator[HeadInputs]:
-    """The inputs of the ``lm_head`` of a loaded causal LM on its text, window by window
-    (one window per forward pass, no cache, BOS as the text contexts were loaded)."""
+    """The inputs of the output layer of a loaded causal LM on its text, window by window
+    (one window per forward pass, no cache, BOS as the text contexts were loaded): the
+    ``lm_head``'s input, or a highrank head's (the body's last hidden state)."""
     model, ids = loaded.model, loaded.ids
-    linear = output_linear(model, loaded.name)
     captured: list[torch.Tensor] = []
-    hook = linear.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    if highrank_head(model) is not None:  # HighrankForCausalLM: the body alone gives h
+        body = model.model
+        hook = body.register_forward_hook(
+            lambda module, args, output: captured.append(output.last_hidden_state)
+        )
+        model = body
+    else:
+        linear = output_linear(model, loaded.name)
+        hook = linear.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     n_rows = count_text_contexts(ids.numel(), max_contexts)
     device = next(model.parameters()).device
     try:
@@ -89,14 +111,14 @@ def _window_hidden(model, tokens, bos_token_id, device, captured) -> torch.Tenso
     model(input_ids=inputs.to(device), use_cache=False)
     if len(captured) != 1:
         raise HFInputError(
-            f"the lm_head was called {len(captured)} times in one forward pass; expected once"
+            f"the output layer was called {len(captured)} times in one forward pass; expected once"
         )
     hidden = captured[0][0]  # (1 [+1], d) ... (L [+1], d)
     if bos_token_id is not None:
         hidden = hidden[1:]  # the BOS position's prediction is not a row
     if hidden.shape[0] != tokens.numel():
         raise HFInputError(
-            f"the lm_head saw {hidden.shape[0]} positions for a window of {tokens.numel()} "
+            f"the output layer saw {hidden.shape[0]} positions for a window of {tokens.numel()} "
             "tokens; expected one per token (a model that keeps only the last logits?)"
         )
     return hidden.float().cpu()

@@ -18,7 +18,8 @@ d_embed; the input embedding when tied), and the spectrum is E's:
 * Mixtape: component logits ``l_{k,x} = h_k . w_x`` with ``w_x`` row x of E, mixed per token
   by the gates; the gate vectors ``v_x`` (S x gate_dim) only set the mixing weights.
 
-A Hugging Face model's matrix is its ``lm_head`` weight (V x d). A projection g -> g' before E
+A Hugging Face model's matrix is its ``lm_head`` weight (V x d), or the E of the highrank
+head attached to it (``integrations.hf``). A projection g -> g' before E
 (a softmax with d_in != d_embed) is not folded in: the spectrum is the decoder's own.
 
 **What is reported** for the singular values ``s_1 >= ... >= s_r`` (r = min(V, d)):
@@ -262,7 +263,7 @@ def analyze_saturation_hf(
 ) -> dict[str, Any]:
     """The saturation of a Hugging Face causal LM: the spectrum of its lm_head weight and the
     anisotropy of the lm_head's inputs over the first ``max_contexts`` contexts of the text."""
-    from highrank.analysis.head_inputs import iter_causal_lm_head_inputs, output_linear
+    from highrank.analysis.head_inputs import highrank_head, iter_causal_lm_head_inputs, output_layer
     from highrank.analysis.hf_contexts import hf_tag, load_text_contexts
 
     began = time.perf_counter()
@@ -270,9 +271,15 @@ def analyze_saturation_hf(
         model_path, text_path, window=window, bos=bos, device=device, progress=progress
     )
     load_seconds = time.perf_counter() - began
-    linear = output_linear(loaded.model, loaded.name)
-    point = {"checkpoint": loaded.name, "step": None, "head": "lm_head", "matrix": HF_MATRIX}
-    point.update(spectrum_record(linear.weight, top_k=top_k))
+    layer = output_layer(loaded.model, loaded.name)
+    own = highrank_head(loaded.model) is not None
+    point = {
+        "checkpoint": loaded.name,
+        "step": None,
+        "head": loaded.model.config.head_name if own else "lm_head",
+        "matrix": MATRIX if own else HF_MATRIX,
+    }
+    point.update(spectrum_record(layer.weight, top_k=top_k))
     started = time.perf_counter()
     blocks = iter_causal_lm_head_inputs(loaded, max_contexts=max_contexts, progress=progress)
     point["anisotropy"] = anisotropy_of_blocks(blocks)
