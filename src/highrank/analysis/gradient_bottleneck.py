@@ -378,8 +378,11 @@ def analyze_gradient_bottleneck_hf(
     """The gradient bottleneck of a Hugging Face causal LM on the first ``max_tokens``
     contexts of a text: its linear lm_head in closed form, or the highrank head attached to
     it (``integrations.hf``) as a run's head (closed form for a softmax, else the Jacobian)."""
-    from highrank.analysis.head_inputs import highrank_head, iter_causal_lm_head_inputs
-    from highrank.analysis.head_inputs import output_linear
+    from highrank.analysis.head_inputs import (
+        highrank_head,
+        iter_causal_lm_head_inputs,
+        output_linear,
+    )
     from highrank.analysis.hf_contexts import count_text_contexts, hf_tag, load_text_contexts
 
     began = time.perf_counter()

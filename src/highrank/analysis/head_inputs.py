@@ -95,7 +95,8 @@ def iter_causal_lm_head_inputs(
         with progress_bar(total=n_rows, desc="contexts", unit="ctx", disable=not progress) as bar:
             for start in range(0, n_rows, loaded.window):
                 end = min(start + loaded.window, n_rows)
-                hidden = _window_hidden(model, ids[start:end], loaded.bos_token_id, device, captured)
+                tokens = ids[start:end]
+                hidden = _window_hidden(model, tokens, loaded.bos_token_id, device, captured)
                 yield hidden, ids[start + 1 : end + 1]
                 bar.update(end - start)
     finally:

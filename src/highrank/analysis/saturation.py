@@ -263,7 +263,11 @@ def analyze_saturation_hf(
 ) -> dict[str, Any]:
     """The saturation of a Hugging Face causal LM: the spectrum of its lm_head weight and the
     anisotropy of the lm_head's inputs over the first ``max_contexts`` contexts of the text."""
-    from highrank.analysis.head_inputs import highrank_head, iter_causal_lm_head_inputs, output_layer
+    from highrank.analysis.head_inputs import (
+        highrank_head,
+        iter_causal_lm_head_inputs,
+        output_layer,
+    )
     from highrank.analysis.hf_contexts import hf_tag, load_text_contexts
 
     began = time.perf_counter()

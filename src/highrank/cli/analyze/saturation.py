@@ -58,7 +58,9 @@ def _sizes(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected k1,k2,... positive ints; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected k1,k2,... positive ints; got {text!r}"
+        ) from None
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"expected k1,k2,... positive ints; got {text!r}")
     return sizes
