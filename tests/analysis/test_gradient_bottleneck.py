@@ -184,3 +184,19 @@ def test_a_head_torch_func_cannot_differentiate_is_one_clear_error():
     head = build_head("plif", d_in=3, vocab_size=12).eval()
     with pytest.raises(GradientBottleneckError, match="autograd.Function"):
         head_shares(head, torch.randn(2, 3), torch.tensor([0, 1]))
+
+
+def test_mos_closed_form_jacobian_equals_forward_mode():
+    from torch.func import jacfwd, vmap
+
+    from highrank.analysis.gradient_bottleneck import head_jacobians, mos_jacobians
+
+    torch.manual_seed(6)
+    head = build_head("mos", d_in=7, vocab_size=50, n_components=3, d_embed=5).eval()
+    with torch.no_grad():
+        head.weight.normal_()
+        head.bias.normal_()
+    hidden = torch.randn(4, 7)
+    reference = vmap(jacfwd(lambda row: head.log_prob(row[None])[0]))(hidden)
+    torch.testing.assert_close(mos_jacobians(head, hidden), reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head_jacobians(head, hidden), reference, rtol=1e-5, atol=1e-6)

@@ -45,8 +45,9 @@ gradient that reaches h is ``J^T g``. Any other choice of logits ``l + c(h) 1`` 
 
 For the softmax head ``J = (I - 1 p^T) W`` and ``C J = C W``: the Jacobian gives exactly the
 closed form above (tests/analysis/test_gradient_bottleneck.py checks it), for any head whose
-decoder is linear. J is computed with ``torch.func.jacfwd`` (d_in forward-mode passes, cheaper
-than V reverse ones), vmapped over a chunk of tokens, in the head's eval mode.
+decoder is linear. J is computed in the head's eval mode, for a chunk of tokens at a time: in
+closed form for MoS with the paper's contexts (:func:`mos_jacobians`), otherwise with
+``torch.func.jacfwd`` (d_in forward-mode passes, cheaper than V reverse ones), vmapped.
 
 **Numerics.** g is formed from the log-probs in float64 with ``g_y = expm1(l_y)`` (exact when
 p_y is near 1, where ``p_y - 1`` would cancel); a token with ``g = 0`` has nothing to pass and
@@ -168,8 +169,12 @@ class LinearBasis:
 
 def head_jacobians(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``(n, V, d_in)`` Jacobians of ``head.log_prob`` at each row of ``hidden (n, d_in)``
-    (forward mode, vmapped; the head in eval mode, so no dropout)."""
+    (the head in eval mode, so no dropout): closed form for MoS with the paper's contexts
+    (:func:`mos_jacobians`), forward mode (``torch.func.jacfwd``, vmapped) for any head."""
     from torch.func import jacfwd, vmap
+
+    if _closed_form_mos(head):
+        return mos_jacobians(head, hidden)
 
     def log_prob(row: torch.Tensor) -> torch.Tensor:  # (d_in,) -> (V,)
         return head.log_prob(row[None])[0]
@@ -184,6 +189,41 @@ def head_jacobians(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
             f"the {type(head).__name__} head uses an autograd.Function that torch.func "
             "cannot differentiate in forward mode; its Jacobian is not available"
         ) from None
+
+
+def _closed_form_mos(head: nn.Module) -> bool:
+    from highrank.heads.mos import MixtureOfSoftmaxes
+
+    return type(head) is MixtureOfSoftmaxes and head.residual_branch is None and not head.training
+
+
+@torch.no_grad()
+def mos_jacobians(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``(n, V, d_in)`` Jacobians of a MoS head's log-probs (Yang et al. 2018, Eq. 3, eval
+    mode), in closed form. With ``pi = softmax(P g)``, ``h_k = tanh(A_k g + a_k)``,
+    ``q_k = softmax(E h_k + b)``, ``log p = log sum_k pi_k q_k`` and the responsibilities
+    ``r_kv = pi_k q_kv / p_v``:
+
+        d log p_v / dg = sum_k r_kv [ (P_k - pi^T P) + (E_v - q_k^T E) diag(1 - h_k^2) A_k ]
+
+    one (V x d_embed) by (d_embed x K d_in) product per token instead of d_in forward passes
+    of the head (tests check it against ``jacfwd``)."""
+    n, k, d_embed = hidden.shape[0], head.n_components, head.d_embed
+    log_prior = torch.log_softmax(head.prior(hidden).float(), dim=-1)  # (n, K)
+    latents = torch.tanh(head.latent(hidden)).view(n, k, d_embed)  # (n, K, de)
+    log_q = torch.log_softmax(head._decoder_logits(latents), dim=-1)  # (n, K, V)
+    joint = log_prior[:, :, None] + log_q  # (n, K, V)
+    r = (joint - torch.logsumexp(joint, dim=1, keepdim=True)).exp()  # (n, K, V)
+    prior = head.prior.weight.float()  # (K, d_in)
+    c = prior[None] - (log_prior.exp() @ prior)[:, None]  # (n, K, d_in): d log pi_k / dg
+    a = head.latent.weight.float().view(k, d_embed, -1)  # (K, de, d_in)
+    b = (1 - latents.square())[..., None] * a[None]  # (n, K, de, d_in): d h_k / dg
+    # E B_k for every token and component: one (V, de) @ (de, n K d_in) product
+    eb = head.weight.float() @ b.permute(2, 0, 1, 3).reshape(d_embed, -1)  # (V, n K d_in)
+    eb = eb.view(-1, n, k, b.shape[-1])  # (V, n, K, d_in)
+    qeb = torch.einsum("nkv,vnke->nke", log_q.exp(), eb)  # (n, K, d_in): q_k^T E B_k
+    mixed = (r.permute(2, 0, 1)[..., None] * eb).sum(dim=2).permute(1, 0, 2)  # (n, V, d_in)
+    return mixed + torch.einsum("nkv,nke->nve", r, c - qeb)
 
 
 def jacobian_shares(jacobians: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
