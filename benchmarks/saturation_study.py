@@ -15,8 +15,8 @@ Inputs:
   mos}.toml --max-steps 300`` (d_embed 200, tied; MoS with K = 5), trained here into
   ``--runs-dir`` unless a run is already there. Every checkpoint of a run is a point of its
   saturation curve (a run stopped by --max-steps keeps last.pt and last.prev.pt). The MoS
-  gradient bottleneck needs a Jacobian per token (200 forward-mode passes of the head), so it
-  reads ``--jacobian-tokens`` contexts (512), and so does the softmax run for the
+  gradient bottleneck needs a Jacobian per token (V x 200, closed form), so it
+  reads ``--jacobian-tokens`` contexts (1024), and so does the softmax run for the
   comparison (and all ``--contexts`` too, in ``ptb-softmax/all-contexts/``).
 
 Every command runs with ``--threads`` threads (default 1); the seconds of each are recorded
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--contexts", type=int, default=4096)
-    parser.add_argument("--jacobian-tokens", type=int, default=512)
+    parser.add_argument("--jacobian-tokens", type=int, default=1024)
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {STEPS}")
     args = parser.parse_args(argv)
     unknown = set(args.steps.split(",")) - set(STEPS)

@@ -11,8 +11,8 @@ here and is what the code computes.)
 
 and the gradient that reaches h is ``W^T g``. ``W^T`` annihilates the part of g orthogonal to
 the column space of W, so the part of g that *passes* is its projection onto col(W) and the
-rest is lost. The issue's formula is ``||P_W g||^2 / ||g||^2`` with ``P_W`` the orthogonal
-projector onto col(W).
+rest is lost. The first formula that comes to mind is ``||P_W g||^2 / ||g||^2``, with
+``P_W`` the orthogonal projector onto col(W).
 
 **Why 1 joins W.** That formula depends on how the logits are written, not only on the
 model: ``W`` and ``W + 1 c^T`` give the same distributions for every h (the logits move by
@@ -27,7 +27,7 @@ part of g *within 1^⊥* is annihilated: the null space of ``g -> W^T g`` on ``1
     share(h, y) = ||P_{CW} g||^2 / ||g||^2  =  ||P_{[W, 1]} g||^2 / ||g||^2,
 
 the W-projection formula with the column 1 added to W (for g ⟂ 1 the two right-hand forms
-are equal). It equals the issue's ``||P_W g||^2 / ||g||^2`` whenever 1 ∈ col(W) or W's
+are equal). It equals ``||P_W g||^2 / ||g||^2`` whenever 1 ∈ col(W) or W's
 columns are centred (``1^T W = 0``), and otherwise exceeds it by ``(r . g)^2 / ||g||^2`` for
 the one unit vector r along the part of 1 outside col(W). Records of linear heads give both
 (``share`` and ``share_w``, the literal ``||P_W g||^2 / ||g||^2``). d >= V - 1 with C W of
