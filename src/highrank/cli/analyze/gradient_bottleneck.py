@@ -1,0 +1,128 @@
+"""``highrank analyze gradient-bottleneck``: the share of the loss gradient on the logits
+that the output layer passes back to the hidden state, for runs or --hf models
+(:mod:`highrank.analysis.gradient_bottleneck`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from highrank.analysis.gradient_bottleneck import (
+    DEFAULT_MAX_TOKENS,
+    GradientBottleneckError,
+    analyze_gradient_bottleneck_hf,
+    analyze_gradient_bottleneck_run,
+)
+from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
+from highrank.cli.analyze.common import add_run_arguments, check_out_folder
+from highrank.util.argtypes import positive_int
+from highrank.util.atomic import write_text_atomic
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_run_arguments(parser, hf=True)
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"the first N contexts of the split or text ({DEFAULT_MAX_TOKENS}); a high-rank "
+        "head costs a Jacobian (d_in forward passes of the head) per token",
+    )
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu)")
+    parser.add_argument(
+        "--out", help="also write gradient-bottleneck.json and .md here (with --hf: every record)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run_all(args)
+    except ValueError as error:  # this instrument's errors, HFInputError (a missing extra too)
+        print(f"highrank analyze gradient-bottleneck: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    _check(args)
+    records = []
+    for source in args.hf or args.run_dirs:
+        record, path = _hf(source, args) if args.hf else _run(source, args)
+        write_json(path, record)
+        print(f"wrote {path}")
+        records.append(record)
+    print(summary_table(records), end="")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "gradient-bottleneck.json", {"inputs": records})
+        write_text_atomic(out / "gradient-bottleneck.md", summary_table(records, markdown=True))
+        print(f"wrote {out / 'gradient-bottleneck.json'}, {out / 'gradient-bottleneck.md'}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    if bool(args.hf) == bool(args.run_dirs):
+        raise GradientBottleneckError("give RUN_DIR... or --hf MODEL --text FILE --out DIR")
+    if args.hf and not (args.text and args.out):
+        raise GradientBottleneckError(
+            "--hf needs --text FILE (the contexts) and --out DIR (the records)"
+        )
+    if args.text and not args.hf:
+        raise GradientBottleneckError("--text goes with --hf MODEL")
+    if args.out:
+        check_out_folder(args.out, GradientBottleneckError)
+
+
+def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    record = analyze_gradient_bottleneck_run(
+        run_dir,
+        split=args.split,
+        which=args.which,
+        data_dir=args.data_dir,
+        max_tokens=args.max_tokens,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    tag = record_tag(args.split, args.which, max_contexts=args.max_tokens)
+    return record, run_record_path(run_dir, "gradient-bottleneck", tag)
+
+
+def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    record = analyze_gradient_bottleneck_hf(
+        model,
+        args.text,
+        window=args.window,
+        bos=args.bos,
+        max_tokens=args.max_tokens,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    return record, Path(args.out) / f"gradient-bottleneck-{record['tag']}.json"
+
+
+HEADERS = ["input", "head", "d_in", "V", "tokens", "mean share", "median", "energy-weighted",
+           "mean share_w", "NLL", "seconds"]
+
+
+def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    rows = []
+    for r in records:
+        share, literal = r["share"], r.get("share_w")
+        rows.append(
+            [
+                r.get("run_dir") or r.get("model_name"),
+                r["head"],
+                r["d_in"],
+                r["vocab_size"],
+                r["n_tokens"],
+                round(share["mean"], 4),
+                round(share["median"], 4),
+                round(share["energy_weighted"], 4),
+                None if literal is None else round(literal["mean"], 4),
+                round(r["mean_nll"], 3),
+                r["seconds"],
+            ]
+        )
+    return text_table(HEADERS, rows, markdown=markdown)

@@ -1,0 +1,140 @@
+"""``highrank analyze saturation``: the singular-value spectrum of the output matrix and the
+anisotropy of the hidden states, for every checkpoint of runs (a curve over training) or for
+--hf models (:mod:`highrank.analysis.saturation`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from highrank.analysis.output import run_record_path, text_table, write_json
+from highrank.analysis.saturation import (
+    DEFAULT_MAX_CONTEXTS,
+    DEFAULT_TOP_K,
+    SaturationError,
+    analyze_saturation_hf,
+    analyze_saturation_run,
+    curve_headers,
+    curve_rows,
+)
+from highrank.cli.analyze.common import add_hf_arguments, check_out_folder
+from highrank.util.argtypes import positive_int
+from highrank.util.atomic import write_text_atomic
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "run_dirs", nargs="*", metavar="RUN_DIR", help="runs of `highrank train` (or --hf)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        action="append",
+        metavar="PT",
+        help="only these .pt files (repeatable; default: every checkpoint in RUN_DIR/checkpoints)",
+    )
+    parser.add_argument("--split", choices=("train", "valid", "test"), default="test")
+    parser.add_argument("--data-dir", help="corpus folder (default: each run's data.dir)")
+    parser.add_argument(
+        "--max-contexts",
+        type=positive_int,
+        default=DEFAULT_MAX_CONTEXTS,
+        help=f"hidden states for the anisotropy: the first N contexts ({DEFAULT_MAX_CONTEXTS})",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=_sizes,
+        default=DEFAULT_TOP_K,
+        help="k of the top-k energy shares, comma-separated (1,10,100)",
+    )
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu)")
+    add_hf_arguments(parser)
+    parser.add_argument("--out", help="also write saturation.json and saturation.md here")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected k1,k2,... positive ints; got {text!r}"
+        ) from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected k1,k2,... positive ints; got {text!r}")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run_all(args)
+    except ValueError as error:  # this instrument's errors, HFInputError (a missing extra too)
+        print(f"highrank analyze saturation: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    _check(args)
+    records = []
+    for source in args.hf or args.run_dirs:
+        record, path = _hf(source, args) if args.hf else _run(source, args)
+        write_json(path, record)
+        print(f"wrote {path}")
+        records.append(record)
+        print(summary_table(record), end="")
+    if args.out:
+        out = Path(args.out)
+        write_json(out / "saturation.json", {"inputs": records})
+        text = "\n".join(summary_table(r, markdown=True) for r in records)
+        write_text_atomic(out / "saturation.md", text)
+        print(f"wrote {out / 'saturation.json'}, {out / 'saturation.md'}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> None:
+    if bool(args.hf) == bool(args.run_dirs):
+        raise SaturationError("give RUN_DIR... or --hf MODEL --text FILE --out DIR, not both")
+    if args.hf and not (args.text and args.out):
+        raise SaturationError("--hf needs --text FILE (the contexts) and --out DIR (the records)")
+    if args.text and not args.hf:
+        raise SaturationError("--text goes with --hf MODEL")
+    if args.checkpoint and len(args.run_dirs) > 1:
+        raise SaturationError("--checkpoint names files of one run; give one RUN_DIR with it")
+    if args.out:
+        check_out_folder(args.out, SaturationError)
+
+
+def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    record = analyze_saturation_run(
+        run_dir,
+        split=args.split,
+        checkpoints=args.checkpoint,
+        data_dir=args.data_dir,
+        max_contexts=args.max_contexts,
+        top_k=args.top_k,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    tag = f"{args.split}-first{args.max_contexts}"
+    return record, run_record_path(run_dir, "saturation", tag)
+
+
+def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    record = analyze_saturation_hf(
+        model,
+        args.text,
+        window=args.window,
+        bos=args.bos,
+        max_contexts=args.max_contexts,
+        top_k=args.top_k,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    return record, Path(args.out) / f"saturation-{record['tag']}.json"
+
+
+def summary_table(record: dict[str, Any], *, markdown: bool = False) -> str:
+    title = record.get("run_dir") or record.get("model_name")
+    table = text_table(curve_headers(record), curve_rows(record), markdown=markdown)
+    return f"{'### ' if markdown else ''}{title}\n{table}"
