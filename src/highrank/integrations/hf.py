@@ -42,10 +42,10 @@ What ``attach_head(model, name, **knobs)`` builds and initialises:
 
 What ``forward`` returns (``CausalLMOutputWithPast``):
 
-* without ``labels``, ``logits`` are the head's **normalised log-probabilities** (float32) at
-  the positions ``logits_to_keep`` keeps (an int keeps the last ones, 0 all; a tensor picks
-  positions, as transformers does), so ``generate()`` (greedy, sampling, beam search) and any
-  code applying ``log_softmax`` to them see the head's true distribution;
+* without ``labels`` (and outside ``generate``, see Generation), ``logits`` are the head's
+  **normalised log-probabilities** (float32) at the positions ``logits_to_keep`` keeps (an int
+  keeps the last ones, 0 all; a tensor picks positions, as transformers does), so any code
+  applying ``log_softmax`` to them sees the head's true distribution;
 * with ``labels`` (or ``shift_labels``), ``loss`` is the mean NLL of the next tokens, shifted
   exactly as transformers shifts them and with ``-100`` ignored (``num_items_in_batch``, which
   ``Trainer`` passes under gradient accumulation, replaces the count of valid tokens), computed
@@ -54,6 +54,23 @@ What ``forward`` returns (``CausalLMOutputWithPast``):
   log-probabilities); in eval mode ``logits`` holds the log-probabilities too, as
   ``Trainer.evaluate(compute_metrics=...)`` and ``Trainer.predict`` need. Label
   smoothing in ``Trainer`` needs logits and is therefore not supported.
+
+Generation: ``generate`` marks its forward passes (``prepare_inputs_for_generation``), and
+they return the logits transformers' logits processors are written for. Softmax hands over its
+raw logits z = E h + b, and SigSoftmax, GSS and PLIF their transformed logits f(z) (whose
+softmax is their distribution), so penalties defined on raw logits act as on the base model:
+``attach_head(base, "softmax")`` (and GSS or PLIF with ``init="base"``) generates exactly the
+base's tokens under ``repetition_penalty`` or ``exponential_decay_length_penalty`` (tested).
+The mixtures (MoS, MoC, Mixtape) and ``mlp_softmax`` hand over their log-probabilities
+log p <= 0, on which the penalties have this meaning: ``repetition_penalty=theta`` multiplies
+the log-probability of every token already in the sequence by theta, i.e. raises its
+probability to the power theta (p -> p**theta, then renormalised by the search): a token the
+model is sure of (p near 1) is barely penalised, an unlikely one strongly;
+``exponential_decay_length_penalty=(start, r)`` turns the end-of-sequence log-probability
+log p into log p * (2 - r**i) after ``start + i`` tokens (p -> p**(2 - r**i)), so EOS becomes
+ever likelier and, once r**i >= 2, scores at least as high as any token. Greedy search,
+sampling and beam search are unaffected by the choice (a log_softmax of either gives the
+same distribution); ``output_logits=True`` returns what the processors saw.
 
 Training: ``model.parameters()`` holds a tied embedding once, so any optimizer works; a head
 whose paper gives some parameters their own learning rate (PLIF's slopes) lists them in
@@ -93,6 +110,7 @@ from highrank.heads import (
     check_init,
     head_knobs,
 )
+from highrank.heads.softmax import PointwiseSoftmax
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
 
 # Knobs the model wires itself; a user value would contradict the base model or the layout.
@@ -101,6 +119,13 @@ WIRED_KNOBS = ("tied_weight", "dropout_time_dim")
 MIN_CHUNK_ROWS = 256
 # Keyword arguments of forward that belong to the loss, not to the body.
 LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+# transformers 5.24 renamed the key-value cache, as an argument and an output field, from
+# `past_key_values` to `cache` (the old name warns on every call and goes in 5.40); 5.23, the
+# oldest release the hf extra admits, knows only the old name. The body gets its own.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+OLD_CACHE_NAMES = ("past_key_values",) if CACHE == "cache" else ()
+# The flag prepare_inputs_for_generation adds to the inputs of each forward pass of generate.
+GENERATING = "highrank_generating"
 
 
 class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
@@ -112,7 +137,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = HighrankConfig
     base_model_prefix = "model"
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE]
     # Attention runs in the body, which checks its own support; the wrapper must not veto it.
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -168,7 +193,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -180,17 +205,20 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         ``labels (B, T)``: position t is scored on ``labels[:, t + 1]``, ``-100`` ignored;
         ``shift_labels (B, T)`` gives the already-shifted targets instead. ``logits_to_keep``:
         an int keeps the last positions (0 keeps all; with labels, 0 returns no logits), a
-        tensor the positions it names. Other keyword arguments go to the body.
+        tensor the positions it names. ``cache`` is the key-value cache (``past_key_values``
+        on transformers 5.23, also accepted). Other keyword arguments go to the body.
         """
         loss_kwargs = {key: kwargs.pop(key) for key in LOSS_KWARGS if key in kwargs}
+        generating = kwargs.pop(GENERATING, False)
+        cache = _one_cache(cache, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,
+            **{CACHE: cache},
             **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, T, d)
@@ -200,14 +228,40 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         # The fused-loss convention: only training skips the (tokens x V) output; evaluation
         # (Trainer.evaluate / predict with compute_metrics) gets the loss and the log-probs.
         if loss is None or not _keeps_all(logits_to_keep) or not self.training:
-            logits = self.head.log_prob(_keep_positions(hidden, logits_to_keep))
+            kept = _keep_positions(hidden, logits_to_keep)
+            logits = self._generation_logits(kept) if generating else self.head.log_prob(kept)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=getattr(outputs, "past_key_values", None),
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
+            **{CACHE: outputs.get(CACHE)},
         )
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
+        """transformers' own inputs, marked so that ``forward`` returns the generation logits
+        (``_generation_logits``): every forward pass of ``generate`` goes through here."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        inputs[GENERATING] = True
+        return inputs
+
+    def _generation_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What ``generate`` sees as logits: the raw logits where the head is one softmax.
+
+        Logits processors such as ``repetition_penalty`` and
+        ``exponential_decay_length_penalty`` act on raw logits (z / theta where z > 0, z * theta
+        where z < 0), so a softmax head must hand them the same z as the base model's
+        ``lm_head`` for the same text; SigSoftmax, GSS and PLIF hand them their transformed
+        logits f(z), whose softmax is their distribution. Mixtures (MoS, MoC, Mixtape) and
+        ``mlp_softmax`` have no such z: they hand over their log-probabilities, which every
+        processor and search also reads correctly (see the module docstring for what the
+        penalties then mean).
+        """
+        if isinstance(self.head, PointwiseSoftmax):
+            return self.head.transformed_logits(hidden).float()
+        return self.head.log_prob(hidden)
 
     def _next_token_loss(
         self,
@@ -311,6 +365,18 @@ def _embedding_key(model: HighrankForCausalLM) -> str:
         if parameter is embedding:
             return f"model.{name}"
     raise ValueError("the body's input embedding weight is not one of its parameters")
+
+
+def _one_cache(cache, kwargs: dict):
+    """The cache passed under its current name or (popped from ``kwargs``) the old one
+    (``generate`` of transformers 5.23 and older callers pass ``past_key_values``)."""
+    # On 5.23 CACHE itself is "past_key_values" and arrives in kwargs: take it from there.
+    for name in (CACHE, *OLD_CACHE_NAMES):
+        if name in kwargs:
+            if cache is not None:
+                raise ValueError(f"pass the key-value cache once, as {CACHE}= (got it twice)")
+            cache = kwargs.pop(name)
+    return cache
 
 
 def _keeps_all(logits_to_keep: int | torch.Tensor) -> bool:

@@ -42,7 +42,8 @@ class HighrankConfig(PreTrainedConfig):
     """
 
     model_type = MODEL_TYPE
-    # Trainer's evaluation gathers every other output (transformers 5 names the cache "cache").
+    # Trainer's evaluation gathers every other output: the cache is "cache" from transformers
+    # 5.24 on, "past_key_values" before (5.23).
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # "llama" is only the fallback type for a base_config dict without its own model_type.
     sub_configs_defaults = {
