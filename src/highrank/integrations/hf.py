@@ -77,8 +77,14 @@ whose paper gives some parameters their own learning rate (PLIF's slopes) lists 
 ``model.head.parameter_groups(lr)``: pass an optimizer built from those groups (and the body's
 parameters) to ``Trainer(optimizers=...)`` to honour it.
 
-Limits: ``resize_token_embeddings`` is refused (resize the base model before attaching), and
-the base model's body must be the class ``AutoModel`` builds from its config (true of every
+New tokens: ``model.resize_token_embeddings(n, pad_to_multiple_of=None, mean_resizing=True)``
+resizes the body's input embedding as transformers does, then every V-shaped tensor of the
+head (``resize_head``: decoder rows unless tied, where the decoder stays the embedding; bias;
+Mixtape keeps its per-token gates for the same S ids and new ids join its rare block), and
+``config.vocab_size`` (and the base config's); forward, generate and a save/reload round trip
+are tested for every head.
+
+Limits: the base model's body must be the class ``AutoModel`` builds from its config (true of every
 causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
 """
 
@@ -110,6 +116,7 @@ from highrank.heads import (
     check_init,
     head_knobs,
 )
+from highrank.heads.mixtape import Mixtape
 from highrank.heads.softmax import PointwiseSoftmax
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
 
@@ -179,11 +186,30 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         # The head is not an nn.Linear; transformers must not resize or re-tie it as one.
         return None
 
-    def resize_token_embeddings(self, *args, **kwargs):
-        raise NotImplementedError(
-            "HighrankForCausalLM cannot resize its vocabulary; resize the base model's token "
-            "embeddings before attach_head"
+    def resize_token_embeddings(
+        self,
+        new_num_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        mean_resizing: bool = True,
+    ) -> nn.Embedding:
+        """Resize the vocabulary as transformers does, head included (see the module guide)."""
+        embeddings = super().resize_token_embeddings(
+            new_num_tokens, pad_to_multiple_of, mean_resizing
         )
+        # transformers sets the text config's vocab_size (the base's); ours records V too.
+        self.config.vocab_size = self.head.vocab_size
+        if isinstance(self.head, Mixtape):  # the same S ids keep their gates when rebuilt
+            self.config.head_knobs["frequent_fraction"] = mixtape_fraction(self.head)
+        return embeddings
+
+    def _resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of=None, mean_resizing=True):
+        # The body resizes the input embedding in place (same Parameter, new data), so a tied
+        # decoder follows it; then every V-shaped tensor of the head follows the new rows.
+        embeddings = self.model._resize_token_embeddings(
+            new_num_tokens, pad_to_multiple_of, mean_resizing
+        )
+        resize_head(self.head, embeddings.weight.shape[0], self.model, mean_resizing)
+        return embeddings
 
     # ---- forward -------------------------------------------------------------------------
 
@@ -334,6 +360,57 @@ def loss_chunk_tokens(head: OutputHead, device: torch.device | str | None = None
     """
     rows_per_token = max(1, head.logits_per_token() // head.vocab_size)  # K
     return max(head.auto_chunk_tokens(device), math.ceil(MIN_CHUNK_ROWS / rows_per_token))
+
+
+@torch.no_grad()
+def resize_head(
+    head: OutputHead, vocab_size: int, body: PreTrainedModel, mean_resizing: bool = True
+) -> None:
+    """Give ``head`` ``vocab_size`` tokens: rows are added or removed at the end, as
+    transformers resizes an ``lm_head``.
+
+    The decoder E (unless tied: the body has already resized the embedding it shares) is
+    resized by transformers' own ``_get_resized_lm_head``, so new rows are drawn as a new
+    lm_head's would be: from a normal with the old rows' mean and (1e-9 x) covariance under
+    ``mean_resizing``, by the body's ``_init_weights`` otherwise. New bias entries take the old
+    mean (``mean_resizing``, as transformers' lm_head bias) or 0. No other tensor of a head is
+    V-shaped, except Mixtape's per-token gates: those cover the S most frequent ids, and new
+    ids (appended, so the rarest) join the rare block; S is kept (cut to V when shrinking
+    below it), so the trained gates stay with their tokens.
+    """
+    old = head.vocab_size
+    if vocab_size == old:
+        return
+    if head.weight.shape[0] != vocab_size:  # untied (a tied E already has the new rows)
+        decoder = nn.Linear(head.d_embed, old, bias=False, device=head.weight.device)
+        decoder.weight = head.weight
+        resized = body._get_resized_lm_head(decoder, vocab_size, mean_resizing=mean_resizing)
+        head.weight = nn.Parameter(resized.weight.data, requires_grad=head.weight.requires_grad)
+    head.bias = nn.Parameter(
+        _resized_bias(head.bias.data, vocab_size, mean_resizing),
+        requires_grad=head.bias.requires_grad,
+    )
+    head.vocab_size = vocab_size
+    if isinstance(head, Mixtape) and head.n_frequent > vocab_size:
+        head.n_frequent = vocab_size
+        head.token_gate = nn.Parameter(head.token_gate.data[:vocab_size].clone())
+        head.token_gate_bias = nn.Parameter(head.token_gate_bias.data[:vocab_size].clone())
+
+
+def _resized_bias(bias: torch.Tensor, vocab_size: int, mean_resizing: bool) -> torch.Tensor:
+    kept = bias[:vocab_size]
+    added = vocab_size - len(kept)
+    fill = bias.float().mean().to(bias.dtype) if mean_resizing else bias.new_zeros(())
+    return torch.cat([kept, fill.expand(added)]) if added > 0 else kept.clone()
+
+
+def mixtape_fraction(head: Mixtape) -> float:
+    """A ``frequent_fraction`` from which Mixtape rebuilds the S = ``head.n_frequent`` it has
+    (floor(round(r V, 9)) = S: config.json records r, not S)."""
+    fraction = head.n_frequent / head.vocab_size
+    if math.floor(round(fraction * head.vocab_size, 9)) != head.n_frequent:
+        raise ValueError(f"no frequent_fraction gives Mixtape S = {head.n_frequent} of V")
+    return fraction
 
 
 def _build_head_for(config: HighrankConfig, body: PreTrainedModel) -> OutputHead:
