@@ -72,6 +72,15 @@ ever likelier and, once r**i >= 2, scores at least as high as any token. Greedy 
 sampling and beam search are unaffected by the choice (a log_softmax of either gives the
 same distribution); ``output_logits=True`` returns what the processors saw.
 
+TRL: its trainers (``SFTTrainer``, and DPO/KTO/GRPO/RLOO, trl 1.16) install a fused LM head
+(``add_fused_lm_head``) that would score hidden states as a plain softmax through
+``get_output_embeddings()``, which is None here on purpose (nothing may train or resize a
+high-rank head as an ``nn.Linear``). The model keeps its own forward instead, and that forward
+answers TRL's ``fused_lm_head=True`` with the head's own per-token log-probabilities, entropy,
+top-1 hits (``hf_fused.py``), so ``SFTTrainer`` trains the head's loss and logs
+``mean_token_accuracy`` and ``entropy`` of the head's distribution, without a subclass. A
+temperature other than 1 (GRPO/RLOO options) is refused in one line.
+
 Training: ``model.parameters()`` holds a tied embedding once, so any optimizer works; a head
 whose paper gives some parameters their own learning rate (PLIF's slopes) lists them in
 ``model.head.parameter_groups(lr)``: pass an optimizer built from those groups (and the body's
@@ -119,6 +128,7 @@ from highrank.heads import (
 from highrank.heads.mixtape import Mixtape
 from highrank.heads.softmax import PointwiseSoftmax
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
+from highrank.integrations.hf_fused import FusedCausalLMOutput, fused_output, trl_fused_settings
 
 # Knobs the model wires itself; a user value would contradict the base model or the layout.
 WIRED_KNOBS = ("tied_weight", "dropout_time_dim")
@@ -236,6 +246,9 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         """
         loss_kwargs = {key: kwargs.pop(key) for key in LOSS_KWARGS if key in kwargs}
         generating = kwargs.pop(GENERATING, False)
+        fused = kwargs.pop("fused_lm_head", False)  # TRL's trainers (hf_fused.py)
+        if fused:
+            use_cache = False  # as TRL's own fused forward: training needs no cache
         cache = _one_cache(cache, kwargs)
         outputs = self.model(
             input_ids=input_ids,
@@ -248,6 +261,8 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, T, d)
+        if fused:
+            return self._fused_output(hidden, labels, **loss_kwargs)
         loss, logits = None, None
         if labels is not None or loss_kwargs.get("shift_labels") is not None:
             loss = self._next_token_loss(hidden, labels, **loss_kwargs)
@@ -263,6 +278,37 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             attentions=getattr(outputs, "attentions", None),
             **{CACHE: outputs.get(CACHE)},
         )
+
+    # ---- TRL ------------------------------------------------------------------------------
+
+    def __setattr__(self, name: str, value) -> None:
+        # TRL's add_fused_lm_head replaces forward by one that scores hidden states with
+        # get_output_embeddings() as a plain softmax (None here, on purpose); this forward
+        # answers TRL's fused_lm_head=True itself, with the head's own distribution.
+        if name == "forward" and trl_fused_settings(value) is not None:
+            return
+        super().__setattr__(name, value)
+
+    def _fused_output(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None,
+        *,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+    ) -> FusedCausalLMOutput:
+        """TRL's per-token fields (``log_probs``, ``entropy``, ``is_top1``, ...) and loss."""
+        if labels is None and shift_labels is None:
+            raise ValueError("fused_lm_head=True scores labels: pass labels or shift_labels")
+        if ignore_index != -100:
+            raise ValueError(f"fused_lm_head=True ignores -100 labels only; got {ignore_index}")
+        raw = self.head.transformed_logits if isinstance(self.head, PointwiseSoftmax) else None
+        return fused_output(
+            self.head, hidden, labels, shift_labels=shift_labels,
+            num_items_in_batch=num_items_in_batch, raw_logits=raw,
+            chunk_tokens=loss_chunk_tokens(self.head, hidden.device),
+        )  # fmt: skip
 
     # ---- generation ----------------------------------------------------------------------
 

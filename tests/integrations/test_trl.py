@@ -1,0 +1,124 @@
+"""TRL (issue 21, item 1): SFTTrainer trains a highrank model's own loss, with TRL's
+token-accuracy and entropy metrics computed from the head's distribution, no subclass needed.
+Tiny random GPT-2 / Llama models and a word-level tokenizer built here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from .conftest import VOCAB
+
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+hf = pytest.importorskip("highrank.integrations.hf", reason="the hf extra is not installed")
+trl = pytest.importorskip(
+    "trl", reason="trl is not installed (the clients extra: pip install -e '.[clients]')"
+)
+datasets = pytest.importorskip("datasets", reason="datasets (a trl dependency) is not installed")
+
+PAD = 0
+
+
+def fused_fields_by_hand(model, ids, labels):
+    """The head's next-token log p(label), entropy and top-1 hits, from its full log-probs."""
+    with torch.no_grad():
+        log_p = model(ids).logits[:, :-1]
+    targets = labels[:, 1:]
+    valid = targets != -100
+    picked = log_p.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    top1 = log_p.argmax(-1) == targets
+    return [torch.where(valid, x, 0) for x in (picked, entropy, top1)] + [valid]
+
+
+@pytest.mark.parametrize("head", ["softmax", "mos", "mixtape", "gss"])
+def test_trls_fused_lm_head_gets_the_heads_own_fields(attached, token_batch, head):
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = attached("gpt2", head)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    ids, labels = token_batch
+    with torch.no_grad():
+        out = model(ids, labels=labels, fused_lm_head=True)
+        own_loss = model(ids, labels=labels).loss
+    log_p, entropy, top1, valid = fused_fields_by_hand(model, ids, labels)
+    torch.testing.assert_close(out.log_probs, log_p, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy, entropy, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.is_top1, top1) and torch.equal(out.label_mask, valid)
+    torch.testing.assert_close(out.loss, own_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_fields_train_with_chunks_and_gradients(attached, token_batch, monkeypatch):
+    """Chunked (4 tokens) with gradients: the loss's gradients equal those of the own loss."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = attached("llama", "mos")
+    add_fused_lm_head(model)
+    ids, labels = token_batch
+
+    def grads(**options):
+        model.zero_grad()
+        model(ids, labels=labels, **options).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    own = grads()
+    monkeypatch.setattr(hf, "loss_chunk_tokens", lambda head, device=None: 4)
+    fused = grads(fused_lm_head=True)
+    assert fused.keys() == own.keys()
+    for name, grad in own.items():
+        torch.testing.assert_close(fused[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_temperature_trl_asks_for_is_refused_in_one_line(attached):
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = attached("gpt2", "mos")
+    with pytest.raises(ValueError, match="temperature 0.7; a highrank head scores"):
+        add_fused_lm_head(model, temperature=0.7)
+
+
+def word_tokenizer():
+    """A word-level tokenizer over VOCAB tokens "w0".."w99" ("w0" pads), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="w0", unk_token="w1", eos_token="w2"
+    )
+
+
+def sft_data(n: int, length: int):
+    ids = torch.randint(3, VOCAB, (n, length)).tolist()
+    return datasets.Dataset.from_dict({"text": [" ".join(f"w{i}" for i in row) for row in ids]})
+
+
+@pytest.mark.parametrize(("base", "head"), [("gpt2", "mos"), ("llama", "mixtape")])
+def test_sft_trainer_trains_the_heads_loss_with_right_metrics(attached, tmp_path, base, head):
+    model = attached(base, head)
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+        per_device_eval_batch_size=4, learning_rate=1e-2, report_to="none", save_strategy="no",
+        logging_steps=1, use_cpu=True, disable_tqdm=True, max_length=16, bf16=False,
+    )  # fmt: skip
+    data = sft_data(4, 10)
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data,
+        processing_class=word_tokenizer(),
+    )  # fmt: skip
+    before = trainer.evaluate()
+    # The metrics TRL logs are those of the head's distribution, computed here by hand.
+    batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(4)])
+    model.eval()
+    log_p, entropy, top1, valid = fused_fields_by_hand(model, batch["input_ids"], batch["labels"])
+    n = valid.sum()
+    assert math.isclose(before["eval_loss"], float(-log_p.sum() / n), rel_tol=1e-5)
+    assert math.isclose(before["eval_entropy"], float(entropy.sum() / n), rel_tol=1e-5)
+    assert math.isclose(before["eval_mean_token_accuracy"], float(top1.sum() / n), rel_tol=1e-6)
+    trainer.train()
+    assert trainer.evaluate()["eval_loss"] < before["eval_loss"]
+    logged = [entry for entry in trainer.state.log_history if "entropy" in entry and "loss" in entry]
+    assert len(logged) == 4 and all(0 <= e["mean_token_accuracy"] <= 1 for e in logged)
