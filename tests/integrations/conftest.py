@@ -48,6 +48,20 @@ def tiny_llama(*, lm_head_bias: bool = False):
 BASES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
+def word_tokenizer():
+    """A word-level tokenizer over VOCAB tokens "w0".."w99" (w0 pads, w1 is unknown, w2 ends
+    a text), built here: the client libraries (TRL, lm-eval) need a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="w0", unk_token="w1", eos_token="w2"
+    )
+
+
 @pytest.fixture
 def attached():
     """``attached(base, head, stochastic=False, init="paper", **knobs)``: a tiny ``base``

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from .conftest import VOCAB
+from .conftest import VOCAB, word_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 hf = pytest.importorskip("highrank.integrations.hf", reason="the hf extra is not installed")
@@ -77,18 +77,6 @@ def test_a_temperature_trl_asks_for_is_refused_in_one_line(attached):
     model = attached("gpt2", "mos")
     with pytest.raises(ValueError, match="temperature 0.7; a highrank head scores"):
         add_fused_lm_head(model, temperature=0.7)
-
-
-def word_tokenizer():
-    """A word-level tokenizer over VOCAB tokens "w0".."w99" ("w0" pads), built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="w0", unk_token="w1", eos_token="w2"
-    )
 
 
 def sft_data(n: int, length: int):

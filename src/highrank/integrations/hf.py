@@ -180,6 +180,11 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             self._tied_weights_keys = {"head.weight": _embedding_key(self)}
         self.post_init()
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel") -> None:
+        """Nothing, as ``HighrankConfig.register_for_auto_class``: saved folders load through
+        their ``highrank_auto.py``, never through a copy of this module."""
+
     def _init_weights(self, module: nn.Module) -> None:
         """Nothing to do: each head initialises itself in its constructor as its paper says,
         and the body is initialised by its own class."""
