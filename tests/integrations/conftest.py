@@ -49,16 +49,17 @@ BASES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
 def word_tokenizer():
-    """A word-level tokenizer over VOCAB tokens "w0".."w99" (w0 pads, w1 is unknown, w2 ends
-    a text), built here: the client libraries (TRL, lm-eval) need a tokenizer."""
+    """A word-level tokenizer over VOCAB ids: <pad> 0, <unk> 1, <eos> 2 (ends a text) and the
+    words "w3".."w99" (special tokens must not be words: they are matched inside words),
+    built here: the client libraries (TRL, lm-eval, pipeline) need a tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="w0", unk_token="w1", eos_token="w2"
+        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
     )
 
 
