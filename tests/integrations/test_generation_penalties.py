@@ -66,9 +66,7 @@ def penalised_greedy_by_hand(scores_of, ids: torch.Tensor, theta: float) -> torc
 
 
 @pytest.mark.parametrize("head", ["mos", "moc", "mixtape", "mlp_softmax"])
-def test_on_log_probabilities_the_repetition_penalty_raises_p_to_the_power_theta(
-    attached, head
-):
+def test_on_log_probabilities_the_repetition_penalty_raises_p_to_the_power_theta(attached, head):
     """Mixtures have no raw logits: the penalty multiplies a seen token's log p <= 0 by theta."""
     model = attached("llama", head)
     ids = prompt()

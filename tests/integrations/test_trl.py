@@ -108,5 +108,5 @@ def test_sft_trainer_trains_the_heads_loss_with_right_metrics(attached, tmp_path
     assert math.isclose(before["eval_mean_token_accuracy"], float(top1.sum() / n), rel_tol=1e-6)
     trainer.train()
     assert trainer.evaluate()["eval_loss"] < before["eval_loss"]
-    logged = [entry for entry in trainer.state.log_history if "entropy" in entry and "loss" in entry]
+    logged = [e for e in trainer.state.log_history if "entropy" in e and "loss" in e]
     assert len(logged) == 4 and all(0 <= e["mean_token_accuracy"] <= 1 for e in logged)
