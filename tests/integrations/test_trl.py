@@ -48,6 +48,30 @@ def test_trls_fused_lm_head_gets_the_heads_own_fields(attached, token_batch, hea
     torch.testing.assert_close(out.entropy, entropy, atol=1e-5, rtol=1e-5)
     assert torch.equal(out.is_top1, top1) and torch.equal(out.label_mask, valid)
     torch.testing.assert_close(out.loss, own_loss, atol=1e-5, rtol=1e-5)
+    assert out.log_sum_sq_probs is None and out.mean_logits is None  # not asked for, as in TRL
+
+
+def test_the_fields_dpo_asks_for_on_a_softmax_head_are_the_base_models(token_batch):
+    """DPO's mean_logits and WPO's log_sum_sq_probs: for a softmax head, those of the base
+    model's own logits (TRL's kernel on the base would compute the same)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from .conftest import tiny_llama
+
+    base = tiny_llama().eval()
+    ids, labels = token_batch
+    with torch.no_grad():
+        logits = base(ids).logits[:, :-1].float()
+    model = hf.attach_head(base, "softmax").eval()
+    add_fused_lm_head(model, outputs=("log_probs", "mean_logits", "log_sum_sq_probs"))
+    with torch.no_grad():
+        out = model(ids, labels=labels, fused_lm_head=True)
+    valid = labels[:, 1:] != -100
+    mean_logits = torch.where(valid, logits.mean(-1), 0)
+    log_sum_sq = torch.where(valid, torch.logsumexp(2 * logits.log_softmax(-1), -1), 0)
+    torch.testing.assert_close(out.mean_logits, mean_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.log_sum_sq_probs, log_sum_sq, atol=1e-5, rtol=1e-5)
+    assert out.entropy is None and out.is_top1 is None
 
 
 def test_fused_fields_train_with_chunks_and_gradients(attached, token_batch, monkeypatch):

@@ -128,6 +128,7 @@ from highrank.heads import (
 from highrank.heads.mixtape import Mixtape
 from highrank.heads.softmax import PointwiseSoftmax
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
+from highrank.integrations.hf_fused import FIELDS as FUSED_FIELDS
 from highrank.integrations.hf_fused import FusedCausalLMOutput, fused_output, trl_fused_settings
 
 # Knobs the model wires itself; a user value would contradict the base model or the layout.
@@ -290,7 +291,8 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         # TRL's add_fused_lm_head replaces forward by one that scores hidden states with
         # get_output_embeddings() as a plain softmax (None here, on purpose); this forward
         # answers TRL's fused_lm_head=True itself, with the head's own distribution.
-        if name == "forward" and trl_fused_settings(value) is not None:
+        if name == "forward" and (settings := trl_fused_settings(value)) is not None:
+            super().__setattr__("_trl_fused_outputs", settings["outputs"])
             return
         super().__setattr__(name, value)
 
@@ -313,6 +315,8 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             self.head, hidden, labels, shift_labels=shift_labels,
             num_items_in_batch=num_items_in_batch, raw_logits=raw,
             chunk_tokens=loss_chunk_tokens(self.head, hidden.device),
+            # the fields TRL asked add_fused_lm_head for; all of them for a direct call
+            outputs=getattr(self, "_trl_fused_outputs", FUSED_FIELDS),
         )  # fmt: skip
 
     # ---- generation ----------------------------------------------------------------------

@@ -33,7 +33,7 @@ from highrank.heads.chunking import chunk_masks, chunk_slices
 # The function add_fused_lm_head installs, by its code's qualified name (functools.wraps gives
 # it our forward's name and module, so those cannot tell it apart).
 TRL_FUSED_FORWARD = "add_fused_lm_head.<locals>._fused_forward"
-# The per-token fields of TRL's FusedCausalLMOutput, all of which fused_output computes.
+# The per-token fields of TRL's FusedCausalLMOutput, each of which fused_output can compute.
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
@@ -86,13 +86,17 @@ def fused_output(
     num_items_in_batch: torch.Tensor | int | None,
     chunk_tokens: int,
     raw_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    outputs: tuple[str, ...] = FIELDS,
 ) -> FusedCausalLMOutput:
     """TRL's fused fields for hidden states ``(B, T, d)`` and next-token labels (shifted as
     transformers shifts them, or ``shift_labels`` as given), from the head's log-probs.
 
-    ``mean_logits`` is the mean over V of ``raw_logits(rows)`` for heads that have raw
-    logits (what ``generate`` hands the logits processors), else of the log-probabilities.
+    ``outputs`` names the fields to compute (``log_probs`` always; the others are None unless
+    named, as in TRL). ``mean_logits`` is the mean over V of ``raw_logits(rows)`` for heads
+    that have raw logits (what ``generate`` hands the logits processors), else of the
+    log-probabilities.
     """
+    wanted = [name for name in FIELDS if name in outputs or name == "log_probs"]
     if shift_labels is None:
         hidden, targets = hidden[:, :-1], labels[:, 1:]
     else:
@@ -106,19 +110,9 @@ def fused_output(
 
     def statistics(h: torch.Tensor, target: torch.Tensor, *chunk: torch.Tensor | None):
         log_p = head._log_prob_rows(h, *chunk)  # (n, V), float32, normalised
-        p = log_p.exp()
-        logits = log_p if raw_logits is None else raw_logits(h)
-        return torch.stack(
-            [
-                log_p.gather(1, target[:, None]).squeeze(1),
-                -(p * log_p).sum(-1),
-                torch.logsumexp(2 * log_p, dim=-1).detach(),
-                logits.mean(-1).detach(),
-                (log_p.argmax(-1) == target).float(),
-            ]
-        )  # (5, n), the order of FIELDS
+        return torch.stack([_field(name, log_p, target, h, raw_logits) for name in wanted])
 
-    pieces = [hidden.new_zeros((len(FIELDS), 0), dtype=torch.float32)]
+    pieces = [hidden.new_zeros((len(wanted), 0), dtype=torch.float32)]
     for part in chunk_slices(rows.shape[0], chunk_tokens):
         args = (rows[part], target_rows[part], *chunk_masks(masks, part))
         if torch.is_grad_enabled():  # recomputed in backward, RNG state replayed
@@ -132,9 +126,23 @@ def fused_output(
     zeros = label_mask.new_zeros(label_mask.shape, dtype=torch.float32)
     fields = {
         name: zeros.masked_scatter(label_mask, values)
-        for name, values in zip(FIELDS, per_token, strict=True)
+        for name, values in zip(wanted, per_token, strict=True)
     }
-    fields["is_top1"] = fields["is_top1"].bool()
+    if "is_top1" in fields:
+        fields["is_top1"] = fields["is_top1"].bool()
     count = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -fields["log_probs"].sum() / count
     return FusedCausalLMOutput(loss=loss, label_mask=label_mask, **fields)
+
+
+def _field(name, log_p, target, h, raw_logits) -> torch.Tensor:
+    """One of TRL's per-token fields ``(n,)`` from the log-probabilities ``(n, V)``."""
+    if name == "log_probs":
+        return log_p.gather(1, target[:, None]).squeeze(1)
+    if name == "entropy":
+        return -(log_p.exp() * log_p).sum(-1)
+    if name == "log_sum_sq_probs":  # log sum_v p_v^2, without gradient as in TRL
+        return torch.logsumexp(2 * log_p, dim=-1).detach()
+    if name == "mean_logits":
+        return (log_p if raw_logits is None else raw_logits(h)).mean(-1).detach()
+    return (log_p.argmax(-1) == target).float()  # is_top1
