@@ -134,3 +134,25 @@ def test_sft_trainer_trains_the_heads_loss_with_right_metrics(attached, tmp_path
     assert trainer.evaluate()["eval_loss"] < before["eval_loss"]
     logged = [e for e in trainer.state.log_history if "entropy" in e and "loss" in e]
     assert len(logged) == 4 and all(0 <= e["mean_token_accuracy"] <= 1 for e in logged)
+
+
+def test_sft_trainer_with_a_peft_config_trains_lora_adapters_and_the_head(attached, tmp_path):
+    peft = pytest.importorskip("peft", reason="peft (the hf extra) is not installed")
+    model = attached("llama", "mos")
+    head_before = model.head.weight.detach().clone()
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4,
+        learning_rate=1e-2, report_to="none", save_strategy="no", logging_steps=1,
+        use_cpu=True, disable_tqdm=True, max_length=16,
+    )  # fmt: skip
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["head"])
+    trainer = trl.SFTTrainer(
+        model=model, args=args, train_dataset=sft_data(4, 10),
+        processing_class=word_tokenizer(), peft_config=lora,
+    )  # fmt: skip
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    wrapper = model.head  # PEFT's ModulesToSaveWrapper: the original and a trained copy
+    assert torch.equal(wrapper.original_module.weight, head_before)
+    assert not torch.equal(wrapper.modules_to_save["default"].weight, head_before)
