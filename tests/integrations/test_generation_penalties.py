@@ -98,3 +98,25 @@ def test_forward_outside_generate_still_returns_log_probabilities(attached):
     with torch.no_grad():
         log_probs = model(ids).logits
     torch.testing.assert_close(log_probs.logsumexp(-1), torch.zeros(ids.shape))
+
+
+def test_on_log_probabilities_the_length_penalty_raises_eos_to_a_shrinking_power(attached):
+    """exponential_decay_length_penalty=(start, r) after start + i new tokens: EOS's
+    log p becomes log p + |log p| (r**i - 1) = log p (2 - r**i), i.e. p -> p**(2 - r**i)."""
+    model = attached("llama", "mos")
+    ids = prompt()[:1]
+    start, factor = 2, 1.6
+    options = {"eos_token_id": EOS, "pad_token_id": 0}
+    got = greedy(model, ids, exponential_decay_length_penalty=(start, factor), **options)
+    assert not torch.equal(got, greedy(model, ids, **options))  # it ends the text early
+    expected = ids
+    for _ in range(NEW_TOKENS):
+        with torch.no_grad():
+            scores = model(expected).logits[:, -1].clone()
+        steps = expected.shape[1] - (PROMPT_LENGTH + start)
+        if steps > 0:
+            scores[:, EOS] = scores[:, EOS] * (2 - factor**steps)  # log p <= 0
+        expected = torch.cat([expected, scores.argmax(-1, keepdim=True)], dim=1)
+        if int(expected[0, -1]) == EOS:
+            break
+    assert torch.equal(got, expected)
