@@ -93,8 +93,8 @@ Mixtape keeps its per-token gates for the same S ids and new ids join its rare b
 ``config.vocab_size`` (and the base config's); forward, generate and a save/reload round trip
 are tested for every head.
 
-Limits: the base model's body must be the class ``AutoModel`` builds from its config (true of every
-causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
+Limits: the base model's body must be the class ``AutoModel`` builds from its config (true of
+every causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -437,7 +437,8 @@ def resize_head(
     if vocab_size == old:
         return
     if head.weight.shape[0] != vocab_size:  # untied (a tied E already has the new rows)
-        decoder = nn.Linear(head.d_embed, old, bias=False, device=head.weight.device)
+        # A Linear around E for transformers' resizer (built on "meta": no second V x d copy).
+        decoder = nn.Linear(head.d_embed, old, bias=False, device="meta")
         decoder.weight = head.weight
         resized = body._get_resized_lm_head(decoder, vocab_size, mean_resizing=mean_resizing)
         head.weight = nn.Parameter(resized.weight.data, requires_grad=head.weight.requires_grad)
