@@ -89,9 +89,11 @@ class HighrankConfig(PreTrainedConfig):
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
         """``config.json`` with the ``auto_map`` of ``AUTO_MAP``, and ``highrank_auto.py``."""
         self.auto_map = dict(AUTO_MAP)
-        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        # Written first, so that push_to_hub uploads it with config.json.
         source = Path(__file__).with_name(f"{AUTO_MODULE}.py")
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, Path(save_directory) / source.name)
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoConfig") -> None:
