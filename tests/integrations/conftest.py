@@ -48,6 +48,21 @@ def tiny_llama(*, lm_head_bias: bool = False):
 BASES = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 
+def word_tokenizer():
+    """A word-level tokenizer over VOCAB ids: <pad> 0, <unk> 1, <eos> 2 (ends a text) and the
+    words "w3".."w99" (special tokens must not be words: they are matched inside words),
+    built here: the client libraries (TRL, lm-eval, pipeline) need a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
+    )
+
+
 @pytest.fixture
 def attached():
     """``attached(base, head, stochastic=False, init="paper", **knobs)``: a tiny ``base``

@@ -42,10 +42,10 @@ What ``attach_head(model, name, **knobs)`` builds and initialises:
 
 What ``forward`` returns (``CausalLMOutputWithPast``):
 
-* without ``labels``, ``logits`` are the head's **normalised log-probabilities** (float32) at
-  the positions ``logits_to_keep`` keeps (an int keeps the last ones, 0 all; a tensor picks
-  positions, as transformers does), so ``generate()`` (greedy, sampling, beam search) and any
-  code applying ``log_softmax`` to them see the head's true distribution;
+* without ``labels`` (and outside ``generate``, see Generation), ``logits`` are the head's
+  **normalised log-probabilities** (float32) at the positions ``logits_to_keep`` keeps (an int
+  keeps the last ones, 0 all; a tensor picks positions, as transformers does), so any code
+  applying ``log_softmax`` to them sees the head's true distribution;
 * with ``labels`` (or ``shift_labels``), ``loss`` is the mean NLL of the next tokens, shifted
   exactly as transformers shifts them and with ``-100`` ignored (``num_items_in_batch``, which
   ``Trainer`` passes under gradient accumulation, replaces the count of valid tokens), computed
@@ -55,14 +55,46 @@ What ``forward`` returns (``CausalLMOutputWithPast``):
   ``Trainer.evaluate(compute_metrics=...)`` and ``Trainer.predict`` need. Label
   smoothing in ``Trainer`` needs logits and is therefore not supported.
 
+Generation: ``generate`` marks its forward passes (``prepare_inputs_for_generation``), and
+they return the logits transformers' logits processors are written for. Softmax hands over its
+raw logits z = E h + b, and SigSoftmax, GSS and PLIF their transformed logits f(z) (whose
+softmax is their distribution), so penalties defined on raw logits act as on the base model:
+``attach_head(base, "softmax")`` (and GSS or PLIF with ``init="base"``) generates exactly the
+base's tokens under ``repetition_penalty`` or ``exponential_decay_length_penalty`` (tested).
+The mixtures (MoS, MoC, Mixtape) and ``mlp_softmax`` hand over their log-probabilities
+log p <= 0, on which the penalties have this meaning: ``repetition_penalty=theta`` multiplies
+the log-probability of every token already in the sequence by theta, i.e. raises its
+probability to the power theta (p -> p**theta, then renormalised by the search): a token the
+model is sure of (p near 1) is barely penalised, an unlikely one strongly;
+``exponential_decay_length_penalty=(start, r)`` turns the end-of-sequence log-probability
+log p into log p * (2 - r**i) after ``start + i`` tokens (p -> p**(2 - r**i)), so EOS becomes
+ever likelier and, once r**i >= 2, scores at least as high as any token. Greedy search,
+sampling and beam search are unaffected by the choice (a log_softmax of either gives the
+same distribution); ``output_logits=True`` returns what the processors saw.
+
+TRL: its trainers (``SFTTrainer``, and DPO/KTO/GRPO/RLOO, trl 1.16) install a fused LM head
+(``add_fused_lm_head``) that would score hidden states as a plain softmax through
+``get_output_embeddings()``, which is None here on purpose (nothing may train or resize a
+high-rank head as an ``nn.Linear``). The model keeps its own forward instead, and that forward
+answers TRL's ``fused_lm_head=True`` with the head's own per-token log-probabilities, entropy,
+top-1 hits (``hf_fused.py``), so ``SFTTrainer`` trains the head's loss and logs
+``mean_token_accuracy`` and ``entropy`` of the head's distribution, without a subclass. A
+temperature other than 1 (GRPO/RLOO options) is refused in one line.
+
 Training: ``model.parameters()`` holds a tied embedding once, so any optimizer works; a head
 whose paper gives some parameters their own learning rate (PLIF's slopes) lists them in
 ``model.head.parameter_groups(lr)``: pass an optimizer built from those groups (and the body's
 parameters) to ``Trainer(optimizers=...)`` to honour it.
 
-Limits: ``resize_token_embeddings`` is refused (resize the base model before attaching), and
-the base model's body must be the class ``AutoModel`` builds from its config (true of every
-causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
+New tokens: ``model.resize_token_embeddings(n, pad_to_multiple_of=None, mean_resizing=True)``
+resizes the body's input embedding as transformers does, then every V-shaped tensor of the
+head (``resize_head``: decoder rows unless tied, where the decoder stays the embedding; bias;
+Mixtape keeps its per-token gates for the same S ids and new ids join its rare block), and
+``config.vocab_size`` (and the base config's); forward, generate and a save/reload round trip
+are tested for every head.
+
+Limits: the base model's body must be the class ``AutoModel`` builds from its config (true of
+every causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
 """
 
 from __future__ import annotations
@@ -93,7 +125,11 @@ from highrank.heads import (
     check_init,
     head_knobs,
 )
+from highrank.heads.mixtape import Mixtape
+from highrank.heads.softmax import PointwiseSoftmax
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
+from highrank.integrations.hf_fused import FIELDS as FUSED_FIELDS
+from highrank.integrations.hf_fused import FusedCausalLMOutput, fused_output, trl_fused_settings
 
 # Knobs the model wires itself; a user value would contradict the base model or the layout.
 WIRED_KNOBS = ("tied_weight", "dropout_time_dim")
@@ -101,6 +137,13 @@ WIRED_KNOBS = ("tied_weight", "dropout_time_dim")
 MIN_CHUNK_ROWS = 256
 # Keyword arguments of forward that belong to the loss, not to the body.
 LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+# transformers 5.24 renamed the key-value cache, as an argument and an output field, from
+# `past_key_values` to `cache` (the old name warns on every call and goes in 5.40); 5.23, the
+# oldest release the hf extra admits, knows only the old name. The body gets its own.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+OLD_CACHE_NAMES = ("past_key_values",) if CACHE == "cache" else ()
+# The flag prepare_inputs_for_generation adds to the inputs of each forward pass of generate.
+GENERATING = "highrank_generating"
 
 
 class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
@@ -112,7 +155,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
 
     config_class = HighrankConfig
     base_model_prefix = "model"
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE]
     # Attention runs in the body, which checks its own support; the wrapper must not veto it.
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -138,6 +181,11 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             self._tied_weights_keys = {"head.weight": _embedding_key(self)}
         self.post_init()
 
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel") -> None:
+        """Nothing, as ``HighrankConfig.register_for_auto_class``: saved folders load through
+        their ``highrank_auto.py``, never through a copy of this module."""
+
     def _init_weights(self, module: nn.Module) -> None:
         """Nothing to do: each head initialises itself in its constructor as its paper says,
         and the body is initialised by its own class."""
@@ -154,11 +202,30 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         # The head is not an nn.Linear; transformers must not resize or re-tie it as one.
         return None
 
-    def resize_token_embeddings(self, *args, **kwargs):
-        raise NotImplementedError(
-            "HighrankForCausalLM cannot resize its vocabulary; resize the base model's token "
-            "embeddings before attach_head"
+    def resize_token_embeddings(
+        self,
+        new_num_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        mean_resizing: bool = True,
+    ) -> nn.Embedding:
+        """Resize the vocabulary as transformers does, head included (see the module guide)."""
+        embeddings = super().resize_token_embeddings(
+            new_num_tokens, pad_to_multiple_of, mean_resizing
         )
+        # transformers sets the text config's vocab_size (the base's); ours records V too.
+        self.config.vocab_size = self.head.vocab_size
+        if isinstance(self.head, Mixtape):  # the same S ids keep their gates when rebuilt
+            self.config.head_knobs["frequent_fraction"] = mixtape_fraction(self.head)
+        return embeddings
+
+    def _resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of=None, mean_resizing=True):
+        # The body resizes the input embedding in place (same Parameter, new data), so a tied
+        # decoder follows it; then every V-shaped tensor of the head follows the new rows.
+        embeddings = self.model._resize_token_embeddings(
+            new_num_tokens, pad_to_multiple_of, mean_resizing
+        )
+        resize_head(self.head, embeddings.weight.shape[0], self.model, mean_resizing)
+        return embeddings
 
     # ---- forward -------------------------------------------------------------------------
 
@@ -168,7 +235,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -180,34 +247,102 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         ``labels (B, T)``: position t is scored on ``labels[:, t + 1]``, ``-100`` ignored;
         ``shift_labels (B, T)`` gives the already-shifted targets instead. ``logits_to_keep``:
         an int keeps the last positions (0 keeps all; with labels, 0 returns no logits), a
-        tensor the positions it names. Other keyword arguments go to the body.
+        tensor the positions it names. ``cache`` is the key-value cache (``past_key_values``
+        on transformers 5.23, also accepted). Other keyword arguments go to the body.
         """
         loss_kwargs = {key: kwargs.pop(key) for key in LOSS_KWARGS if key in kwargs}
+        generating = kwargs.pop(GENERATING, False)
+        fused = kwargs.pop("fused_lm_head", False)  # TRL's trainers (hf_fused.py)
+        if fused:
+            use_cache = False  # as TRL's own fused forward: training needs no cache
+        cache = _one_cache(cache, kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             return_dict=True,
+            **{CACHE: cache},
             **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, T, d)
+        if fused:
+            return self._fused_output(hidden, labels, **loss_kwargs)
         loss, logits = None, None
         if labels is not None or loss_kwargs.get("shift_labels") is not None:
             loss = self._next_token_loss(hidden, labels, **loss_kwargs)
         # The fused-loss convention: only training skips the (tokens x V) output; evaluation
         # (Trainer.evaluate / predict with compute_metrics) gets the loss and the log-probs.
         if loss is None or not _keeps_all(logits_to_keep) or not self.training:
-            logits = self.head.log_prob(_keep_positions(hidden, logits_to_keep))
+            kept = _keep_positions(hidden, logits_to_keep)
+            logits = self._generation_logits(kept) if generating else self.head.log_prob(kept)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=getattr(outputs, "past_key_values", None),
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
+            **{CACHE: outputs.get(CACHE)},
         )
+
+    # ---- TRL ------------------------------------------------------------------------------
+
+    def __setattr__(self, name: str, value) -> None:
+        # TRL's add_fused_lm_head replaces forward by one that scores hidden states with
+        # get_output_embeddings() as a plain softmax (None here, on purpose); this forward
+        # answers TRL's fused_lm_head=True itself, with the head's own distribution.
+        if name == "forward" and (settings := trl_fused_settings(value)) is not None:
+            super().__setattr__("_trl_fused_outputs", settings["outputs"])
+            return
+        super().__setattr__(name, value)
+
+    def _fused_output(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None,
+        *,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+    ) -> FusedCausalLMOutput:
+        """TRL's per-token fields (``log_probs``, ``entropy``, ``is_top1``, ...) and loss."""
+        if labels is None and shift_labels is None:
+            raise ValueError("fused_lm_head=True scores labels: pass labels or shift_labels")
+        if ignore_index != -100:
+            raise ValueError(f"fused_lm_head=True ignores -100 labels only; got {ignore_index}")
+        raw = self.head.transformed_logits if isinstance(self.head, PointwiseSoftmax) else None
+        return fused_output(
+            self.head, hidden, labels, shift_labels=shift_labels,
+            num_items_in_batch=num_items_in_batch, raw_logits=raw,
+            chunk_tokens=loss_chunk_tokens(self.head, hidden.device),
+            # the fields TRL asked add_fused_lm_head for; all of them for a direct call
+            outputs=getattr(self, "_trl_fused_outputs", FUSED_FIELDS),
+        )  # fmt: skip
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
+        """transformers' own inputs, marked so that ``forward`` returns the generation logits
+        (``_generation_logits``): every forward pass of ``generate`` goes through here."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        inputs[GENERATING] = True
+        return inputs
+
+    def _generation_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What ``generate`` sees as logits: the raw logits where the head is one softmax.
+
+        Logits processors such as ``repetition_penalty`` and
+        ``exponential_decay_length_penalty`` act on raw logits (z / theta where z > 0, z * theta
+        where z < 0), so a softmax head must hand them the same z as the base model's
+        ``lm_head`` for the same text; SigSoftmax, GSS and PLIF hand them their transformed
+        logits f(z), whose softmax is their distribution. Mixtures (MoS, MoC, Mixtape) and
+        ``mlp_softmax`` have no such z: they hand over their log-probabilities, which every
+        processor and search also reads correctly (see the module docstring for what the
+        penalties then mean).
+        """
+        if isinstance(self.head, PointwiseSoftmax):
+            return self.head.transformed_logits(hidden).float()
+        return self.head.log_prob(hidden)
 
     def _next_token_loss(
         self,
@@ -282,6 +417,58 @@ def loss_chunk_tokens(head: OutputHead, device: torch.device | str | None = None
     return max(head.auto_chunk_tokens(device), math.ceil(MIN_CHUNK_ROWS / rows_per_token))
 
 
+@torch.no_grad()
+def resize_head(
+    head: OutputHead, vocab_size: int, body: PreTrainedModel, mean_resizing: bool = True
+) -> None:
+    """Give ``head`` ``vocab_size`` tokens: rows are added or removed at the end, as
+    transformers resizes an ``lm_head``.
+
+    The decoder E (unless tied: the body has already resized the embedding it shares) is
+    resized by transformers' own ``_get_resized_lm_head``, so new rows are drawn as a new
+    lm_head's would be: from a normal with the old rows' mean and (1e-9 x) covariance under
+    ``mean_resizing``, by the body's ``_init_weights`` otherwise. New bias entries take the old
+    mean (``mean_resizing``, as transformers' lm_head bias) or 0. No other tensor of a head is
+    V-shaped, except Mixtape's per-token gates: those cover the S most frequent ids, and new
+    ids (appended, so the rarest) join the rare block; S is kept (cut to V when shrinking
+    below it), so the trained gates stay with their tokens.
+    """
+    old = head.vocab_size
+    if vocab_size == old:
+        return
+    if head.weight.shape[0] != vocab_size:  # untied (a tied E already has the new rows)
+        # A Linear around E for transformers' resizer (built on "meta": no second V x d copy).
+        decoder = nn.Linear(head.d_embed, old, bias=False, device="meta")
+        decoder.weight = head.weight
+        resized = body._get_resized_lm_head(decoder, vocab_size, mean_resizing=mean_resizing)
+        head.weight = nn.Parameter(resized.weight.data, requires_grad=head.weight.requires_grad)
+    head.bias = nn.Parameter(
+        _resized_bias(head.bias.data, vocab_size, mean_resizing),
+        requires_grad=head.bias.requires_grad,
+    )
+    head.vocab_size = vocab_size
+    if isinstance(head, Mixtape) and head.n_frequent > vocab_size:
+        head.n_frequent = vocab_size
+        head.token_gate = nn.Parameter(head.token_gate.data[:vocab_size].clone())
+        head.token_gate_bias = nn.Parameter(head.token_gate_bias.data[:vocab_size].clone())
+
+
+def _resized_bias(bias: torch.Tensor, vocab_size: int, mean_resizing: bool) -> torch.Tensor:
+    kept = bias[:vocab_size]
+    added = vocab_size - len(kept)
+    fill = bias.float().mean().to(bias.dtype) if mean_resizing else bias.new_zeros(())
+    return torch.cat([kept, fill.expand(added)]) if added > 0 else kept.clone()
+
+
+def mixtape_fraction(head: Mixtape) -> float:
+    """A ``frequent_fraction`` from which Mixtape rebuilds the S = ``head.n_frequent`` it has
+    (floor(round(r V, 9)) = S: config.json records r, not S)."""
+    fraction = head.n_frequent / head.vocab_size
+    if math.floor(round(fraction * head.vocab_size, 9)) != head.n_frequent:
+        raise ValueError(f"no frequent_fraction gives Mixtape S = {head.n_frequent} of V")
+    return fraction
+
+
 def _build_head_for(config: HighrankConfig, body: PreTrainedModel) -> OutputHead:
     """The head ``config`` records, wired to ``body`` (tied embedding, batch-first layout)."""
     if config.head_name not in HEADS:
@@ -311,6 +498,18 @@ def _embedding_key(model: HighrankForCausalLM) -> str:
         if parameter is embedding:
             return f"model.{name}"
     raise ValueError("the body's input embedding weight is not one of its parameters")
+
+
+def _one_cache(cache, kwargs: dict):
+    """The cache passed under its current name or (popped from ``kwargs``) the old one
+    (``generate`` of transformers 5.23 and older callers pass ``past_key_values``)."""
+    # On 5.23 CACHE itself is "past_key_values" and arrives in kwargs: take it from there.
+    for name in (CACHE, *OLD_CACHE_NAMES):
+        if name in kwargs:
+            if cache is not None:
+                raise ValueError(f"pass the key-value cache once, as {CACHE}= (got it twice)")
+            cache = kwargs.pop(name)
+    return cache
 
 
 def _keeps_all(logits_to_keep: int | torch.Tensor) -> bool:

@@ -9,6 +9,9 @@ It nests the base model's own configuration (``base_config``, serialised as a di
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import transformers
 from transformers import AutoConfig, PreTrainedConfig
 
@@ -21,6 +24,15 @@ except ImportError:  # older transformers: other configuration and weight-tying 
     ) from None
 
 MODEL_TYPE = "highrank"
+# The module every saved folder carries (a copy of highrank_auto.py, which imports the
+# installed highrank) and the auto_map that names its classes: a fresh process that passes
+# trust_remote_code=True (lm_eval --model hf, ...) then loads the folder without importing
+# highrank first; transformers' plugin-free Auto classes offer no other way in.
+AUTO_MODULE = "highrank_auto"
+AUTO_MAP = {
+    "AutoConfig": f"{AUTO_MODULE}.HighrankConfig",
+    "AutoModelForCausalLM": f"{AUTO_MODULE}.HighrankForCausalLM",
+}
 # The fields in which configs state their context length (lm-eval's HFLM and others read them
 # from model.config): copied from the base model's text config.
 LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
@@ -42,7 +54,8 @@ class HighrankConfig(PreTrainedConfig):
     """
 
     model_type = MODEL_TYPE
-    # Trainer's evaluation gathers every other output (transformers 5 names the cache "cache").
+    # Trainer's evaluation gathers every other output: the cache is "cache" from transformers
+    # 5.24 on, "past_key_values" before (5.23).
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
     # "llama" is only the fallback type for a base_config dict without its own model_type.
     sub_configs_defaults = {
@@ -72,6 +85,21 @@ class HighrankConfig(PreTrainedConfig):
         for name in LENGTH_FIELDS:  # the base model's context length, where tools look for it
             if getattr(text, name, None) is not None:
                 setattr(self, name, getattr(text, name))
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs) -> None:
+        """``config.json`` with the ``auto_map`` of ``AUTO_MAP``, and ``highrank_auto.py``."""
+        self.auto_map = dict(AUTO_MAP)
+        # Written first, so that push_to_hub uploads it with config.json.
+        source = Path(__file__).with_name(f"{AUTO_MODULE}.py")
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, Path(save_directory) / source.name)
+        super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig") -> None:
+        """Nothing: transformers calls this after loading a folder through its ``auto_map``,
+        and would then copy this module's source into every later save; the folders carry
+        ``highrank_auto.py`` instead, which imports the installed highrank."""
 
     def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
         """The base model's text config: generation and caches read layers, heads and the
