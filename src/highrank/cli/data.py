@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     get = actions.add_parser(
         "get",
+        allow_abbrev=False,
         help="download a benchmark corpus from its canonical source, sha256-checked",
         description="Download a corpus the configs use from its canonical source (a pinned "
         "commit), check every file's sha256, resume an interrupted download.",
@@ -27,12 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mirror",
         help="base URL holding the files at raw.githubusercontent.com's paths (file:// or http)",
     )
-    stats = actions.add_parser("stats", help="lines, tokens with <eos> and vocabulary")
+    stats = actions.add_parser(
+        "stats", help="lines, tokens with <eos> and vocabulary", allow_abbrev=False
+    )
     stats.add_argument("directory", help="corpus folder with train.txt, valid.txt, test.txt")
     stats.add_argument("--mode", choices=["word", "char"], default="word", help="token unit")
     stats.add_argument("--cache-dir", help="token-id cache folder (default ~/.cache/highrank)")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    zipf = actions.add_parser("zipf", help="write a seeded Zipfian synthetic corpus")
+    zipf = actions.add_parser(
+        "zipf", help="write a seeded Zipfian synthetic corpus", allow_abbrev=False
+    )
     zipf.add_argument("directory", help="folder to write train.txt, valid.txt, test.txt to")
     zipf.add_argument("--tokens", type=int, default=1_000_000, help="train tokens, <eos> included")
     zipf.add_argument("--types", type=int, default=100_000, help="distinct words drawn from")

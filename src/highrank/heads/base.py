@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.chunking import (
@@ -38,7 +37,7 @@ from highrank.heads.chunking import (
     chunk_slices,
     gradient_in_forward_nll,
 )
-from highrank.heads.functional import locked_dropout_mask, smoothed_nll, widen
+from highrank.heads.functional import linear, locked_dropout_mask, smoothed_nll, widen
 from highrank.util.checks import check_positive_int, is_number
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -283,8 +282,8 @@ class OutputHead(nn.Module):
     # ---- helpers for subclasses ----------------------------------------------------------
 
     def _decoder_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """``E h + b``, at least float32: ``(N, d_embed) -> (N, V)``."""
-        return widen(F.linear(h, self.weight, self.bias))
+        """``E h + b``, at least float32: ``(..., d_embed) -> (..., V)``."""
+        return widen(linear(h, self.weight, self.bias))
 
     def _dropout_mask(self, hidden: torch.Tensor, width: int, p: float) -> torch.Tensor | None:
         """Dropout mask for ``width`` units per row (locked over ``dropout_time_dim``), or None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def locked_dropout_mask(
@@ -46,12 +47,43 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (x.reshape(mask.shape) * mask).to(x.dtype).reshape(x.shape)
 
 
+# Up to this many rows on the CPU (a generation step: MoS's K contexts, Mixtape's 4, a few
+# beams), ``linear`` computes (W x^T)^T: see there.
+FEW_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear(x, weight, bias)``: ``(..., d) -> (..., V)`` for ``weight (V, d)``.
+
+    For 2 to ``FEW_ROWS`` rows on the CPU it is computed as ``(W x^T)^T``, which streams W
+    once, where ``x W^T`` repacks W: at V = 49,152, d = 576 (one thread) 2 rows took 2.5x and
+    4 rows 2.9x one row's time that way, against 1.2x and 1.3x this way.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    if x.device.type != "cpu" or not 1 < rows.shape[0] <= FEW_ROWS:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        product = weight @ rows.t()
+    else:
+        product = torch.addmm(bias.unsqueeze(1), weight, rows.t())
+    return product.t().contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
 def log_mixture(log_prior: torch.Tensor, component_log_probs: torch.Tensor) -> torch.Tensor:
     """``log sum_k pi_k p_k(x)`` computed as a log-sum-exp, never as log(p + eps).
 
     log_prior: (N, K); component_log_probs: (N, K, V) -> (N, V).
+
+    A chain of ``logaddexp`` over the K contiguous (N, V) slices rather than ``logsumexp``
+    along the middle dimension: on the CPU (one thread, V = 49,152, N = 256) the mixing took
+    616 ms instead of 1,141 ms for K = 2 and 1,541 ms instead of 1,888 ms for K = 4 (log-softmax
+    included; medians of 11, loaded machine); the prior is added slice by slice, so no
+    (N, K, V) sum is built.
     """
-    return torch.logsumexp(log_prior.unsqueeze(-1) + component_log_probs, dim=1)
+    mixed = component_log_probs[:, 0] + log_prior[:, :1]
+    for k in range(1, component_log_probs.shape[1]):
+        mixed = torch.logaddexp(mixed, component_log_probs[:, k] + log_prior[:, k : k + 1])
+    return mixed
 
 
 def smoothed_nll(log_p: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> torch.Tensor:

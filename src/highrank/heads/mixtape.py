@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from highrank.heads.base import OutputHead
-from highrank.heads.functional import apply_mask, sigmoid_tree_mix, widen
+from highrank.heads.functional import apply_mask, linear, sigmoid_tree_mix, widen
 from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
 from highrank.heads.residual import ResidualContexts
 from highrank.util.checks import (
@@ -176,7 +176,7 @@ class Mixtape(OutputHead):
 
         # Rare tokens share one prior per context: a single matmul with the mixed context.
         mixed = sigmoid_tree_mix(self._noisy(shared_pre), contexts)  # (N, d)
-        rare = widen(F.linear(mixed, self.weight[self.n_frequent :]))  # (N, V - S)
+        rare = widen(linear(mixed, self.weight[self.n_frequent :]))  # (N, V - S)
         if self.n_frequent == 0:
             return rare + self.bias
 
@@ -186,7 +186,7 @@ class Mixtape(OutputHead):
         token_pre = widen(features @ self.token_gate.t()).view(n, N_GATES, self.n_frequent)
         token_pre = token_pre + shared_pre + self.token_gate_bias.t()  # (N, 3, S)
         frequent_rows = self.weight[: self.n_frequent]
-        component_logits = widen(contexts @ frequent_rows.t())  # (N, 4, S)
+        component_logits = widen(linear(contexts, frequent_rows))  # (N, 4, S)
         frequent = sigmoid_tree_mix(self._noisy(token_pre), component_logits)  # (N, S)
         return torch.cat((frequent, rare), dim=1) + self.bias
 

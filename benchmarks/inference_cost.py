@@ -1,0 +1,117 @@
+"""What a high-rank head costs at inference: ``log_prob`` of each warm-startable head at
+SmolLM2's shape (d = 576, V = 49,152) against the softmax head's, side by side in one process.
+
+    python -m benchmarks.inference_cost [--rows 1,4,256] [--repeats 9] [--threads 1]
+        [--out benchmarks/results/inference-cost]
+
+Each repeat times every head once on the same random hidden states (interleaved, so machine
+noise hits all alike; eval mode, no gradients); reported: the median time of each head and
+its ratio to the softmax's median, per number of rows (1: one generation step; 4: four beams;
+256: scoring a window). Heads built as ``attach_head(init="base")`` builds them (residual
+contexts for the mixtures). Issue 19's targets: MoS with K components within 1.15 K of the
+softmax, Mixtape within 1.3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks._common import REPO, machine, write_json
+
+D_MODEL, VOCAB = 576, 49_152
+HEADS = {
+    "softmax": ("softmax", {}),
+    "mos2": ("mos", {"n_components": 2}),
+    "mos4": ("mos", {"n_components": 4}),
+    "mixtape": ("mixtape", {}),
+}
+TARGETS = {"mos2": 1.15 * 2, "mos4": 1.15 * 4, "mixtape": 1.3}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4,256")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/inference-cost")
+    return parser.parse_args(argv)
+
+
+def build_heads():
+    import torch
+
+    from highrank.heads import base_init_knobs, build_head
+
+    torch.manual_seed(0)
+    heads = {}
+    for label, (name, knobs) in HEADS.items():
+        head = build_head(name, d_in=D_MODEL, vocab_size=VOCAB, **base_init_knobs(name, knobs))
+        heads[label] = head.eval()
+    return heads
+
+
+def time_rows(heads: dict, rows: int, repeats: int) -> dict:
+    import torch
+
+    hidden = torch.randn(rows, D_MODEL)
+    seconds = {label: [] for label in heads}
+    with torch.no_grad():
+        for head in heads.values():  # warm-up
+            head.log_prob(hidden)
+        for _ in range(repeats):
+            for label, head in heads.items():
+                began = time.perf_counter()
+                head.log_prob(hidden)
+                seconds[label].append(time.perf_counter() - began)
+    medians = {label: statistics.median(times) for label, times in seconds.items()}
+    return {
+        label: {
+            "median_ms": round(1e3 * medians[label], 3),
+            "ratio_to_softmax": round(medians[label] / medians["softmax"], 3),
+            "target": TARGETS.get(label),
+        }
+        for label in heads
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| rows | " + " | ".join(HEADS) + " |",
+        "|---:|" + "---:|" * len(HEADS),
+    ]
+    for rows, cells in result["rows"].items():
+        row = [f"{cells[h]['ratio_to_softmax']:.2f}x ({cells[h]['median_ms']:.1f} ms)" for h in HEADS]  # noqa: E501
+        lines.append(f"| {rows} | " + " | ".join(row) + " |")
+    targets = ", ".join(f"{h} <= {t:.2f}x" for h, t in TARGETS.items())
+    return "\n".join(lines) + f"\n\nTargets (issue 19): {targets}.\n"
+
+
+def main(argv=None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    heads = build_heads()
+    result = {
+        "settings": {"d": D_MODEL, "vocab": VOCAB, "repeats": args.repeats,
+                     "heads": {k: [n, kn] for k, (n, kn) in HEADS.items()}},
+        "machine": machine(args.threads, note="shared with other jobs while it ran"),
+        "rows": {},
+    }  # fmt: skip
+    for rows in (int(r) for r in args.rows.split(",")):
+        result["rows"][str(rows)] = time_rows(heads, rows, args.repeats)
+        print(f"rows {rows}: " + ", ".join(
+            f"{h} {c['ratio_to_softmax']:.2f}x" for h, c in result["rows"][str(rows)].items()
+        ), flush=True)  # fmt: skip
+    write_json(args.out / "log_prob.json", result)
+    (args.out / "log_prob.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
