@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from highrank.analysis.hf_contexts import BATCH_ELEMENTS, HFInputError
+from highrank.analysis.output import write_json
 from highrank.analysis.rows import RowSource
 from highrank.util.argtypes import positive_int
 
@@ -89,6 +90,30 @@ def hf_mode(args: argparse.Namespace) -> bool:
         raise HFInputError("--hf needs --out DIR: the records are written there")
     check_out_folder(args.out, HFInputError)
     return True
+
+
+def check_runs_or_hf(args: argparse.Namespace, error: type[Exception]) -> None:
+    """RUN_DIR... or ``--hf MODEL --text FILE --out DIR``, not both; ``--out`` a folder."""
+    if bool(args.hf) == bool(args.run_dirs):
+        raise error("give RUN_DIR... or --hf MODEL --text FILE --out DIR, not both")
+    if args.hf and not (args.text and args.out):
+        raise error("--hf needs --text FILE (the contexts) and --out DIR (the records)")
+    if args.text and not args.hf:
+        raise error("--text goes with --hf MODEL")
+    if args.out:
+        check_out_folder(args.out, error)
+
+
+def record_each(args: argparse.Namespace, analyse_run, analyse_hf) -> list[dict]:
+    """Each RUN_DIR's (or ``--hf`` model's) record, written where ``analyse_*(source, args)
+    -> (record, path)`` says, the path printed."""
+    records = []
+    for source in args.hf or args.run_dirs:
+        record, path = (analyse_hf if args.hf else analyse_run)(source, args)
+        write_json(path, record)
+        print(f"wrote {path}")
+        records.append(record)
+    return records
 
 
 def check_out_folder(out: str, error: type[Exception]) -> None:

@@ -16,7 +16,7 @@ from highrank.analysis.gradient_bottleneck import (
     analyze_gradient_bottleneck_run,
 )
 from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
-from highrank.cli.analyze.common import add_run_arguments, check_out_folder
+from highrank.cli.analyze.common import add_run_arguments, check_runs_or_hf, record_each
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
 
@@ -46,13 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_all(args: argparse.Namespace) -> int:
-    _check(args)
-    records = []
-    for source in args.hf or args.run_dirs:
-        record, path = _hf(source, args) if args.hf else _run(source, args)
-        write_json(path, record)
-        print(f"wrote {path}")
-        records.append(record)
+    check_runs_or_hf(args, GradientBottleneckError)
+    records = record_each(args, _run, _hf)
     print(summary_table(records), end="")
     if args.out:
         out = Path(args.out)
@@ -60,19 +55,6 @@ def _run_all(args: argparse.Namespace) -> int:
         write_text_atomic(out / "gradient-bottleneck.md", summary_table(records, markdown=True))
         print(f"wrote {out / 'gradient-bottleneck.json'}, {out / 'gradient-bottleneck.md'}")
     return 0
-
-
-def _check(args: argparse.Namespace) -> None:
-    if bool(args.hf) == bool(args.run_dirs):
-        raise GradientBottleneckError("give RUN_DIR... or --hf MODEL --text FILE --out DIR")
-    if args.hf and not (args.text and args.out):
-        raise GradientBottleneckError(
-            "--hf needs --text FILE (the contexts) and --out DIR (the records)"
-        )
-    if args.text and not args.hf:
-        raise GradientBottleneckError("--text goes with --hf MODEL")
-    if args.out:
-        check_out_folder(args.out, GradientBottleneckError)
 
 
 def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
@@ -102,8 +84,19 @@ def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     return record, Path(args.out) / f"gradient-bottleneck-{record['tag']}.json"
 
 
-HEADERS = ["input", "head", "d_in", "V", "tokens", "mean share", "median", "energy-weighted",
-           "mean share_w", "NLL", "seconds"]
+HEADERS = [
+    "input",
+    "head",
+    "d_in",
+    "V",
+    "tokens",
+    "mean share",
+    "median",
+    "energy-weighted",
+    "mean share_w",
+    "NLL",
+    "seconds",
+]
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:

@@ -19,7 +19,7 @@ from highrank.analysis.saturation import (
     curve_headers,
     curve_rows,
 )
-from highrank.cli.analyze.common import add_hf_arguments, check_out_folder
+from highrank.cli.analyze.common import add_hf_arguments, check_runs_or_hf, record_each
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
 
@@ -76,12 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_all(args: argparse.Namespace) -> int:
     _check(args)
-    records = []
-    for source in args.hf or args.run_dirs:
-        record, path = _hf(source, args) if args.hf else _run(source, args)
-        write_json(path, record)
-        print(f"wrote {path}")
-        records.append(record)
+    records = record_each(args, _run, _hf)
+    for record in records:
         print(summary_table(record), end="")
     if args.out:
         out = Path(args.out)
@@ -93,16 +89,9 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if bool(args.hf) == bool(args.run_dirs):
-        raise SaturationError("give RUN_DIR... or --hf MODEL --text FILE --out DIR, not both")
-    if args.hf and not (args.text and args.out):
-        raise SaturationError("--hf needs --text FILE (the contexts) and --out DIR (the records)")
-    if args.text and not args.hf:
-        raise SaturationError("--text goes with --hf MODEL")
+    check_runs_or_hf(args, SaturationError)
     if args.checkpoint and len(args.run_dirs) > 1:
         raise SaturationError("--checkpoint names files of one run; give one RUN_DIR with it")
-    if args.out:
-        check_out_folder(args.out, SaturationError)
 
 
 def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
