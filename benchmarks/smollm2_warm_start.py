@@ -65,6 +65,8 @@ HEADS = {
     "gss": ("gss", {"center": -1.5}),
     "mixtape": ("mixtape", {"gate_dim": 64, "frequent_fraction": 0.1}),
     "plif": ("plif", {"n_pieces": 100_000}),
+    # the control widened to Mixtape's new parameters (1,153 per unit: 2,687 -> 3,098,111)
+    "control3m": ("mlp_softmax", {"mlp_width": 2687}),
     "mos4": ("mos", {"n_components": 4, "latent_dropout": 0.0}),
 }
 

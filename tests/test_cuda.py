@@ -217,3 +217,30 @@ def test_a_hugging_face_model_with_a_warm_head_generates_on_the_device(head):
     base_greedy = base.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(greedy, base_greedy)  # warm start: the same distribution, the same text
     assert greedy.device.type == torch.device(DEVICE).type
+
+
+@pytest.mark.parametrize("mode", ["frozen", "lora", "full"])
+def test_a_retrofit_on_the_device_scores_as_on_the_cpu(tmp_path, mode):
+    """``highrank retrofit --device``: caching, training and evaluation on the device give the
+    CPU's perplexities (the same batches; float32 rounding apart), and the state resumes."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    if mode == "lora":
+        pytest.importorskip("peft", reason="--mode lora needs peft")
+    from highrank.integrations.retrofit_run import RetrofitPlan, retrofit
+    from tests.analysis.test_hf_contexts import save_tiny_model, write_text
+
+    model = save_tiny_model(tmp_path / "model")
+    files = {split: str(write_text(tmp_path / f"{split}.txt", n_words=n, seed=i))
+             for i, (split, n) in enumerate((("train", 200), ("valid", 60), ("test", 60)))}
+    results = {}
+    for where, device in (("here", "cpu"), ("there", DEVICE)):
+        plan = RetrofitPlan(model=str(model), head="mos", knobs={"n_components": 2}, mode=mode,
+                            out=str(tmp_path / f"out-{where}"), window=8, batch_tokens=16,
+                            steps=6, warmup_steps=2, lr=1e-2, device=device, **files)
+        results[device] = retrofit(plan, progress=False)
+    for split in ("valid", "test"):
+        for kind in ("base", "trained"):
+            assert results[DEVICE][kind][split]["perplexity"] == pytest.approx(
+                results["cpu"][kind][split]["perplexity"], rel=1e-3)
+    assert results[DEVICE]["trained"]["valid"]["perplexity"] != pytest.approx(
+        results[DEVICE]["base"]["valid"]["perplexity"], rel=1e-3)  # it trained

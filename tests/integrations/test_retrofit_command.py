@@ -99,6 +99,8 @@ def test_frozen_mode_starts_at_the_base_and_a_rerun_resumes(texts, tmp_path):
         (["--head", "sigsoftmax"], r"cannot start at the base model"),
         (["--window", "500"], r"holds \d+ tokens, fewer than one window of 500"),
         (["--train", "/no/such.txt"], r"--train: text file /no/such.txt does not exist"),
+        (["--device", "cuda:7"], r"--device = 'cuda:7', but this torch .* sees \d+ CUDA device"),
+        (["--device", "toaster"], r"--device 'toaster' is not a device: .*cpu"),
     ],
 )
 def test_bad_input_is_one_line_before_any_work(texts, tmp_path, capsys, change, message):
@@ -124,3 +126,12 @@ def test_another_plan_in_the_same_folder_is_refused(texts, tmp_path, capsys):
     assert main(command(model, files, out, "--head", "softmax")) == 0
     assert main(command(model, files, out, "--head", "softmax", "--seed", "3")) == 2
     assert "holds a retrofit with other settings (seed)" in capsys.readouterr().err
+
+
+def test_a_run_may_resume_on_another_device(texts, tmp_path, capsys):
+    model, files = texts
+    out = tmp_path / "out"
+    assert main(command(model, files, out, "--head", "softmax", "--device", "cpu")) == 0
+    assert json.loads((out / "plan.json").read_text())["device"] == "cpu"
+    assert main(command(model, files, out, "--head", "softmax", "--device", "auto")) == 0
+    assert "other settings" not in capsys.readouterr().err

@@ -108,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtype of the cached features in frozen mode (default float32)",
     )
     parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the body and head run: auto (CUDA when available), cpu, cuda, cuda:1, ...",
+    )
+    parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
     )
 
@@ -141,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 lora_rank=args.lora_rank,
                 cache_dtype=args.cache_dtype,
+                device=args.device,
             )
             retrofit(plan)
         except RetrofitError as error:

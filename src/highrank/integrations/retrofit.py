@@ -158,14 +158,15 @@ def cache_hidden_states(
 def _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress):
     """Run the body over windows ``done..W`` and write their rows, recording progress per batch."""
     n_windows, window = inputs.shape
+    device = next(body.parameters()).device
     bar = progress_bar(total=n_windows, initial=done, desc=f"cache {directory.name}",
                        unit="window", disable=not progress)
     for first in range(done, n_windows, batch_windows):
         last = min(first + batch_windows, n_windows)
         with torch.no_grad():
-            output = body(input_ids=inputs[first:last], use_cache=False)
+            output = body(input_ids=inputs[first:last].to(device), use_cache=False)
         hidden = output.last_hidden_state  # (b, window, d)
-        rows = hidden.reshape(-1, hidden.shape[-1])
+        rows = hidden.reshape(-1, hidden.shape[-1]).cpu()
         features[first * window : last * window] = _to_storage(rows, dtype)
         features.flush()  # rows on disk before the progress record says so
         _write_json(directory / PROGRESS_FILE, {"windows_done": last, "complete": False})
@@ -331,7 +332,8 @@ def _train_step(head, cache, budget, optimizer, base_lrs, step) -> dict:
     for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
         group["lr"] = base * budget.lr_factor(step)
     rows = batch_indices(budget, len(cache), step)
-    hidden, target = cache.rows(rows), cache.targets[rows]
+    device = next(head.parameters()).device  # the cache lives on the CPU; the head may not
+    hidden, target = cache.rows(rows).to(device), cache.targets[rows].to(device)
     optimizer.zero_grad(set_to_none=True)
     loss = head.loss(hidden, target)
     loss.backward()
@@ -474,16 +476,16 @@ def _log_prob_blocks(
     for start in range(0, len(cache), block_tokens):
         began = time.perf_counter()
         stop = min(start + block_tokens, len(cache))
-        hidden = cache.rows(slice(start, stop))
+        hidden = cache.rows(slice(start, stop)).to(next(head.parameters()).device)
         with torch.no_grad():
             log_probs = head.log_prob(hidden).float()
             if reference is not None:
                 base = reference.log_prob(hidden).float()
                 totals["kl"] += float((base.exp() * (base - log_probs)).sum().double())
-        target = cache.targets[start:stop]
+        target = cache.targets[start:stop].to(log_probs.device)
         totals["nll"] -= float(log_probs.gather(1, target.unsqueeze(1)).double().sum())
         totals["seconds"] += time.perf_counter() - began
-        yield start, log_probs
+        yield start, log_probs.cpu()
 
 
 # ---- helpers ----------------------------------------------------------------------------------

@@ -22,7 +22,12 @@ the model's own tokens (``results.json``), and ``OUT/model``, a ``HighrankForCau
 tokenizer that ``AutoModelForCausalLM.from_pretrained`` reloads (after ``import
 highrank.integrations.hf``) and ``generate()`` uses.
 
-Resumable: the plan is kept in ``OUT/plan.json`` (a rerun with another plan is refused),
+``device`` (``--device``; ``auto``: CUDA when available) runs the body and the head there
+(caching, training, evaluation); caches and states are stored on the CPU side, so a run may
+resume on another device.
+
+Resumable: the plan is kept in ``OUT/plan.json`` (a rerun with another plan is refused;
+the device may change),
 caches continue from their last batch of windows, training from its last checkpoint
 (``OUT/state.pt``, weights-only), and finished steps are skipped.
 """
@@ -87,6 +92,7 @@ class RetrofitPlan:
     seed: int = 0
     lora_rank: int = 8
     cache_dtype: str = "float32"
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,10 +105,25 @@ class RetrofitPlan:
         for name in ("max_train_tokens", "max_eval_tokens", "steps"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        _resolve_device(self.device)
 
     @property
     def learning_rate(self) -> float:
         return DEFAULT_LR[self.mode] if self.lr is None else self.lr
+
+
+def _resolve_device(name: str) -> torch.device:
+    from highrank.config import ConfigError
+    from highrank.train.startup import resolve_device
+
+    try:
+        return resolve_device(name)
+    except ConfigError as error:
+        message = str(error).replace("--run.device", "--device").replace("run.device", "--device")
+        raise RetrofitError(message) from None
+    except RuntimeError:  # torch.device("toaster")
+        raise RetrofitError(f"--device {name!r} is not a device: give auto, cpu, cuda or "
+                            "cuda:N") from None
 
 
 def _positive(name: str, value) -> None:
@@ -120,6 +141,10 @@ def retrofit(plan: RetrofitPlan, *, progress: bool = True) -> dict:
     say = print if progress else (lambda *a, **k: None)
     say(f"loading {plan.model}", flush=True)  # a GGUF file takes minutes to dequantise
     model, tokenizer = _load(plan)
+    device = _resolve_device(plan.device)
+    if device.type != "cpu":
+        say(f"running on {device}", flush=True)
+    model.to(device)
     ids = {}
     for split in _splits(plan):
         say(f"tokenising --{split} {getattr(plan, split)}", flush=True)
@@ -159,12 +184,16 @@ def _check_out(out: Path, plan: RetrofitPlan) -> None:
     saved = out / "plan.json"
     if saved.exists():
         old = json.loads(saved.read_text())
-        changed = sorted(k for k, v in asdict(plan).items() if old.get(k) != v)
+        changed = sorted(k for k, v in asdict(plan).items()
+                         if k not in _MAY_CHANGE and old.get(k) != v)
         if changed:
             raise RetrofitError(
                 f"{out} holds a retrofit with other settings ({', '.join(changed)}); give "
                 "another --out, or delete it to start again"
             )
+
+
+_MAY_CHANGE = ("device",)  # a run may resume on another device
 
 
 def _load(plan: RetrofitPlan):
@@ -221,7 +250,7 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
             )
     else:
         need += sum(p.numel() for p in model.parameters()) * 4 * (4 if plan.mode == "full" else 1)
-    available = _available_memory()
+    available = _available_memory(_resolve_device(plan.device))
     if available is not None and need > available:
         raise RetrofitError(
             f"this plan needs about {need / 2**30:.1f} GiB of memory but {available / 2**30:.1f}"
@@ -245,10 +274,10 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def _available_memory() -> int | None:
+def _available_memory(device: torch.device) -> int | None:
     from highrank.analysis.rank import available_memory_bytes
 
-    return available_memory_bytes("cpu")
+    return available_memory_bytes(device)
 
 
 def _head_knobs(plan: RetrofitPlan) -> dict:
@@ -291,6 +320,7 @@ def _base_softmax(model) -> nn.Module:
     """The base model's own output layer as a highrank softmax (its exact distribution)."""
     lm_head = model.get_output_embeddings()
     head = build_head("softmax", d_in=lm_head.in_features, vocab_size=lm_head.out_features)
+    head.to(lm_head.weight.device)
     with torch.no_grad():
         head.weight.copy_(lm_head.weight)
         head.bias.copy_(lm_head.bias if lm_head.bias is not None else 0.0)
@@ -366,7 +396,9 @@ def _train_windows(model, inputs, targets, budget: TrainBudget, state_path: Path
                 group["lr"] = budget.lr * budget.lr_factor(step)
             rows = batch_indices(budget, inputs.shape[0], step)
             optimizer.zero_grad(set_to_none=True)
-            loss = model(input_ids=inputs[rows], shift_labels=targets[rows]).loss
+            device = _device_of(model)
+            loss = model(input_ids=inputs[rows].to(device),
+                         shift_labels=targets[rows].to(device)).loss
             loss.backward()
             nn.utils.clip_grad_norm_(params, budget.clip)
             optimizer.step()
@@ -417,15 +449,19 @@ def _window_perplexity(model, inputs, targets, *, base: bool = False, batch: int
     """Perplexity over every token of the windows: a base model's logits, or a highrank
     model's normalised log-probabilities."""
     model.eval()
-    nll, began = 0.0, time.perf_counter()
+    nll, began, device = 0.0, time.perf_counter(), _device_of(model)
     for first in range(0, inputs.shape[0], batch):
-        logits = model(input_ids=inputs[first:first + batch]).logits.float()
+        logits = model(input_ids=inputs[first:first + batch].to(device)).logits.float()
         log_probs = torch.log_softmax(logits, dim=-1) if base else logits
-        picked = log_probs.gather(-1, targets[first:first + batch].unsqueeze(-1))
+        picked = log_probs.gather(-1, targets[first:first + batch].to(device).unsqueeze(-1))
         nll -= float(picked.double().sum())
     n = targets.numel()
     return {"tokens": n, "nll_per_token": nll / n, "perplexity": math.exp(nll / n),
             "seconds": time.perf_counter() - began}
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 # ---- saving ------------------------------------------------------------------------------------
