@@ -344,7 +344,8 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool):
     from highrank.integrations.hf import attach_head
 
     windows = {split: window_tokens(ids[split], plan.window) for split in ids}
-    base_scores = {split: _window_perplexity(model, *windows[split], base=True)
+    base_scores = {split: _window_perplexity(model, *windows[split], base=True,
+                                             label=f"{split} (base)", progress=progress)
                    for split in ("valid", "test") if split in windows}
     torch.manual_seed(plan.seed)
     hf_model = attach_head(model, plan.head, init=plan.init, **plan.knobs)
@@ -358,7 +359,8 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool):
     summary["trainable_parameters"] = sum(p.numel() for p in trainable.parameters()
                                           if p.requires_grad)
     trained = trainable.merge_and_unload() if plan.mode == "lora" else trainable
-    scores = {split: _window_perplexity(trained, *windows[split])
+    scores = {split: _window_perplexity(trained, *windows[split], label=split,
+                                        progress=progress)
               for split in ("valid", "test") if split in windows}
     return trained, summary, scores, base_scores
 
@@ -445,16 +447,23 @@ def _load_state(path: Path, model, optimizer, budget, history: list) -> int:
 
 
 @torch.no_grad()
-def _window_perplexity(model, inputs, targets, *, base: bool = False, batch: int = 4) -> dict:
+def _window_perplexity(model, inputs, targets, *, base: bool = False, batch: int = 4,
+                       label: str = "", progress: bool = False) -> dict:
     """Perplexity over every token of the windows: a base model's logits, or a highrank
     model's normalised log-probabilities."""
+    from highrank.util.progress import progress_bar
+
     model.eval()
     nll, began, device = 0.0, time.perf_counter(), _device_of(model)
+    bar = progress_bar(total=inputs.shape[0], desc=f"score {label}", unit="window",
+                       disable=not progress)
     for first in range(0, inputs.shape[0], batch):
+        bar.update(min(batch, inputs.shape[0] - first))
         logits = model(input_ids=inputs[first:first + batch].to(device)).logits.float()
         log_probs = torch.log_softmax(logits, dim=-1) if base else logits
         picked = log_probs.gather(-1, targets[first:first + batch].to(device).unsqueeze(-1))
         nll -= float(picked.double().sum())
+    bar.close()
     n = targets.numel()
     return {"tokens": n, "nll_per_token": nll / n, "perplexity": math.exp(nll / n),
             "seconds": time.perf_counter() - began}
