@@ -107,12 +107,37 @@ def main(argv=None) -> int:
             write_json(record, run_one(name, seed, args))
             if args.commit:
                 commit(args.out, f"smollm2-warm-start: lora-{name}-s{seed} recorded")
-    for record in sorted(args.out.glob("lora-*.json")):
-        result = json.loads(record.read_text())
-        scores = {s: round(result["trained"][s]["perplexity"], 3) for s in ("valid", "test")}
-        print(record.stem, "base", {s: round(result["base"][s]["perplexity"], 3)
-                                    for s in ("valid", "test")}, "trained", scores)  # fmt: skip
+    table = summarize(args.out)
+    print(table, end="")
     return 0
+
+
+def summarize(out: Path) -> str:
+    """``out/results.md``: per head, the mean ± sd over seeds of the finished runs' records."""
+    import statistics
+
+    runs: dict[str, list[dict]] = {}
+    for record in sorted(out.glob("lora-*.json")):
+        runs.setdefault(record.stem.removeprefix("lora-").rsplit("-s", 1)[0], []).append(
+            json.loads(record.read_text()))
+    lines = ["| head | seeds | trainable parameters | base valid / test ppl | valid ppl | test ppl"
+             " | median step (s) |", "|---|---|---|---|---|---|---|"]
+
+    def spread(values):
+        mean = statistics.fmean(values)
+        return f"{mean:.3f}" + (f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else "")
+
+    for name in [h for h in HEADS if h in runs]:
+        rows = runs[name]
+        score = {s: [r["trained"][s]["perplexity"] for r in rows] for s in ("valid", "test")}
+        base = "/".join(f"{rows[0]['base'][s]['perplexity']:.3f}" for s in ("valid", "test"))
+        steps = [r["training"]["median_step_seconds"] for r in rows]
+        lines.append(f"| {name} | {len(rows)} | {rows[0]['training']['trainable_parameters']:,} "
+                     f"| {base} | {spread(score['valid'])} | {spread(score['test'])} "
+                     f"| {spread(steps)} |")
+    table = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(table)
+    return table
 
 
 if __name__ == "__main__":
