@@ -116,6 +116,17 @@ def record_each(args: argparse.Namespace, analyse_run, analyse_hf) -> list[dict]
     return records
 
 
+def write_summary(out: str, stem: str, payload: dict, markdown: str) -> None:
+    """The verb's summary of every input in ``--out``: ``<stem>.json`` (``payload``) and
+    ``<stem>.md`` (``markdown``), each written atomically, both paths printed."""
+    from highrank.util.atomic import write_text_atomic
+
+    folder = Path(out)
+    write_json(folder / f"{stem}.json", payload)
+    write_text_atomic(folder / f"{stem}.md", markdown)
+    print(f"wrote {folder / f'{stem}.json'}, {folder / f'{stem}.md'}")
+
+
 def check_out_folder(out: str, error: type[Exception]) -> None:
     """``--out`` must be (or be makeable as) a folder: ``error`` names the file in the way."""
     for place in (Path(out), *Path(out).parents):

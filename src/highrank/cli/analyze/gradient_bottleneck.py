@@ -15,10 +15,14 @@ from highrank.analysis.gradient_bottleneck import (
     analyze_gradient_bottleneck_hf,
     analyze_gradient_bottleneck_run,
 )
-from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
-from highrank.cli.analyze.common import add_run_arguments, check_runs_or_hf, record_each
+from highrank.analysis.output import record_tag, run_record_path, text_table
+from highrank.cli.analyze.common import (
+    add_run_arguments,
+    check_runs_or_hf,
+    record_each,
+    write_summary,
+)
 from highrank.util.argtypes import positive_int
-from highrank.util.atomic import write_text_atomic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +54,8 @@ def _run_all(args: argparse.Namespace) -> int:
     records = record_each(args, _run, _hf)
     print(summary_table(records), end="")
     if args.out:
-        out = Path(args.out)
-        write_json(out / "gradient-bottleneck.json", {"inputs": records})
-        write_text_atomic(out / "gradient-bottleneck.md", summary_table(records, markdown=True))
-        print(f"wrote {out / 'gradient-bottleneck.json'}, {out / 'gradient-bottleneck.md'}")
+        write_summary(args.out, "gradient-bottleneck", {"inputs": records},
+                      summary_table(records, markdown=True))
     return 0
 
 

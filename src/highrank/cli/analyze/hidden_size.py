@@ -21,9 +21,8 @@ from highrank.analysis.hidden_size import (
 from highrank.analysis.output import text_table, write_json
 from highrank.analysis.rank import GRAM_BACKENDS
 from highrank.analysis.rows import RowSource
-from highrank.cli.analyze.common import add_hf_arguments, check_out_folder
+from highrank.cli.analyze.common import add_hf_arguments, check_out_folder, write_summary
 from highrank.util.argtypes import positive_int
-from highrank.util.atomic import write_text_atomic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,10 +84,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{record['source']}: the knee at {record['knee']} {agrees} --expect {d} "
                   f"(a softmax of hidden size {d} has its knee at {d + 1} or {d + 2})")
     if args.out:
-        out = Path(args.out)
-        write_json(out / "hidden-size.json", {"spectrum": SPECTRUM, "inputs": records})
-        write_text_atomic(out / "hidden-size.md", summary_table(records, markdown=True))
-        print(f"wrote {out / 'hidden-size.json'}, {out / 'hidden-size.md'}")
+        write_summary(args.out, "hidden-size", {"spectrum": SPECTRUM, "inputs": records},
+                      summary_table(records, markdown=True))
     return 0
 
 

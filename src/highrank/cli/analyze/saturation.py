@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.output import run_record_path, text_table, write_json
+from highrank.analysis.output import run_record_path, text_table
 from highrank.analysis.saturation import (
     DEFAULT_MAX_CONTEXTS,
     DEFAULT_TOP_K,
@@ -19,9 +19,13 @@ from highrank.analysis.saturation import (
     curve_headers,
     curve_rows,
 )
-from highrank.cli.analyze.common import add_hf_arguments, check_runs_or_hf, record_each
+from highrank.cli.analyze.common import (
+    add_hf_arguments,
+    check_runs_or_hf,
+    record_each,
+    write_summary,
+)
 from highrank.util.argtypes import positive_int
-from highrank.util.atomic import write_text_atomic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,11 +84,8 @@ def _run_all(args: argparse.Namespace) -> int:
     for record in records:
         print(summary_table(record), end="")
     if args.out:
-        out = Path(args.out)
-        write_json(out / "saturation.json", {"inputs": records})
         text = "\n".join(summary_table(r, markdown=True) for r in records)
-        write_text_atomic(out / "saturation.md", text)
-        print(f"wrote {out / 'saturation.json'}, {out / 'saturation.md'}")
+        write_summary(args.out, "saturation", {"inputs": records}, text)
     return 0
 
 

@@ -18,7 +18,7 @@ from highrank.analysis.unargmaxable import (
     analyze_unargmaxable_run,
     radius_tag,
 )
-from highrank.util.atomic import write_text_atomic
+from highrank.cli.analyze.common import write_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,10 +71,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(summary_table(records), end="")
     if args.out:
-        out = Path(args.out)
-        write_json(out / "unargmaxable.json", {"inputs": records})
-        write_text_atomic(out / "unargmaxable.md", summary_table(records, markdown=True))
-        print(f"wrote {out / 'unargmaxable.json'}, {out / 'unargmaxable.md'}")
+        write_summary(args.out, "unargmaxable", {"inputs": records},
+                      summary_table(records, markdown=True))
     return 0
 
 
