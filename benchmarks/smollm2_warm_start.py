@@ -51,9 +51,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import DATA, REPO, commit, write_json
+from benchmarks._common import DATA, REPO, write_json
 from benchmarks.smollm2_retrofit import GGUF_NAME, load_model, machine
-from benchmarks.study import Stage, Study, module_command
+from benchmarks.study import Stage, Study, wikitext_missing, wikitext_study
 
 SPLITS = ("train", "valid", "test")
 D_MODEL = 576  # SmolLM2-135M's hidden size
@@ -293,25 +293,16 @@ def stages(args) -> list[str]:
 def study(args, argv) -> Study:
     """The study: every stage of :func:`stages`, records in ``--out``, locks in ``--work-dir``
     (``.<stage>.lock``), each stage in a fresh process of this module."""
-
-    def after(stage: str) -> None:
-        summarize(args)
-        if args.commit:
-            commit(args.out, f"smollm2-warm-start: {stage} recorded")
-
-    return Study([Stage(name, *inputs(name, args)) for name in stages(args)], stage_work(args),
-                 records=args.out, locks=args.work_dir, indent=1, end="",
-                 extra=lambda: {"settings": settings(args)}, after=after,
-                 child=module_command("benchmarks.smollm2_warm_start", argv, "--commit"))
+    return wikitext_study([Stage(name, *inputs(name, args)) for name in stages(args)],
+                          stage_work(args), args=args, argv=argv,
+                          module="benchmarks.smollm2_warm_start",
+                          settings=lambda: settings(args), summarize=lambda: summarize(args))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not (args.data_dir / "wikitext-2" / "test.txt").exists():
-        print(f"skipped: no WikiText-2 under {args.data_dir} (pass --data-dir)")
+    if wikitext_missing(args):
         return 0
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     runner = study(args, argv if argv is not None else sys.argv[1:])
     return runner.main(args.stage, summarize=lambda: summarize(args), only_summary=args.summarize)
 

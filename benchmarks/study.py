@@ -247,6 +247,38 @@ class Study:
         return status
 
 
+def wikitext_study(
+    stages: Sequence[Stage], work: Callable[[str], dict], *, args: Any, argv: Sequence[str],
+    module: str, settings: Callable[[], dict], summarize: Callable[[], None],
+) -> Study:
+    """The SmolLM2 studies' runner: records ``args.out/<stage>.json`` (indent 1), locks in
+    ``args.work_dir``, every stage in a fresh process of ``module``, ``settings()`` in every
+    record, ``summarize()`` after each stage and, with ``args.commit``, ``args.out`` committed."""
+    from benchmarks._common import commit
+
+    label = module.rsplit(".", 1)[-1].replace("_", "-")
+
+    def after(stage: str) -> None:
+        summarize()
+        if args.commit:
+            commit(args.out, f"{label}: {stage} recorded")
+
+    return Study(stages, work, records=args.out, locks=args.work_dir, indent=1, end="",
+                 extra=lambda: {"settings": settings()}, after=after,
+                 child=module_command(module, argv, "--commit"))  # fmt: skip
+
+
+def wikitext_missing(args: Any) -> bool:
+    """True (and a line saying so) when ``args.data_dir`` has no WikiText-2: a skip, not a
+    failure; else the study's folders are made."""
+    if not (Path(args.data_dir) / "wikitext-2" / "test.txt").exists():
+        print(f"skipped: no WikiText-2 under {args.data_dir} (pass --data-dir)")
+        return True
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return False
+
+
 def module_command(module: str, argv: Sequence[str], *drop: str) -> Callable[[str], list[str]]:
     """``child`` for a study run as ``python -m MODULE ARGV``: the same command (less the flags
     in ``drop``, e.g. ``--commit``) with ``--stage NAME``."""
@@ -254,4 +286,5 @@ def module_command(module: str, argv: Sequence[str], *drop: str) -> Callable[[st
     return lambda name: [sys.executable, "-m", module, *kept, "--stage", name]
 
 
-__all__ = ["Stage", "StageFailed", "StageLock", "Study", "module_command", "peak_rss_mib"]
+__all__ = ["Stage", "StageFailed", "StageLock", "Study", "module_command", "peak_rss_mib",
+           "wikitext_missing", "wikitext_study"]

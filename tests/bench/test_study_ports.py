@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from benchmarks import multi30k_table, ptb_transformer_lm, smollm2_retrofit, smollm2_warm_start
+from benchmarks import (
+    multi30k_table,
+    ptb_transformer_lm,
+    smollm2_retrofit,
+    smollm2_warm_start,
+    study,
+)
 
 
 @pytest.fixture
@@ -24,7 +30,7 @@ def fake(monkeypatch, tmp_path):
         return work
 
     monkeypatch.setattr(smollm2_warm_start, "stage_work", stage_work)
-    monkeypatch.setattr(smollm2_warm_start, "module_command", lambda *a: None)
+    monkeypatch.setattr(study, "module_command", lambda *a: None)  # stages in this process
     monkeypatch.setattr(smollm2_warm_start, "summarize", lambda args: None)
     monkeypatch.setattr(smollm2_warm_start, "settings", lambda args: {"fake": True})
     monkeypatch.setattr(smollm2_warm_start, "cache_complete", lambda split, args: split in complete)
