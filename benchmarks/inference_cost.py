@@ -8,8 +8,9 @@ Each repeat times every head once on the same random hidden states (interleaved,
 noise hits all alike; eval mode, no gradients); reported: the median time of each head and
 its ratio to the softmax's median, per number of rows (1: one generation step; 4: four beams;
 256: scoring a window). Heads built as ``attach_head(init="base")`` builds them (residual
-contexts for the mixtures). Issue 19's targets: MoS with K components within 1.15 K of the
-softmax, Mixtape within 1.3.
+contexts for the mixtures). ``EARLIER`` paths (MoS's log-space chain, ``*_chain``) run on the
+same head objects, switched by an attribute, so before and after are measured side by side.
+Issue 19's targets: MoS with K components within 1.15 K of the softmax, Mixtape within 1.3.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ HEADS = {
     "mixtape": ("mixtape", {}),
 }
 TARGETS = {"mos2": 1.15 * 2, "mos4": 1.15 * 4, "mixtape": 1.3}
+# The code paths a head can be switched back to, timed beside its default on the same head
+# object: label -> (head label, attributes set while it runs). MoS's log-space chain is what
+# log_prob computed before the in-place mixing (``heads.functional.mixture_log_prob_``).
+EARLIER = {
+    "mos2_chain": ("mos2", {"in_place_mixing": False}),
+    "mos4_chain": ("mos4", {"in_place_mixing": False}),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,19 +62,39 @@ def build_heads():
     return heads
 
 
+def variants(heads: dict) -> dict:
+    """label -> (head, attributes to set while it runs): every head as built, then EARLIER."""
+    out = {label: (head, {}) for label, head in heads.items()}
+    out.update({label: (heads[of], attrs) for label, (of, attrs) in EARLIER.items()})
+    return out
+
+
+def log_prob_seconds(head, attrs: dict, hidden) -> float:
+    """One ``head.log_prob(hidden)`` with ``attrs`` set on the head (restored after)."""
+    saved = {name: getattr(head, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(head, name, value)
+    try:
+        began = time.perf_counter()
+        head.log_prob(hidden)
+        return time.perf_counter() - began
+    finally:
+        for name, value in saved.items():
+            setattr(head, name, value)
+
+
 def time_rows(heads: dict, rows: int, repeats: int) -> dict:
     import torch
 
     hidden = torch.randn(rows, D_MODEL)
-    seconds = {label: [] for label in heads}
+    runs = variants(heads)
+    seconds = {label: [] for label in runs}
     with torch.no_grad():
-        for head in heads.values():  # warm-up
-            head.log_prob(hidden)
+        for head, attrs in runs.values():  # warm-up
+            log_prob_seconds(head, attrs, hidden)
         for _ in range(repeats):
-            for label, head in heads.items():
-                began = time.perf_counter()
-                head.log_prob(hidden)
-                seconds[label].append(time.perf_counter() - began)
+            for label, (head, attrs) in runs.items():
+                seconds[label].append(log_prob_seconds(head, attrs, hidden))
     medians = {label: statistics.median(times) for label, times in seconds.items()}
     return {
         label: {
@@ -74,17 +102,18 @@ def time_rows(heads: dict, rows: int, repeats: int) -> dict:
             "ratio_to_softmax": round(medians[label] / medians["softmax"], 3),
             "target": TARGETS.get(label),
         }
-        for label in heads
+        for label in runs
     }
 
 
 def markdown(result: dict) -> str:
+    labels = [*HEADS, *EARLIER]
     lines = [
-        "| rows | " + " | ".join(HEADS) + " |",
-        "|---:|" + "---:|" * len(HEADS),
+        "| rows | " + " | ".join(labels) + " |",
+        "|---:|" + "---:|" * len(labels),
     ]
     for rows, cells in result["rows"].items():
-        row = [f"{cells[h]['ratio_to_softmax']:.2f}x ({cells[h]['median_ms']:.1f} ms)" for h in HEADS]  # noqa: E501
+        row = [f"{cells[h]['ratio_to_softmax']:.2f}x ({cells[h]['median_ms']:.1f} ms)" for h in labels]  # noqa: E501
         lines.append(f"| {rows} | " + " | ".join(row) + " |")
     targets = ", ".join(f"{h} <= {t:.2f}x" for h, t in TARGETS.items())
     return "\n".join(lines) + f"\n\nTargets (issue 19): {targets}.\n"
@@ -98,7 +127,8 @@ def main(argv=None) -> int:
     heads = build_heads()
     result = {
         "settings": {"d": D_MODEL, "vocab": VOCAB, "repeats": args.repeats,
-                     "heads": {k: [n, kn] for k, (n, kn) in HEADS.items()}},
+                     "heads": {k: [n, kn] for k, (n, kn) in HEADS.items()},
+                     "earlier_paths": {k: [of, attrs] for k, (of, attrs) in EARLIER.items()}},
         "machine": machine(args.threads, note="shared with other jobs while it ran"),
         "rows": {},
     }  # fmt: skip
