@@ -298,10 +298,11 @@ class Mixtape(OutputHead):
 def _addmm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
     """``out (N, V') = x (N, d) weight^T + bias`` written into ``out``, a column block of a
     wider row-major buffer (BLAS takes its row stride as the leading dimension: no copy).
-    For 2 to FEW_ROWS rows on the CPU as ``out^T = weight x^T``, as ``functional.linear``
-    does (streams the weight once)."""
+    For 2 to FEW_ROWS rows on the CPU as ``weight x^T`` (V', N), as ``functional.linear``
+    does (streams the weight once), then copied: written straight into ``out.t()`` (column
+    major) BLAS would compute it as ``x weight^T`` again, the slow way."""
     if x.device.type == "cpu" and 1 < x.shape[0] <= FEW_ROWS:
-        torch.addmm(bias.unsqueeze(1), weight, x.t(), out=out.t())
+        out.copy_(torch.addmm(bias.unsqueeze(1), weight, x.t()).t())
     else:
         torch.addmm(bias, x, weight.t(), out=out)
 
