@@ -2,16 +2,19 @@
 SmolLM2's shape (d = 576, V = 49,152) against the softmax head's, side by side in one process.
 
     python -m benchmarks.inference_cost [--rows 1,4,256] [--repeats 9] [--threads 1]
-        [--out benchmarks/results/inference-cost]
+        [--out benchmarks/results/inference-cost] [--profile ROWS]
 
-Each repeat times every head once on the same random hidden states (interleaved, so machine
-noise hits all alike; eval mode, no gradients), by the wall clock and by this process's CPU
-time (which leaves out the time other jobs held the cores); reported: the median time of each
-head and its ratio to the softmax's median, per number of rows (1: one generation step; 4: four beams;
-256: scoring a window). Heads built as ``attach_head(init="base")`` builds them (residual
-contexts for the mixtures). ``EARLIER`` paths (MoS's log-space chain, ``*_chain``) run on the
-same head objects, switched by an attribute, so before and after are measured side by side.
+Each repeat times every head once on the same random hidden states (interleaved, so machine noise
+hits all alike; eval mode, no gradients), by the wall clock and by this process's CPU time (which
+leaves out the time other jobs held the cores); reported: the median time of each head and its ratio
+to the softmax's median, per number of rows (1: one generation step; 4: four beams; 256: scoring a
+window). Heads built as ``attach_head(init="base")`` builds them (residual contexts for the
+mixtures). ``EARLIER`` paths (MoS's log-space chain, ``*_chain``) run on the same head objects,
+switched by an attribute, so before and after are measured side by side.
+
 Issue 19's targets: MoS with K components within 1.15 K of the softmax, Mixtape within 1.3.
+``--profile ROWS`` profiles every variant instead (``profile-ROWS.md``/``.json``): the time in
+matrix products against everything else, and the costliest operators.
 """
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/inference-cost")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="instead of timing: profile every variant at ROWS rows",
+    )
     return parser.parse_args(argv)
 
 
@@ -131,12 +141,64 @@ def markdown(result: dict) -> str:
     )
 
 
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def profile_rows(heads: dict, rows: int, calls: int = 3, top: int = 8) -> dict:
+    """torch.profiler over ``calls`` log_prob calls of every variant at ``rows`` rows: per
+    variant the milliseconds per call in matrix products and in everything else, and the
+    ``top`` operators by self time (ms per call)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden = torch.randn(rows, D_MODEL)
+    out = {}
+    with torch.no_grad():
+        for label, (head, attrs) in variants(heads).items():
+            log_prob_seconds(head, attrs, hidden)  # warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(calls):
+                    log_prob_seconds(head, attrs, hidden)
+            events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+            ms = {e.key: e.self_cpu_time_total / 1e3 / calls for e in events}
+            matmul = sum(v for k, v in ms.items() if k in MATMULS)
+            out[label] = {
+                "matmul_ms": round(matmul, 1),
+                "other_ms": round(sum(ms.values()) - matmul, 1),
+                "top_ops_ms": {e.key: round(ms[e.key], 1) for e in events[:top]},
+            }
+    return out
+
+
+def profile_markdown(profiles: dict, rows: int) -> str:
+    lines = [
+        f"Profile of one `log_prob` of {rows} rows (torch.profiler, self time per operator, "
+        "ms per call; matrix products = aten::mm/addmm/bmm/baddbmm).",
+        "",
+        "| variant | matrix products | everything else | top operators |",
+        "|---|---:|---:|---|",
+    ]
+    for label, p in profiles.items():
+        top = ", ".join(f"{k.removeprefix('aten::')} {v:.0f}" for k, v in p["top_ops_ms"].items())
+        lines.append(f"| {label} | {p['matmul_ms']:.0f} | {p['other_ms']:.0f} | {top} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     import torch
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     heads = build_heads()
+    if args.profile:
+        profiles = profile_rows(heads, args.profile)
+        write_json(args.out / f"profile-{args.profile}.json",
+                   {"rows": args.profile, "machine": machine(args.threads, note="shared with "
+                    "other jobs while it ran"), "variants": profiles})  # fmt: skip
+        table = profile_markdown(profiles, args.profile)
+        (args.out / f"profile-{args.profile}.md").write_text(table)
+        print(table)
+        return 0
     result = {
         "settings": {"d": D_MODEL, "vocab": VOCAB, "repeats": args.repeats,
                      "heads": {k: [n, kn] for k, (n, kn) in HEADS.items()},

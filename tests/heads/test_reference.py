@@ -222,9 +222,7 @@ def _mixtape_reference(head, hidden, gate_weight=None):
 @GRAD_MODES
 @pytest.mark.parametrize("rows", [1, 3, 9])  # one row, the few-row layout, the general one
 @pytest.mark.parametrize("frequent_fraction", [0.0, 0.3, 1.0])
-def test_mixtape_matches_its_equations_with_and_without_gate_sharing(
-    frequent_fraction, rows, grad
-):
+def test_mixtape_matches_its_equations_with_and_without_gate_sharing(frequent_fraction, rows, grad):
     head = build_head(
         "mixtape", d_in=6, vocab_size=20, gate_dim=3, frequent_fraction=frequent_fraction
     )

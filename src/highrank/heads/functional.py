@@ -102,11 +102,11 @@ def mixture_log_prob_(
     log_prior: (N, K) normalised; logits: (N, K, V) unnormalised -> (N, V) log-probabilities.
 
     What ``log_mixture(log_prior, log_softmax(logits))`` computes, with fewer passes and K + 1
-    transcendentals per value instead of 3K - 2: per component e_k = exp(l_k - max l_k) (K exps per value; they also
-    give the normalisers s_k = sum_v e_k), then the mixture p = sum_k (pi_k / s_k) e_k as a
-    weighted sum (multiply-adds) and one log per value, where the log-space chain needs a
-    log-softmax (K exps) and, for each k > 1, a logaddexp (an exp and a log1p). Rows go in
-    chunks of about ``chunk_values`` K x V values, so the passes run in the cache.
+    transcendentals per value instead of 3K - 2: per component e_k = exp(l_k - max l_k) (K exps per
+    value; they also give the normalisers s_k = sum_v e_k), then the mixture p = sum_k (pi_k / s_k)
+    e_k as a weighted sum (multiply-adds) and one log per value, where the log-space chain needs a
+    log-softmax (K exps) and, for each k > 1, a logaddexp (an exp and a log1p). Rows go in chunks of
+    about ``chunk_values`` K x V values, so the passes run in the cache.
 
     Exactness: e_k <= 1 and pi_k / s_k <= 1, so nothing overflows; a term that underflows
     loses at most the smallest subnormal. Wherever the mixture is below ``exp(floor)``,

@@ -119,8 +119,8 @@ class MixtureOfSoftmaxes(ContextMixture):
     """
 
     # Without gradients, log_prob mixes the component logits in place (``mixture_log_prob_``:
-    # K + 1 transcendentals per value where the log-space chain has 3K - 2; passes in cache); False keeps the
-    # log-space chain there too, so that benchmarks and tests can compare the two.
+    # K + 1 transcendentals per value where the log-space chain has 3K - 2; passes in cache);
+    # False keeps the log-space chain there too, so that benchmarks and tests can compare them.
     in_place_mixing = True
 
     def _log_prob_rows(self, h: torch.Tensor, latent_mask: torch.Tensor | None) -> torch.Tensor:
