@@ -166,10 +166,19 @@ def summarise(raw: dict, new_tokens: int, products: dict) -> dict:
         row["same_tokens_as_base"] = record["tokens"] == base_tokens
         row["decoder_products_per_token"] = products[label]
         rows[label] = row
-    for row in rows.values():
+    for label, row in rows.items():
         for key in RATES:
             row[f"{key}_vs_base"] = round(row[key] / rows["base"][key], 3)
+        for clock in ("", "_cpu"):
+            row[f"tokens_per{clock}_s_vs_base_paired"] = paired_ratio(raw, label, clock)
     return rows
+
+
+def paired_ratio(raw: dict, label: str, clock: str) -> float:
+    """Median over repeats of base seconds / ``label`` seconds in the same repeat (run close
+    in time, so slow drifts of the machine's load cancel): tokens/s relative to the base."""
+    pairs = zip(raw["base"][f"full{clock}"], raw[label][f"full{clock}"], strict=True)
+    return round(statistics.median(base / own for base, own in pairs), 3)
 
 
 RATES = ("tokens_per_s", "decode_tokens_per_s", "tokens_per_cpu_s", "decode_tokens_per_cpu_s")
@@ -178,14 +187,18 @@ RATES = ("tokens_per_s", "decode_tokens_per_s", "tokens_per_cpu_s", "decode_toke
 def markdown(result: dict) -> str:
     lines = [
         "| variant | tokens/s (wall) | vs base | decode tokens/s (wall) | vs base "
-        "| tokens/CPU-s | vs base | decode tokens/CPU-s | vs base | same tokens as base "
-        "| decoder products per token |",
-        "|---|" + "---:|" * 8 + ":---:|---:|",
+        "| tokens/CPU-s | vs base | decode tokens/CPU-s | vs base | vs base, paired (wall "
+        "/ CPU) | same tokens as base | decoder products per token |",
+        "|---|" + "---:|" * 9 + ":---:|---:|",
     ]
     for label, row in result["variants"].items():
         rates = " | ".join(f"{row[key]:.1f} | {row[key + '_vs_base']:.2f}" for key in RATES)
+        paired = (
+            f"{row['tokens_per_s_vs_base_paired']:.2f} / "
+            f"{row['tokens_per_cpu_s_vs_base_paired']:.2f}"
+        )
         lines.append(
-            f"| {label} | {rates} | {'yes' if row['same_tokens_as_base'] else 'no'} "
+            f"| {label} | {rates} | {paired} | {'yes' if row['same_tokens_as_base'] else 'no'} "
             f"| {row['decoder_products_per_token']} |"
         )
     settings = result["settings"]
@@ -194,7 +207,8 @@ def markdown(result: dict) -> str:
         f"prompt, batch 1, greedy, cache on; medians of {settings['repeats']} interleaved "
         f"repeats, {result['machine'].get('torch_threads', '?')} thread(s). CPU-s: this "
         "process's CPU time (time.process_time), which leaves out the time other jobs held "
-        "the cores.\n"
+        "the cores. Paired: the median over repeats of the base's time / the variant's time "
+        "in the same repeat (whole generate calls).\n"
     )
 
 
