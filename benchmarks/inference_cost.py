@@ -2,7 +2,7 @@
 SmolLM2's shape (d = 576, V = 49,152) against the softmax head's, side by side in one process.
 
     python -m benchmarks.inference_cost [--rows 1,4,256] [--repeats 9] [--threads 1]
-        [--out benchmarks/results/inference-cost] [--profile ROWS]
+        [--out benchmarks/results/inference-cost] [--profile ROWS | --gemm-columns]
 
 Each repeat times every head once on the same random hidden states (interleaved, so machine noise
 hits all alike; eval mode, no gradients), by the wall clock and by this process's CPU time (which
@@ -14,7 +14,8 @@ switched by an attribute, so before and after are measured side by side.
 
 Issue 19's targets: MoS with K components within 1.15 K of the softmax, Mixtape within 1.3.
 ``--profile ROWS`` profiles every variant instead (``profile-ROWS.md``/``.json``): the time in
-matrix products against everything else, and the costliest operators.
+matrix products against everything else, and the costliest operators. ``--gemm-columns`` times
+the decoder's GEMM at Mixtape's block widths and the next multiples of 16 (``gemm-columns.md``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         metavar="ROWS",
         help="instead of timing: profile every variant at ROWS rows",
+    )
+    parser.add_argument(
+        "--gemm-columns",
+        action="store_true",
+        help="instead: time the decoder GEMM at column counts that are multiples of 16 or not",
     )
     return parser.parse_args(argv)
 
@@ -184,12 +190,56 @@ def profile_markdown(profiles: dict, rows: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (rows, output columns) of the GEMMs timed by --gemm-columns: Mixtape's rare block (V - S
+# ids, 256 rows) and frequent block (S ids, 4 x 256 rows) at SmolLM2's shape, each beside the
+# next multiple of 16, and the softmax's full V.
+GEMM_SHAPES = [(256, 49_152), (256, 44_237), (256, 44_240), (1024, 4_915), (1024, 4_928)]
+
+
+def gemm_columns(repeats: int) -> dict:
+    """CPU seconds (medians, interleaved) of ``x (rows, d) @ W[:columns]^T`` per shape, and
+    the seconds per output value relative to the softmax's (256, V) product."""
+    import torch
+
+    weight = torch.randn(VOCAB, D_MODEL)
+    inputs = {rows: torch.randn(rows, D_MODEL) for rows, _ in GEMM_SHAPES}
+    seconds = {shape: [] for shape in GEMM_SHAPES}
+    for _ in range(repeats + 1):  # the first round warms up
+        for rows, columns in GEMM_SHAPES:
+            began = time.process_time()
+            torch.mm(inputs[rows], weight[:columns].t())
+            seconds[(rows, columns)].append(time.process_time() - began)
+    medians = {shape: statistics.median(times[1:]) for shape, times in seconds.items()}
+    per_value = {shape: medians[shape] / (shape[0] * shape[1]) for shape in GEMM_SHAPES}
+    reference = per_value[GEMM_SHAPES[0]]
+    return {
+        f"{rows}x{columns}": {
+            "median_cpu_ms": round(1e3 * medians[(rows, columns)], 1),
+            "per_value_vs_softmax": round(per_value[(rows, columns)] / reference, 3),
+        }
+        for rows, columns in GEMM_SHAPES
+    }
+
+
 def main(argv=None) -> int:
     import torch
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     heads = build_heads()
+    if args.gemm_columns:
+        timings = gemm_columns(args.repeats)
+        write_json(args.out / "gemm-columns.json",
+                   {"d": D_MODEL, "repeats": args.repeats, "timings": timings,
+                    "machine": machine(args.threads, note="shared with other jobs")})  # fmt: skip
+        table = "| rows x columns | CPU ms (median) | time per value vs 256 x 49,152 |\n"
+        table += "|---|---:|---:|\n" + "".join(
+            f"| {shape} | {t['median_cpu_ms']:.1f} | {t['per_value_vs_softmax']:.2f} |\n"
+            for shape, t in timings.items()
+        )
+        (args.out / "gemm-columns.md").write_text(table)
+        print(table)
+        return 0
     if args.profile:
         profiles = profile_rows(heads, args.profile)
         write_json(args.out / f"profile-{args.profile}.json",
