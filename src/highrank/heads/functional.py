@@ -106,7 +106,7 @@ def mixture_log_prob_(
     value; they also give the normalisers s_k = sum_v e_k), then the mixture p = sum_k (pi_k / s_k)
     e_k as a weighted sum (multiply-adds) and one log per value, where the log-space chain needs a
     log-softmax (K exps) and, for each k > 1, a logaddexp (an exp and a log1p). Rows go in chunks of
-    about ``chunk_values`` K x V values, so the passes run in the cache.
+    about ``chunk_values`` K x V values on the CPU, so the passes run in the cache.
 
     Exactness: e_k <= 1 and pi_k / s_k <= 1, so nothing overflows; a term that underflows
     loses at most the smallest subnormal. Wherever the mixture is below ``exp(floor)``,
@@ -118,6 +118,8 @@ def mixture_log_prob_(
     n, k, v = logits.shape
     out = logits.new_empty(n, v)
     rows = max(1, min(n, chunk_values // (k * v)))
+    if logits.device.type != "cpu":  # one chunk: no CPU cache to fit, one underflow check
+        rows = n
     exps = logits.new_empty(rows, k, v)  # reused by every chunk
     floor = math.log(torch.finfo(logits.dtype).tiny) + 7
     for start in range(0, n, rows):
