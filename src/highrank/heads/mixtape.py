@@ -241,8 +241,9 @@ class Mixtape(OutputHead):
     def _log_prob_rows(self, h, component_mask, gate_mask) -> torch.Tensor:
         logits = self._logits(h, component_mask, gate_mask)  # (N, V), a fresh tensor
         if self.in_place_assembly and not logits.requires_grad:
-            # In place: a second (N, V) buffer is not free; at N = 256, V = 49,152 (one
-            # thread, loaded machine) log_softmax took 157 ms into a new tensor, 53 in place.
+            # In place: a second (N, V) buffer is not free (its pages are faulted in on first
+            # write); at 256 rows, V = 49,152 the softmax head's log_softmax into a new tensor
+            # took 79 ms, this one 29 (benchmarks/results/inference-cost/profile-256.md).
             return torch.log_softmax(logits, dim=-1, out=logits)
         return F.log_softmax(logits, dim=-1)
 
