@@ -147,8 +147,8 @@ def _mix_chunk(
     for j in range(1, exps.shape[1]):
         out.addcmul_(exps[:, j], weight[:, j])
     out.log_()
-    # One reduction (no mask) tells whether any value lies where underflow could show (or
-    # comes from -inf logits); a mask is built only then: 12% faster than `(out < floor).any()`.
+    # One reduction tells whether any value lies where underflow could show (or comes from
+    # -inf logits); the (c, V) mask is built only then, not for every chunk.
     if float(out.min()) < floor:
         row, col = (out < floor).nonzero(as_tuple=True)
         terms = logits[row, :, col] + log_weight[row]  # (n_low, K)
