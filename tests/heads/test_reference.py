@@ -10,7 +10,13 @@ import torch.nn.functional as F
 
 from highrank.analysis.rank import press_rank
 from highrank.heads import build_head
-from highrank.heads.functional import sigmoid_tree, sigmoid_tree_mix
+from highrank.heads.functional import (
+    log_mixture,
+    mixture_log_prob_,
+    sigmoid_tree,
+    sigmoid_tree_mix,
+    sigmoid_tree_mix_,
+)
 
 
 def _copy_decoder(source, destination):
@@ -45,7 +51,12 @@ def test_mos_with_one_component_is_a_softmax_of_its_latent_context():
     torch.testing.assert_close(mos.loss(hidden, target), softmax.loss(latent, target))
 
 
-def test_mos_matches_a_float64_mixture_of_probabilities():
+# log_prob takes the log-space chain under autograd and mixes in place without gradients.
+GRAD_MODES = pytest.mark.parametrize("grad", [True, False], ids=["autograd", "inference"])
+
+
+@GRAD_MODES
+def test_mos_matches_a_float64_mixture_of_probabilities(grad):
     mos = build_head("mos", d_in=6, vocab_size=11, n_components=4).eval()
     hidden = torch.randn(9, 6)
     with torch.no_grad():
@@ -55,18 +66,41 @@ def test_mos_matches_a_float64_mixture_of_probabilities():
         latents = latents.view(9, 4, 6)
         probs = torch.softmax(latents @ mos.weight.double().T + mos.bias.double(), -1)
         expected = torch.log((prior.unsqueeze(-1) * probs).sum(1))
-    torch.testing.assert_close(mos.log_prob(hidden).double(), expected, atol=1e-5, rtol=1e-5)
+    with torch.set_grad_enabled(grad):
+        log_p = mos.log_prob(hidden)
+    assert log_p.requires_grad == grad  # the path meant
+    torch.testing.assert_close(log_p.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_mos_log_space_survives_probabilities_below_1e_minus_8():
-    # log(p + 1e-8) would cap at -18.4; the log-space mixture keeps the true value.
+@GRAD_MODES
+@pytest.mark.parametrize("low", [-40.0, -200.0])
+def test_mos_log_space_survives_probabilities_below_1e_minus_8(grad, low):
+    # log(p + 1e-8) would cap at -18.4, and exp(-200) underflows float32: the mixture keeps
+    # the true value either way.
     mos = build_head("mos", d_in=4, vocab_size=5, n_components=2).eval()
     with torch.no_grad():
         mos.weight.zero_()
-        mos.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, -40.0]))
-    log_p = mos.log_prob(torch.randn(3, 4))
-    expected = -40.0 - math.log(4 + math.exp(-40.0))
+        mos.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, low]))
+    with torch.set_grad_enabled(grad):
+        log_p = mos.log_prob(torch.randn(3, 4))
+    expected = low - math.log(4 + math.exp(low))
     torch.testing.assert_close(log_p[:, 4], torch.full((3,), expected))
+
+
+@pytest.mark.parametrize("chunk_values", [1, 500, 2**20])  # a row per chunk, a few, all
+@pytest.mark.parametrize("n_components", [1, 2, 4])
+def test_in_place_mixture_equals_the_float64_log_space_chain(n_components, chunk_values):
+    n, k, v = 7, n_components, 60
+    log_prior = F.log_softmax(4 * torch.randn(n, k), -1)
+    logits = 40 * torch.randn(n, k, v)  # log-probabilities down to about -250
+    logits[:, :, 3] = -math.inf  # a token no component can emit
+    logits[0, 0, 5] = -math.inf  # a token one component cannot emit
+    logits[1, :, 7] = logits[1, :, 7].clamp(max=-1e3)  # below the float32 floor in every k
+    expected = log_mixture(log_prior.double(), F.log_softmax(logits.double(), -1))
+    got = mixture_log_prob_(log_prior, logits.clone(), chunk_values)
+    assert got.dtype == torch.float32 and got.shape == (n, v)
+    assert torch.equal(got[:, 3], torch.full((n,), -math.inf))
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
 
 
 def test_moc_is_a_softmax_of_the_mixed_context():
@@ -135,6 +169,34 @@ def test_sigmoid_tree_mix_is_the_prior_weighted_sum_even_for_saturated_gates():
     torch.testing.assert_close(sigmoid_tree_mix(pre.double(), values), expected)
 
 
+def test_in_place_sigmoid_tree_mix_gives_the_same_values_bit_for_bit():
+    pre, values = 5 * torch.randn(6, 3, 7), torch.randn(6, 4, 7)
+    expected = sigmoid_tree_mix(pre, values)
+    out = torch.empty(6, 7)
+    sigmoid_tree_mix_(pre.clone(), values.clone(), out=out)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize(
+    ("name", "knobs", "switch"),
+    [
+        ("mos", {"n_components": 3}, "in_place_mixing"),
+        ("mixtape", {"gate_dim": 3, "frequent_fraction": 0.3}, "in_place_assembly"),
+    ],
+)
+def test_inference_paths_agree_with_the_general_ones(name, knobs, switch, rows):
+    """Without gradients MoS mixes in place and Mixtape assembles its logits in place; the
+    attribute switches back to the general path (what the benchmarks compare)."""
+    head = build_head(name, d_in=6, vocab_size=300, residual_contexts=True, **knobs).eval()
+    hidden = 3 * torch.randn(rows, 6)
+    with torch.no_grad():
+        fast = head.log_prob(hidden)
+        setattr(head, switch, False)
+        general = head.log_prob(hidden)
+    torch.testing.assert_close(fast, general, atol=2e-6, rtol=1e-6)
+
+
 def _mixtape_reference(head, hidden, gate_weight=None):
     """Mixtape's equations written out for every token, in float64 (no gate-sharing trick).
     ``gate_weight``: U as a float64 matrix (default: the head's)."""
@@ -157,17 +219,23 @@ def _mixtape_reference(head, hidden, gate_weight=None):
         return F.log_softmax(logits, -1)
 
 
+@GRAD_MODES
+@pytest.mark.parametrize("rows", [1, 3, 9])  # one row, the few-row layout, the general one
 @pytest.mark.parametrize("frequent_fraction", [0.0, 0.3, 1.0])
-def test_mixtape_matches_its_equations_with_and_without_gate_sharing(frequent_fraction):
+def test_mixtape_matches_its_equations_with_and_without_gate_sharing(frequent_fraction, rows, grad):
     head = build_head(
         "mixtape", d_in=6, vocab_size=20, gate_dim=3, frequent_fraction=frequent_fraction
     )
     with torch.no_grad():
         head.token_gate_bias.normal_()  # make the per-token biases matter
-    hidden = 2 * torch.randn(9, 6)
+        head.bias.normal_()
+    hidden = 2 * torch.randn(rows, 6)
     assert head.n_frequent == math.floor(frequent_fraction * 20)
+    with torch.set_grad_enabled(grad):
+        log_p = head.log_prob(hidden)
+    assert log_p.requires_grad == grad  # the path meant
     torch.testing.assert_close(
-        head.log_prob(hidden).double(), _mixtape_reference(head, hidden), atol=1e-5, rtol=1e-5
+        log_p.double(), _mixtape_reference(head, hidden), atol=1e-5, rtol=1e-5
     )
 
 

@@ -41,7 +41,14 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from highrank.heads.base import OutputHead
-from highrank.heads.functional import apply_mask, linear, sigmoid_tree_mix, widen
+from highrank.heads.functional import (
+    FEW_ROWS,
+    apply_mask,
+    linear,
+    sigmoid_tree_mix,
+    sigmoid_tree_mix_,
+    widen,
+)
 from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
 from highrank.heads.residual import ResidualContexts
 from highrank.util.checks import (
@@ -176,6 +183,8 @@ class Mixtape(OutputHead):
 
         # Rare tokens share one prior per context: a single matmul with the mixed context.
         mixed = sigmoid_tree_mix(self._noisy(shared_pre), contexts)  # (N, d)
+        if self._assembles_in_place(contexts):
+            return self._logits_in_place(h, contexts, shared_pre, mixed, gate_mask)
         rare = widen(linear(mixed, self.weight[self.n_frequent :]))  # (N, V - S)
         if self.n_frequent == 0:
             return rare + self.bias
@@ -190,8 +199,53 @@ class Mixtape(OutputHead):
         frequent = sigmoid_tree_mix(self._noisy(token_pre), component_logits)  # (N, S)
         return torch.cat((frequent, rare), dim=1) + self.bias
 
+    # Without gradients, _logits writes both blocks straight into one (N, V) buffer and mixes
+    # the frequent block in place (``_logits_in_place``), and log_prob normalises that buffer
+    # in place; False keeps the autograd-friendly path there too, so that benchmarks and
+    # tests can compare the two.
+    in_place_assembly = True
+
+    def _assembles_in_place(self, contexts: torch.Tensor) -> bool:
+        # The buffer takes the matmuls' results directly, so their dtype must be the widened
+        # one (float32 or float64); a bf16 head keeps the general path.
+        return (
+            self.in_place_assembly
+            and not contexts.requires_grad
+            and self.weight.dtype in (torch.float32, torch.float64)
+            and contexts.dtype == self.weight.dtype
+        )
+
+    def _logits_in_place(self, h, contexts, shared_pre, mixed, gate_mask) -> torch.Tensor:
+        """``_logits`` for inference, the same arithmetic without a ``cat`` or temporary
+        sums: the rare block's matmul (bias included) writes into its columns of the output,
+        and the frequent block's gates and component logits are mixed in place into the
+        others. contexts (N, 4, d), shared_pre (N, 3, 1), mixed (N, d) -> (N, V)."""
+        n, s, v = h.shape[0], self.n_frequent, self.vocab_size
+        out = self.weight.new_empty(n, v)
+        # Both decoder blocks run over id ranges widened to a multiple of GEMM_COLUMNS; the
+        # rare block's extra ids are frequent ones, overwritten below.
+        rare_start = max(0, v - _round_up(v - s, GEMM_COLUMNS))
+        _addmm_into(out[:, rare_start:], mixed, self.weight[rare_start:], self.bias[rare_start:])
+        if s == 0:
+            return out
+        features = self._features(h, gate_mask).view(n * N_GATES, self.gate_dim)
+        token_pre = (features @ self.token_gate.t()).view(n, N_GATES, s)  # (N, 3, S)
+        token_pre.add_(shared_pre).add_(self.token_gate_bias.t())
+        frequent_rows = self.weight[: min(v, _round_up(s, GEMM_COLUMNS))]
+        component_logits = linear(contexts, frequent_rows)[..., :s]  # (N, 4, S), ours
+        frequent = out[:, :s]
+        sigmoid_tree_mix_(self._noisy(token_pre), component_logits, out=frequent)
+        frequent.add_(self.bias[:s])
+        return out
+
     def _log_prob_rows(self, h, component_mask, gate_mask) -> torch.Tensor:
-        return F.log_softmax(self._logits(h, component_mask, gate_mask), dim=-1)
+        logits = self._logits(h, component_mask, gate_mask)  # (N, V), a fresh tensor
+        if self.in_place_assembly and not logits.requires_grad:
+            # In place: a second (N, V) buffer is not free (its pages are faulted in on first
+            # write); at 256 rows, V = 49,152 the softmax head's log_softmax into a new tensor
+            # took 79 ms, this one 29 (benchmarks/results/inference-cost/profile-256.md).
+            return torch.log_softmax(logits, dim=-1, out=logits)
+        return F.log_softmax(logits, dim=-1)
 
     def _loss_rows(self, h, target, component_mask, gate_mask, *, label_smoothing) -> torch.Tensor:
         logits = self._logits(h, component_mask, gate_mask)
@@ -250,6 +304,30 @@ class Mixtape(OutputHead):
             f"gate_weight_norm={self.gate_weight_norm}"
             + (", residual_contexts=True" if self.residual_contexts else "")
         )
+
+
+# The CPU GEMM (MKL, AVX2, one thread) ran 1.5x slower per value when the number of output
+# columns was not a multiple of 16: 44,237 rare ids 361 ms, 44,240 ids 245 ms (256 rows);
+# 4,915 frequent ids 126 ms, 4,928 ids 81 ms (1,024 rows; `python -m
+# benchmarks.inference_cost --gemm-columns`). Mixtape's inference path computes a few more
+# ids than it needs instead.
+GEMM_COLUMNS = 16
+
+
+def _round_up(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
+
+
+def _addmm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """``out (N, V') = x (N, d) weight^T + bias`` written into ``out``, a column block of a
+    wider row-major buffer (BLAS takes its row stride as the leading dimension: no copy).
+    For 2 to FEW_ROWS rows on the CPU as ``weight x^T`` (V', N), as ``functional.linear``
+    does (streams the weight once), then copied: written straight into ``out.t()`` (column
+    major) BLAS would compute it as ``x weight^T`` again, the slow way."""
+    if x.device.type == "cpu" and 1 < x.shape[0] <= FEW_ROWS:
+        out.copy_(torch.addmm(bias.unsqueeze(1), weight, x.t()).t())
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
 
 
 def _weight_norm_with_constant_scale(linear: nn.Linear) -> None:

@@ -25,6 +25,7 @@ from highrank.heads.base import OutputHead
 from highrank.heads.functional import (
     apply_mask,
     log_mixture,
+    mixture_log_prob_,
     mixture_nll,
     smoothed_nll,
     widen,
@@ -117,10 +118,17 @@ class MixtureOfSoftmaxes(ContextMixture):
         d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.base.OutputHead`.
     """
 
+    # Without gradients, log_prob mixes the component logits in place (``mixture_log_prob_``:
+    # K + 1 transcendentals per value where the log-space chain has 3K - 2; passes in cache);
+    # False keeps the log-space chain there too, so that benchmarks and tests can compare them.
+    in_place_mixing = True
+
     def _log_prob_rows(self, h: torch.Tensor, latent_mask: torch.Tensor | None) -> torch.Tensor:
         log_prior, latents = self._prior_and_latents(h, latent_mask)
-        component_log_probs = F.log_softmax(self._decoder_logits(latents), dim=-1)  # (N, K, V)
-        return log_mixture(log_prior, component_log_probs)
+        logits = self._decoder_logits(latents)  # (N, K, V)
+        if self.in_place_mixing and not logits.requires_grad:
+            return mixture_log_prob_(log_prior, logits)  # inference: in place, chunk by chunk
+        return log_mixture(log_prior, F.log_softmax(logits, dim=-1))
 
     def _loss_rows(
         self,
