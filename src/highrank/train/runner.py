@@ -402,14 +402,23 @@ def check_model_fits(config: Config, vocab_size: int, device: torch.device) -> i
     available = available_memory(device)
     if available is not None and needed > available:
         raise ConfigError(
-            f"the model has {count:,} parameters (model.d_embed = {config.model.d_embed}, "
-            f"model.d_hidden = {config.model.d_hidden}, model.n_layers = "
-            f"{config.model.n_layers}, vocabulary {vocab_size:,}): training needs at least "
+            f"the model has {count:,} parameters ({_size_keys(config)}, vocabulary "
+            f"{vocab_size:,}): training needs at least "
             f"{needed / 2**30:,.1f} GiB "
             f"({TRAINING_COPIES} float32 copies: weights, gradients, optimizer state), but "
             f"{available / 2**30:,.1f} GiB is available on {device}; make the model smaller"
         )
     return count
+
+
+def _size_keys(config: Config) -> str:
+    """The [model] sizes of ``config``'s backbone, as the user sets them."""
+    names = {
+        "awd-lstm": ("d_embed", "d_hidden", "n_layers"),
+        "transformer": ("d_embed", "d_ff", "n_layers"),
+        "seq2seq": ("d_embed", "d_ff", "n_encoder_layers", "n_decoder_layers"),
+    }.get(config.model.backbone, ("d_embed",))
+    return ", ".join(f"model.{name} = {getattr(config.model, name)}" for name in names)
 
 
 def available_memory(device: torch.device) -> int | None:

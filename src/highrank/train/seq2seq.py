@@ -294,6 +294,11 @@ def _start(
     """:func:`start_translation` (which picks its device itself), refusing ``--init-from``."""
     if init_from is not None:
         raise ConfigError("--init-from applies to language models, not translation")
+    # before the subwords are learned: a model no memory holds is one line, not an allocator's
+    # traceback (runner imports this module, hence the late import)
+    from highrank.train.runner import check_model_fits
+
+    check_model_fits(config, _vocab_size(config), device)
     return start_translation(config, stage, options, command)
 
 
