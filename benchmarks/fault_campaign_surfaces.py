@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MARKER = ".highrank-fault-campaign-surfaces"  # a folder the campaign made, so it may delete it
-SILENT = 15.0  # seconds without output that count as "silent" (torch's import alone is ~8 s here)
+# Seconds without output that count as "silent": ~10 s beyond the interpreter's start-up
+# (importing torch and highrank, measured when the campaign starts: ~5-8 s on the loaded
+# machine); torchrun starts two such processes on the two cores, hence twice the start-up.
+SILENT = 10.0
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 SURFACES = ("translation", "transformer", "memmap", "torchrun", "hf", "security", "data-get")
@@ -47,6 +50,7 @@ class Result:
     err: str
     secs: float
     silence: float  # the longest stretch without a byte on stdout or stderr
+    torchrun: bool = False
 
     @property
     def lines(self) -> list[str]:
@@ -105,7 +109,8 @@ def finish(p, timeout: float = 240) -> Result:
     stamps = sorted([p.t0, *p.logs[2], *p.logs[3], end])
     silence = max(b - a for a, b in zip(stamps, stamps[1:]))
     text = [b"".join(x).decode("utf-8", "replace") for x in p.logs[:2]]
-    return Result(p.returncode, text[0], text[1], end - p.t0, silence)
+    torchrun = "torch.distributed.run" in p.args
+    return Result(p.returncode, text[0], text[1], end - p.t0, silence, torchrun)
 
 
 def run(args: list[str], timeout: float = 240, **kw) -> Result:
@@ -117,6 +122,10 @@ class Campaign:
         self.root = root
         self.counts: dict[str, list[int]] = {}
         self.found: list[str] = []
+        t = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import highrank.cli, torch"], check=True)
+        self.startup = time.monotonic() - t
+        print(f"start-up (import torch, highrank.cli): {self.startup:.1f} s; silent means more than {SILENT:.0f} s beyond it", flush=True)
 
     def record(self, surface: str, name: str, ok: bool, why: str, r: Result | None = None):
         held, total = self.counts.setdefault(surface, [0, 0])
@@ -133,7 +142,7 @@ class Campaign:
             return "hang"
         if "Traceback (most recent call last)" in r.err:
             return "traceback"
-        if r.silence > SILENT:
+        if r.silence > SILENT + self.startup * (2 if r.torchrun else 1):
             return f"silent for {r.silence:.0f}s"
         return None
 
@@ -276,25 +285,34 @@ def kill_and_resume(
 ) -> None:
     """Start ``first``, then ``n`` times: a random signal at a random moment, then ``resume``;
     finally resume to the end and compare the trajectory with the uninterrupted ``ref``."""
-    args = first
+    args, launcher = first, []
     for i in range(n):
         name = rng.choice(list(SIGNALS))
+        metrics = out / "metrics.jsonl"
+        size = metrics.stat().st_size if metrics.is_file() else -1
         p = start(args)
+        # a random moment once training moves (metrics.jsonl grows), not during the import
+        while p.poll() is None and (metrics.stat().st_size if metrics.is_file() else -1) == size:
+            time.sleep(0.1)
         time.sleep(rng.uniform(*window))
         if p.poll() is None:
             os.killpg(p.pid, SIGNALS[name]) if args[:3] == TORCHRUN[:3] else p.send_signal(SIGNALS[name])
         r = finish(p, timeout=90)
-        stray = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+        stray = subprocess.run(["pgrep", "-f", "--", str(out)], capture_output=True, text=True).stdout.split()
         problem = None
         if r.rc is None:
             problem = f"no exit within 90 s of {name}"
         elif "Traceback (most recent call last)" in r.err and name != "SIGKILL":
             problem = f"traceback after {name}"
+            if r.torchrun and "/highrank/" not in r.err.split("Traceback (most recent call last)", 1)[1]:
+                launcher.append(name)  # torch.distributed.run's own SignalException: not ours
+                problem = None
         elif stray:
             problem = f"stray processes {stray}"
         elif (out / "metrics.jsonl").is_file() and not (out / "metrics.jsonl").read_bytes().endswith(b"\n"):
             problem = "metrics.jsonl ends in a torn line"
-        c.check(surface, f"{name} at {r.secs:.1f}s (kill {i + 1}/{n})", problem, r)
+        said = " (torchrun's launcher then printed its SignalException traceback)" if launcher and launcher[-1] == name and r.torchrun else ""
+        c.check(surface, f"{name} at {r.secs:.1f}s (kill {i + 1}/{n}){said}", problem, r)
         args = resume
     r = run(resume, timeout=400)
     got, want = trajectory(out), trajectory(ref)
@@ -343,7 +361,7 @@ def translation(c: Campaign, w: Path, rng: random.Random) -> None:
     ref = w / "mt-ref"
     c.succeed(s, "uninterrupted reference run", [*HR, "train", str(cfg), f"--run.out_dir={ref}"], timeout=400)
     out = w / "mt-killed"
-    kill_and_resume(c, s, [*HR, "train", str(cfg), f"--run.out_dir={out}"], [*HR, "train", "--resume", str(out)], out, ref, 5, (8.0, 30.0), rng)
+    kill_and_resume(c, s, [*HR, "train", str(cfg), f"--run.out_dir={out}"], [*HR, "train", "--resume", str(out)], out, ref, 5, (0.5, 6.0), rng)
     # killed before its first checkpoint (during the subword training), then restarted both ways
     early = w / "mt-early"
     p = start([*HR, "train", str(cfg), f"--run.out_dir={early}"])
@@ -413,11 +431,11 @@ def lm_config(w: Path, name: str, data: Path, epochs: int, head="softmax", data_
 def transformer(c: Campaign, w: Path, rng: random.Random) -> None:
     s = "transformer"
     data = word_corpus(w / "words")
-    cfg = lm_config(w, "tf", data, epochs=2)
+    cfg = lm_config(w, "tf", data, epochs=6)
     ref = w / "tf-ref"
     c.succeed(s, "uninterrupted reference run", [*HR, "train", str(cfg), f"--run.out_dir={ref}", "--no-progress"], timeout=400)
     out = w / "tf-killed"
-    kill_and_resume(c, s, [*HR, "train", str(cfg), f"--run.out_dir={out}"], [*HR, "train", "--resume", str(out)], out, ref, 5, (9.0, 25.0), rng)
+    kill_and_resume(c, s, [*HR, "train", str(cfg), f"--run.out_dir={out}"], [*HR, "train", "--resume", str(out)], out, ref, 5, (0.5, 6.0), rng)
     for name, override in (
         ("n_heads=0", "--model.n_heads=0"),
         ("d_embed not divisible by n_heads", "--model.n_heads=3"),
@@ -467,13 +485,13 @@ def transformer(c: Campaign, w: Path, rng: random.Random) -> None:
     shutil.copytree(ref, short)
     lines = (short / "metrics.jsonl").read_text().splitlines(keepends=True)
     (short / "metrics.jsonl").write_text("".join(lines[: len(lines) // 2]))
-    c.succeed(s, "resume with metrics.jsonl shorter than the checkpoint: says so", [*HR, "train", "--resume", str(short), "--train.epochs=3", "--max-steps", "2", "--no-progress"], check=lambda r: None if "lacks" in r.err else "no word about the lost lines")
+    c.succeed(s, "resume with metrics.jsonl shorter than the checkpoint: says so", [*HR, "train", "--resume", str(short), "--train.epochs=8", "--max-steps", "2", "--no-progress"], check=lambda r: None if "lacks" in r.err else "no word about the lost lines")
     best_dir = w / "tf-bestdir"
     shutil.copytree(ref, best_dir)
     (best_dir / "checkpoints" / "best.pt").unlink()
     (best_dir / "checkpoints" / "best.pt").mkdir()
-    c.succeed(s, "best.pt a folder, last.pt intact: resume", [*HR, "train", "--resume", str(best_dir), "--train.epochs=3", "--max-steps", "2", "--no-progress"])
-    corrupt_cases(c, s, ref, [["train", "--resume", "RUN", "--train.epochs=3"], ["eval", "RUN"], ["report", "RUN", "--out", str(w / "rep")]], w)
+    c.refuse(s, "best.pt a folder, last.pt intact: resume refused naming it", [*HR, "train", "--resume", str(best_dir), "--train.epochs=8", "--max-steps", "2", "--no-progress"], must="best.pt")
+    corrupt_cases(c, s, ref, [["train", "--resume", "RUN", "--train.epochs=8"], ["eval", "RUN"], ["report", "RUN", "--out", str(w / "rep")]], w)
 
 
 def memmap(c: Campaign, w: Path, rng: random.Random) -> None:
@@ -481,13 +499,13 @@ def memmap(c: Campaign, w: Path, rng: random.Random) -> None:
     cache = w / "cache"
     env = {"HIGHRANK_CACHE_DIR": str(cache)}
     data = w / "zipf"
-    c.succeed(s, "data zipf (3 shards)", [*HR, "data", "zipf", str(data), "--tokens", "60000", "--shards", "3"], timeout=300)
+    c.succeed(s, "data zipf (3 shards)", [*HR, "data", "zipf", str(data), "--tokens", "25000", "--shards", "3"], timeout=300)
     extra = 'memmap = true\nbatching = "sentences"'
     cfg = lm_config(w, "mm", data, epochs=1, data_extra=extra)
     ref = w / "mm-ref"
     c.succeed(s, "train on the zipf corpus as written", [*HR, "train", str(cfg), f"--run.out_dir={ref}", "--no-progress"], env=env, timeout=400)
     out = w / "mm-killed"
-    kill_and_resume(c, s, [*HR, "train", str(cfg), f"--run.out_dir={out}"], [*HR, "train", "--resume", str(out)], out, ref, 3, (9.0, 25.0), rng)
+    kill_and_resume(c, s, [*HR, "train", str(cfg), f"--run.out_dir={out}"], [*HR, "train", "--resume", str(out)], out, ref, 3, (0.5, 6.0), rng)
     c.succeed(s, "data stats of a shard folder", [*HR, "data", "stats", str(data)])
 
     def variant(name, damage):
@@ -517,24 +535,28 @@ def memmap(c: Campaign, w: Path, rng: random.Random) -> None:
             raw[8:12] = (1).to_bytes(4, "little") if raw[8:12] != (1).to_bytes(4, "little") else (2).to_bytes(4, "little")
             f.write_bytes(bytes(raw))
         c.refuse(s, "cached ids altered (in range)", [*HR, "train", str(cfg), f"--run.out_dir={w / 'x2'}", "--max-steps", "2"], env=env)
+        sizes = {f: f.stat().st_size for f in ids}
         for f in ids:
             f.write_bytes(f.read_bytes()[:-3])
-        c.refuse(s, "cached ids truncated", [*HR, "train", str(cfg), f"--run.out_dir={w / 'x3'}", "--max-steps", "2"], env=env)
+        # a cache of the wrong size is stale: rebuilt from the text (the text is the truth)
+        rebuilt = lambda r: None if all(f.stat().st_size == n for f, n in sizes.items()) else "cache not rebuilt"  # noqa: E731
+        c.succeed(s, "cached ids truncated: rebuilt", [*HR, "train", str(cfg), f"--run.out_dir={w / 'x3'}", "--max-steps", "2"], env=env, check=rebuilt)
     else:
         c.check(s, "cached ids exist", f"no *.ids under {cache}")
     # the corpus changed under a run (the vocabulary did not), then resume
-    moved = variant("changed", lambda d: (d / "train" / shards[-1].name).write_text(shards[0].read_text()))
+    # (two shards swapped: the same words, so the same vocabulary, in another order)
+    moved = variant("changed", lambda d: ((d / "train" / shards[0].name).write_text(shards[1].read_text()), (d / "train" / shards[1].name).write_text(shards[0].read_text())))
     c.refuse(s, "resume after the corpus changed", [*HR, "train", "--resume", str(ref), f"--data.dir={moved}", "--train.epochs=2"], env=env)
 
 
 def torchrun(c: Campaign, w: Path, rng: random.Random) -> None:
     s = "torchrun"
     data = word_corpus(w / "words-ddp", lines=(("train", 800), ("valid", 60), ("test", 60)))
-    cfg = lm_config(w, "ddp", data, epochs=1)
+    cfg = lm_config(w, "ddp", data, epochs=4)
     ref = w / "ddp-ref"
     c.succeed(s, "uninterrupted 2-process reference", [*TORCHRUN, "-m", "highrank", "train", str(cfg), f"--run.out_dir={ref}", "--no-progress"], timeout=400)
     out = w / "ddp-killed"
-    kill_and_resume(c, s, [*TORCHRUN, "-m", "highrank", "train", str(cfg), f"--run.out_dir={out}"], [*TORCHRUN, "-m", "highrank", "train", "--resume", str(out)], out, ref, 2, (14.0, 30.0), rng)
+    kill_and_resume(c, s, [*TORCHRUN, "-m", "highrank", "train", str(cfg), f"--run.out_dir={out}"], [*TORCHRUN, "-m", "highrank", "train", "--resume", str(out)], out, ref, 2, (0.5, 8.0), rng)
     # one worker killed -9: the other must stop, no stray process
     one = w / "ddp-one"
     p = start([*TORCHRUN, "-m", "highrank", "train", str(cfg), f"--run.out_dir={one}"])
@@ -542,13 +564,13 @@ def torchrun(c: Campaign, w: Path, rng: random.Random) -> None:
     while time.time() < deadline and not (one / "metrics.jsonl").is_file():
         time.sleep(0.5)
     time.sleep(2)
-    kids = subprocess.run(["pgrep", "-f", f"--run.out_dir={one}"], capture_output=True, text=True).stdout.split()
+    kids = subprocess.run(["pgrep", "-f", "--", f"--run.out_dir={one}"], capture_output=True, text=True).stdout.split()
     workers = [k for k in kids if int(k) != p.pid and "torch.distributed.run" not in Path(f"/proc/{k}/cmdline").read_text(errors="replace")] if kids else []
     if workers:
         os.kill(int(workers[-1]), signal.SIGKILL)
     t = time.time()
     r = finish(p, 120)
-    stray = subprocess.run(["pgrep", "-f", f"--run.out_dir={one}"], capture_output=True, text=True).stdout.split()
+    stray = subprocess.run(["pgrep", "-f", "--", f"--run.out_dir={one}"], capture_output=True, text=True).stdout.split()
     problem = "no worker found" if not workers else ("hang" if r.rc is None else (f"stray {stray}" if stray else None))
     c.check(s, f"one worker killed -9: the rest stop in {time.time() - t:.1f}s", problem, r)
     c.succeed(s, "resume after a worker was killed", [*TORCHRUN, "-m", "highrank", "train", "--resume", str(one), "--max-steps", "40", "--no-progress"], timeout=300)
@@ -558,10 +580,10 @@ def torchrun(c: Campaign, w: Path, rng: random.Random) -> None:
     problem = c._common(r) or (f"exit {r.rc}" if r.rc != 0 else None) or (None if "one process" in (r.out + r.err) else "does not say it runs in one process")
     c.check(s, "translation config under torchrun: one process, said so", problem, r)
     r = run([*TORCHRUN, "-m", "highrank", "eval", str(ref)], timeout=300)
-    n_results = (r.out + r.err).count("ppl")
-    problem = c._common(r) or (f"exit {r.rc}" if r.rc not in (0, 1, 2) else None)
-    c.check(s, f"eval under torchrun ({n_results} perplexity line(s))", problem, r)
-    c.refuse(s, "resume with another process count (1)", [*HR, "train", "--resume", str(ref), "--train.epochs=2"])
+    n_results = (r.out + r.err).count("perplexity")
+    problem = c._common(r) or (f"exit {r.rc}" if r.rc else None) or (None if n_results == 1 else f"{n_results} perplexity lines")
+    c.check(s, "eval under torchrun: one evaluation", problem, r)
+    c.succeed(s, "resume in 1 process of a 2-process run: a note", [*HR, "train", "--resume", str(ref), "--train.epochs=5", "--max-steps", "3", "--no-progress"], check=lambda r: None if "written by 2 process(es)" in r.err else "no note")
 
 
 HF_SETUP = """
@@ -646,18 +668,18 @@ def hf(c: Campaign, w: Path, rng: random.Random) -> None:
     train, valid = w / "hf" / "train.txt", w / "hf" / "valid.txt"
     base = [*HR, "retrofit", "--hf", str(model), "--head", "mos", "--knob", "n_components=2", "--train", str(train), "--valid", str(valid), "--window", "16", "--batch-tokens", "64"]
     ref = w / "rf-ref"
-    c.succeed(s, "retrofit (frozen, mos-2)", [*base, "--out", str(ref), "--steps", "30"], timeout=400, check=lambda r: None if (ref / "results.json").is_file() else "no results.json")
+    c.succeed(s, "retrofit (frozen, mos-2)", [*base, "--out", str(ref), "--steps", "300"], timeout=400, check=lambda r: None if (ref / "results.json").is_file() else "no results.json")
     out = w / "rf-killed"
     for i in range(3):
         name = rng.choice(list(SIGNALS))
-        p = start([*base, "--out", str(out), "--steps", "30"])
-        time.sleep(rng.uniform(8, 20))
+        p = start([*base, "--out", str(out), "--steps", "300"])
+        time.sleep(rng.uniform(6, 18))
         if p.poll() is None:
             p.send_signal(SIGNALS[name])
         r = finish(p, 90)
         problem = "no exit within 90 s" if r.rc is None else ("traceback" if "Traceback (most recent" in r.err and name != "SIGKILL" else None)
         c.check(s, f"retrofit {name} at {r.secs:.1f}s", problem, r)
-    r = run([*base, "--out", str(out), "--steps", "30"], timeout=400)
+    r = run([*base, "--out", str(out), "--steps", "300"], timeout=400)
     got = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else None
     want = json.loads((ref / "results.json").read_text()) if (ref / "results.json").is_file() else None
     keep = lambda d: {k: v for k, v in (d or {}).items() if "sec" not in k and "time" not in k}  # noqa: E731
@@ -675,7 +697,7 @@ def hf(c: Campaign, w: Path, rng: random.Random) -> None:
         c.refuse(s, f"retrofit {name}", [*base, *extra, "--out", str(w / "rf-x")])
     c.refuse(s, "retrofit --out is a file", [*base, "--out", str(w / "hf-outfile")])
     c.refuse(s, "retrofit missing --valid file", [*base[:-6], "--valid", str(w / "nope.txt"), *base[-4:], "--out", str(w / "rf-x")])
-    c.refuse(s, "retrofit with other settings into a finished folder", [*base, "--out", str(ref), "--steps", "31"])
+    c.refuse(s, "retrofit with other settings into a finished folder", [*base, "--out", str(ref), "--steps", "301"])
     conc = w / "rf-conc"
     a = start([*base, "--out", str(conc), "--steps", "30"])
     time.sleep(10)
@@ -756,9 +778,9 @@ def security(c: Campaign, w: Path, rng: random.Random) -> None:
     rf = w / "sec-rf"
     base = [*HR, "retrofit", "--hf", str(hfm), "--head", "mos", "--knob", "n_components=2", "--train", str(hfm.parent / "train.txt"), "--valid", str(hfm.parent / "valid.txt"), "--window", "16", "--batch-tokens", "64", "--steps", "20", "--out", str(rf)]
     run(base, timeout=300)
-    states = [p for p in rf.rglob("*.pt")] + [p for p in rf.rglob("*.bin")]
-    for state in states[:3]:
-        poison("pt", state)
+    states = sorted(rf.rglob("*.pt")) + sorted(rf.rglob("*.npy"))[:2]
+    for state in states[:4]:
+        poison("npy" if state.suffix == ".npy" else "pt", state)
         (rf / "results.json").unlink(missing_ok=True)
         marker.unlink(missing_ok=True)
         r = run([*base[:-4], "--steps", "25", "--out", str(rf)], timeout=300)

@@ -573,12 +573,12 @@ def corpus_stats(
     Returns ``{"directory", "mode", "vocab_size", "splits": {split: {"file", "lines",
     "tokens", "oov"}}}`` (plain ints and strings, ready for JSON).
     """
-    corpus = load_corpus(directory, mode=mode, cache_dir=cache_dir, use_cache=use_cache)
+    corpus = _stats_corpus(Path(directory), mode, cache_dir, use_cache)
     splits = {
         split: {
             "file": str(corpus.path(split)),
             "lines": corpus.lines[split],
-            "tokens": int(corpus.split(split).numel()),
+            "tokens": _token_count(corpus, split),
             "oov": corpus.oov[split],
         }
         for split in SPLITS
@@ -589,6 +589,23 @@ def corpus_stats(
         "vocab_size": len(corpus.vocab),
         "splits": splits,
     }
+
+
+def _stats_corpus(directory: Path, mode: str, cache_dir, use_cache: bool):
+    """The corpus of ``directory``; one with a split as a folder of shards (the memmap
+    layout `highrank data zipf --shards` writes) is read through the memory-mapped loader,
+    whose token ids are not read into memory."""
+    if any((directory / s).is_dir() and not (directory / f"{s}.txt").exists() for s in SPLITS):
+        from highrank.data.streaming import load_stream_corpus  # it imports this module
+
+        return load_stream_corpus(directory, mode=mode, cache_dir=cache_dir)
+    return load_corpus(directory, mode=mode, cache_dir=cache_dir, use_cache=use_cache)
+
+
+def _token_count(corpus, split: str) -> int:
+    # a memory-mapped corpus counts its ids without reading them (its split() would)
+    ids = getattr(corpus, "ids", None)
+    return int(len(ids[split]) if ids is not None else corpus.split(split).numel())
 
 
 def format_stats(stats: dict) -> str:
