@@ -30,15 +30,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MARKER = ".highrank-fault-campaign-surfaces"  # a folder the campaign made, so it may delete it
-# Seconds without output that count as "silent": ~10 s beyond the interpreter's start-up
-# (importing torch and highrank, measured when the campaign starts: ~5-8 s on the loaded
-# machine); torchrun starts two such processes on the two cores, hence twice the start-up.
+# Seconds without output, once torch and highrank are imported, that count as "silent".
 SILENT = 10.0
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 SURFACES = ("translation", "transformer", "memmap", "torchrun", "hf", "security", "data-get")
-HR = [sys.executable, "-m", "highrank"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+# `highrank ARGS` after writing, to the file its first argument names, the moment torch and the
+# command line are imported: silence is counted from there, so that a loaded machine's slow
+# import (5-25 s here) is not taken for a silent command. HR and TR are set in main().
+TIMED = """import runpy, sys, time
+import torch, highrank.cli  # noqa: F401 (the start-up)
+with open(sys.argv.pop(1), "w") as handle:
+    handle.write(repr(time.monotonic()))
+sys.argv[0] = "highrank"
+runpy.run_module("highrank", run_name="__main__", alter_sys=True)
+"""
+HR: list[str] = []
+TR: list[str] = []
 TRAJECTORY = ("kind", "epoch", "step", "train_loss", "val_loss", "phase", "lr")
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}
 
@@ -75,6 +84,8 @@ def _reader(stream, chunks: list, stamps: list) -> None:
 
 
 def start(args: list[str], env: dict | None = None, cwd: Path | None = None):
+    stamp = Path(os.environ["CAMPAIGN_STAMPS"]) / f"{time.monotonic_ns()}.t"
+    args = [str(stamp) if a == "{stamp}" else a for a in args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     p = subprocess.Popen(
         args,
@@ -85,7 +96,7 @@ def start(args: list[str], env: dict | None = None, cwd: Path | None = None):
         cwd=cwd,
         start_new_session=True,  # a kill reaches torchrun's children too
     )
-    p.t0 = time.monotonic()
+    p.t0, p.stamp = time.monotonic(), stamp
     p.logs = ([], [], [], [])
     p.threads = [
         threading.Thread(target=_reader, args=(p.stdout, p.logs[0], p.logs[2]), daemon=True),
@@ -106,8 +117,12 @@ def finish(p, timeout: float = 240) -> Result:
     end = time.monotonic()
     for t in p.threads:
         t.join(timeout=5)
-    stamps = sorted([p.t0, *p.logs[2], *p.logs[3], end])
-    silence = max(b - a for a, b in zip(stamps, stamps[1:]))
+    try:  # when the timed wrapper finished importing torch and highrank
+        ready = max(p.t0, float(p.stamp.read_text()))
+    except (OSError, ValueError):
+        ready = p.t0
+    stamps = sorted([ready, *[t for t in p.logs[2] + p.logs[3] if t > ready], end])
+    silence = max(b - a for a, b in zip(stamps, stamps[1:], strict=False))
     text = [b"".join(x).decode("utf-8", "replace") for x in p.logs[:2]]
     torchrun = "torch.distributed.run" in p.args
     return Result(p.returncode, text[0], text[1], end - p.t0, silence, torchrun)
@@ -122,10 +137,6 @@ class Campaign:
         self.root = root
         self.counts: dict[str, list[int]] = {}
         self.found: list[str] = []
-        t = time.monotonic()
-        subprocess.run([sys.executable, "-c", "import highrank.cli, torch"], check=True)
-        self.startup = time.monotonic() - t
-        print(f"start-up (import torch, highrank.cli): {self.startup:.1f} s; silent means more than {SILENT:.0f} s beyond it", flush=True)
 
     def record(self, surface: str, name: str, ok: bool, why: str, r: Result | None = None):
         held, total = self.counts.setdefault(surface, [0, 0])
@@ -142,7 +153,7 @@ class Campaign:
             return "hang"
         if "Traceback (most recent call last)" in r.err:
             return "traceback"
-        if r.silence > SILENT + self.startup * (2 if r.torchrun else 1):
+        if r.silence > SILENT:
             return f"silent for {r.silence:.0f}s"
         return None
 
@@ -285,7 +296,7 @@ def kill_and_resume(
 ) -> None:
     """Start ``first``, then ``n`` times: a random signal at a random moment, then ``resume``;
     finally resume to the end and compare the trajectory with the uninterrupted ``ref``."""
-    args, launcher = first, []
+    args = first
     for i in range(n):
         name = rng.choice(list(SIGNALS))
         metrics = out / "metrics.jsonl"
@@ -299,26 +310,26 @@ def kill_and_resume(
             os.killpg(p.pid, SIGNALS[name]) if args[:3] == TORCHRUN[:3] else p.send_signal(SIGNALS[name])
         r = finish(p, timeout=90)
         stray = subprocess.run(["pgrep", "-f", "--", str(out)], capture_output=True, text=True).stdout.split()
-        problem = None
+        problem, launcher = None, False
         if r.rc is None:
             problem = f"no exit within 90 s of {name}"
         elif "Traceback (most recent call last)" in r.err and name != "SIGKILL":
             problem = f"traceback after {name}"
             if r.torchrun and "/highrank/" not in r.err.split("Traceback (most recent call last)", 1)[1]:
-                launcher.append(name)  # torch.distributed.run's own SignalException: not ours
+                launcher = True  # torch.distributed.run's own SignalException: not ours
                 problem = None
         elif stray:
             problem = f"stray processes {stray}"
         elif (out / "metrics.jsonl").is_file() and not (out / "metrics.jsonl").read_bytes().endswith(b"\n"):
             problem = "metrics.jsonl ends in a torn line"
-        said = " (torchrun's launcher then printed its SignalException traceback)" if launcher and launcher[-1] == name and r.torchrun else ""
+        said = " (torchrun's launcher then printed its SignalException traceback)" if launcher else ""
         c.check(surface, f"{name} at {r.secs:.1f}s (kill {i + 1}/{n}){said}", problem, r)
         args = resume
     r = run(resume, timeout=400)
     got, want = trajectory(out), trajectory(ref)
     problem = c._common(r) or (f"exit {r.rc}" if r.rc != 0 else None)
     if problem is None and got != want:
-        diff = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        diff = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
         problem = f"not bit-identical to the uninterrupted run: {len(got)} vs {len(want)} metric lines, first difference at line {diff}"
     c.check(surface, "final resume equals the uninterrupted run", problem, r)
 
@@ -554,12 +565,12 @@ def torchrun(c: Campaign, w: Path, rng: random.Random) -> None:
     data = word_corpus(w / "words-ddp", lines=(("train", 800), ("valid", 60), ("test", 60)))
     cfg = lm_config(w, "ddp", data, epochs=4)
     ref = w / "ddp-ref"
-    c.succeed(s, "uninterrupted 2-process reference", [*TORCHRUN, "-m", "highrank", "train", str(cfg), f"--run.out_dir={ref}", "--no-progress"], timeout=400)
+    c.succeed(s, "uninterrupted 2-process reference", [*TR, "train", str(cfg), f"--run.out_dir={ref}", "--no-progress"], timeout=400)
     out = w / "ddp-killed"
-    kill_and_resume(c, s, [*TORCHRUN, "-m", "highrank", "train", str(cfg), f"--run.out_dir={out}"], [*TORCHRUN, "-m", "highrank", "train", "--resume", str(out)], out, ref, 2, (0.5, 8.0), rng)
+    kill_and_resume(c, s, [*TR, "train", str(cfg), f"--run.out_dir={out}"], [*TR, "train", "--resume", str(out)], out, ref, 2, (0.5, 8.0), rng)
     # one worker killed -9: the other must stop, no stray process
     one = w / "ddp-one"
-    p = start([*TORCHRUN, "-m", "highrank", "train", str(cfg), f"--run.out_dir={one}"])
+    p = start([*TR, "train", str(cfg), f"--run.out_dir={one}"])
     deadline = time.time() + 120
     while time.time() < deadline and not (one / "metrics.jsonl").is_file():
         time.sleep(0.5)
@@ -573,13 +584,13 @@ def torchrun(c: Campaign, w: Path, rng: random.Random) -> None:
     stray = subprocess.run(["pgrep", "-f", "--", f"--run.out_dir={one}"], capture_output=True, text=True).stdout.split()
     problem = "no worker found" if not workers else ("hang" if r.rc is None else (f"stray {stray}" if stray else None))
     c.check(s, f"one worker killed -9: the rest stop in {time.time() - t:.1f}s", problem, r)
-    c.succeed(s, "resume after a worker was killed", [*TORCHRUN, "-m", "highrank", "train", "--resume", str(one), "--max-steps", "40", "--no-progress"], timeout=300)
+    c.succeed(s, "resume after a worker was killed", [*TR, "train", "--resume", str(one), "--max-steps", "40", "--no-progress"], timeout=300)
     mt = bitext(w / "bitext-ddp")
     mtcfg = write(w / "ddp-mt.toml", SEQ2SEQ.format(data=mt, head="softmax", epochs=1))
-    r = run([*TORCHRUN, "-m", "highrank", "train", str(mtcfg), f"--run.out_dir={w / 'ddp-mt'}", "--max-steps", "3"], timeout=300)
+    r = run([*TR, "train", str(mtcfg), f"--run.out_dir={w / 'ddp-mt'}", "--max-steps", "3"], timeout=300)
     problem = c._common(r) or (f"exit {r.rc}" if r.rc != 0 else None) or (None if "one process" in (r.out + r.err) else "does not say it runs in one process")
     c.check(s, "translation config under torchrun: one process, said so", problem, r)
-    r = run([*TORCHRUN, "-m", "highrank", "eval", str(ref)], timeout=300)
+    r = run([*TR, "eval", str(ref)], timeout=300)
     n_results = (r.out + r.err).count("perplexity")
     problem = c._common(r) or (f"exit {r.rc}" if r.rc else None) or (None if n_results == 1 else f"{n_results} perplexity lines")
     c.check(s, "eval under torchrun: one evaluation", problem, r)
@@ -670,7 +681,7 @@ def hf(c: Campaign, w: Path, rng: random.Random) -> None:
     ref = w / "rf-ref"
     c.succeed(s, "retrofit (frozen, mos-2)", [*base, "--out", str(ref), "--steps", "300"], timeout=400, check=lambda r: None if (ref / "results.json").is_file() else "no results.json")
     out = w / "rf-killed"
-    for i in range(3):
+    for _ in range(3):
         name = rng.choice(list(SIGNALS))
         p = start([*base, "--out", str(out), "--steps", "300"])
         time.sleep(rng.uniform(6, 18))
@@ -825,13 +836,17 @@ def data_get(c: Campaign, w: Path, rng: random.Random) -> None:
     vpath = bad_mirror / victim.url.removeprefix(GITHUB_RAW)
     vpath.write_bytes(vpath.read_bytes()[:-10] + b"0123456789")
     dest = w / "got-bad"
-    r = c.refuse(s, "a mirror file with wrong bytes", [*HR, "data", "get", "ptb", "--to", str(dest), "--mirror", bad_mirror.as_uri()], must="sha256")
+    c.refuse(s, "a mirror file with wrong bytes", [*HR, "data", "get", "ptb", "--to", str(dest), "--mirror", bad_mirror.as_uri()], must="sha256")
     kept = dest / DATASETS["ptb"].folder / victim.name
     c.check(s, "the wrong file is not kept under its name", "kept" if kept.is_file() else None)
     # a local file damaged after the download: the next get notices
     f = to / DATASETS["ptb"].folder / victim.name
     f.write_bytes(f.read_bytes()[:-1] + b"!")
-    c.succeed(s, "a damaged local file is fetched again", [*HR, "data", "get", "ptb", "--to", str(to), "--mirror", uri], check=lambda r: same("ptb"))
+    c.refuse(s, "a damaged local file: refused, never overwritten", [*HR, "data", "get", "ptb", "--to", str(to), "--mirror", uri], must="move it away")
+    damaged = f.read_bytes()
+    c.check(s, "the damaged file is left as it was", None if damaged.endswith(b"!") else "overwritten")
+    f.rename(w / "moved-away.txt")
+    c.succeed(s, "moved away: fetched again", [*HR, "data", "get", "ptb", "--to", str(to), "--mirror", uri], check=lambda r: same("ptb"))
     # a partial download left behind: resumed
     part = to / DATASETS["ptb"].folder / (victim.name + ".part")
     full = f.read_bytes()
@@ -848,12 +863,12 @@ def data_get(c: Campaign, w: Path, rng: random.Random) -> None:
         c.refuse(s, "--to read-only", [*HR, "data", "get", "ptb", "--to", str(ro), "--mirror", uri])
     # killed during the download, then run again
     dest = w / "got-kill"
-    for i in range(2):
+    for _ in range(2):
         p = start([*HR, "data", "get", "all", "--to", str(dest), "--mirror", uri])
         time.sleep(rng.uniform(7.0, 10.0))
         p.kill()
         finish(p)
-    r = c.succeed(s, "get all after two kills -9", [*HR, "data", "get", "all", "--to", str(dest), "--mirror", uri], timeout=300)
+    c.succeed(s, "get all after two kills -9", [*HR, "data", "get", "all", "--to", str(dest), "--mirror", uri], timeout=300)
     bad = [f.name for ds in DATASETS.values() for f in ds.files if (dest / ds.folder / f.name).read_bytes() != (SHARED / ds.folder / f.name).read_bytes()]
     c.check(s, "every file byte-identical after the kills", f"differ: {bad}" if bad else None)
     a = start([*HR, "data", "get", "all", "--to", str(w / "got-conc"), "--mirror", uri])
@@ -883,6 +898,12 @@ def main() -> None:
             shutil.rmtree(root / surface)
     root.mkdir(parents=True, exist_ok=True)
     (root / MARKER).write_text("")
+    (root / "stamps").mkdir(exist_ok=True)
+    os.environ["CAMPAIGN_STAMPS"] = str(root / "stamps")
+    timed = root / "highrank_timed.py"
+    timed.write_text(TIMED)
+    HR[:] = [sys.executable, str(timed), "{stamp}"]
+    TR[:] = [*TORCHRUN, str(timed), "{stamp}"]
     c = Campaign(root)
     t0 = time.time()
     for surface in args.only:
