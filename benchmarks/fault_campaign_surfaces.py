@@ -693,7 +693,11 @@ def hf(c: Campaign, w: Path, rng: random.Random) -> None:
     r = run([*base, "--out", str(out), "--steps", "300"], timeout=400)
     got = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else None
     want = json.loads((ref / "results.json").read_text()) if (ref / "results.json").is_file() else None
-    keep = lambda d: {k: v for k, v in (d or {}).items() if "sec" not in k and "time" not in k}  # noqa: E731
+    def keep(d):  # the results less timings and the folder's own name
+        if isinstance(d, dict):
+            return {k: keep(v) for k, v in d.items() if "second" not in k and k != "out"}
+        return d
+
     problem = c._common(r) or (f"exit {r.rc}" if r.rc else None) or (None if got and keep(got) == keep(want) else "results differ from the uninterrupted retrofit")
     c.check(s, "retrofit run again after the kills equals the uninterrupted one", problem, r)
     for name, extra in (
@@ -705,9 +709,12 @@ def hf(c: Campaign, w: Path, rng: random.Random) -> None:
         ("--window 0", ["--window", "0"]),
         ("--window beyond the model's positions", ["--window", "100000"]),
     ):
-        c.refuse(s, f"retrofit {name}", [*base, *extra, "--out", str(w / "rf-x")])
+        c.refuse(s, f"retrofit {name}", [*base, *extra, "--out", str(w / f"rf-x-{name.replace(' ', '-')}")])
+    # a refused start (its --lr) leaves nothing that blocks the corrected command
+    c.refuse(s, "retrofit --lr nan", [*base, "--lr", "nan", "--out", str(w / "rf-fixed")])
+    c.succeed(s, "the corrected command into the same folder", [*base, "--out", str(w / "rf-fixed"), "--steps", "5"])
     c.refuse(s, "retrofit --out is a file", [*base, "--out", str(w / "hf-outfile")])
-    c.refuse(s, "retrofit missing --valid file", [*base[:-6], "--valid", str(w / "nope.txt"), *base[-4:], "--out", str(w / "rf-x")])
+    c.refuse(s, "retrofit missing --valid file", [*base[:-6], "--valid", str(w / "nope.txt"), *base[-4:], "--out", str(w / "rf-x-valid")])
     c.refuse(s, "retrofit with other settings into a finished folder", [*base, "--out", str(ref), "--steps", "301"])
     conc = w / "rf-conc"
     a = start([*base, "--out", str(conc), "--steps", "30"])

@@ -543,15 +543,18 @@ def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys, kind):
     assert len(err) == 1 and "is a file; expected a folder for the records" in err[0]
 
 
-def test_loading_a_model_says_so_before_the_slow_import(tmp_path, capsys):
-    """Campaign: `analyze rank --hf` of a damaged model was silent for 15-17 s (importing
+
+def test_an_hf_analysis_names_the_model_before_the_slow_import(tmp_path, capsys):
+    """Campaign: `analyze rank --hf` of a damaged model was silent for 15-20 s (importing
     transformers, reading the weights) before its one-line refusal; it names the model first."""
     folder = save_tiny_model(tmp_path / "m")
     (folder / "model.safetensors").write_bytes(b"")
+    text = write_text(tmp_path / "t.txt")
     capsys.readouterr()  # saving the model's own bars
-    with pytest.raises(HFInputError, match="truncated or"):
-        load_causal_lm(folder, progress=True)
-    assert capsys.readouterr().err.splitlines()[0] == f"loading {folder}"
-    with pytest.raises(HFInputError):
-        load_causal_lm(folder, progress=False)
-    assert "loading" not in capsys.readouterr().err
+    argv = ["analyze", "rank", "--hf", str(folder), "--text", str(text), "--out", str(tmp_path)]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == f"loading {folder} (transformers)"
+    assert len(err.strip().splitlines()) == 1 and "truncated or" in err, err
+    assert main([*argv, "--no-progress"]) == 2
+    assert "loading" not in capsys.readouterr().out

@@ -45,7 +45,6 @@ import itertools
 import os
 import pickle
 import re
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +121,6 @@ def load_causal_lm(
     ``HF_HUB_OFFLINE`` says. The model is in eval mode on ``device``. ``progress=False``
     hides transformers' loading bars."""
     folder, gguf_file = model_source(path)
-    if progress:  # importing transformers and reading the weights take a while: say so first
-        print(f"loading {path}", file=sys.stderr, flush=True)
     require_hf(gguf=gguf_file is not None)
     from transformers.utils import logging as hf_logging
 

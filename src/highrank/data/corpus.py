@@ -567,13 +567,17 @@ def corpus_stats(
     mode: str = "word",
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
+    corpus=None,
 ) -> dict:
     """Per-split lines, tokens (``<eos>`` included) and OOV counts, and the vocabulary size.
+    ``corpus``: ``directory``'s corpus already opened (a memory-mapped one, whose split is a
+    folder of shards: :func:`highrank.data.streaming.load_stream_corpus`).
 
     Returns ``{"directory", "mode", "vocab_size", "splits": {split: {"file", "lines",
     "tokens", "oov"}}}`` (plain ints and strings, ready for JSON).
     """
-    corpus = _stats_corpus(Path(directory), mode, cache_dir, use_cache)
+    if corpus is None:
+        corpus = load_corpus(directory, mode=mode, cache_dir=cache_dir, use_cache=use_cache)
     splits = {
         split: {
             "file": str(corpus.path(split)),
@@ -589,17 +593,6 @@ def corpus_stats(
         "vocab_size": len(corpus.vocab),
         "splits": splits,
     }
-
-
-def _stats_corpus(directory: Path, mode: str, cache_dir, use_cache: bool):
-    """The corpus of ``directory``; one with a split as a folder of shards (the memmap
-    layout `highrank data zipf --shards` writes) is read through the memory-mapped loader,
-    whose token ids are not read into memory."""
-    if any((directory / s).is_dir() and not (directory / f"{s}.txt").exists() for s in SPLITS):
-        from highrank.data.streaming import load_stream_corpus  # it imports this module
-
-        return load_stream_corpus(directory, mode=mode, cache_dir=cache_dir)
-    return load_corpus(directory, mode=mode, cache_dir=cache_dir, use_cache=use_cache)
 
 
 def _token_count(corpus, split: str) -> int:
