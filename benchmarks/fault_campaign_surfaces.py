@@ -733,7 +733,7 @@ class P:
         return (Path.touch, (Path(sys.argv[2]),))
 kind, path = sys.argv[1], Path(sys.argv[3])
 if kind == "npy":
-    np.save(path, np.array([P()], dtype=object), allow_pickle=True)
+    np.save(path, np.array([P()], dtype=object))  # an object array: pickled
 else:
     torch.save({"format": "highrank-checkpoint", "model": {}, "payload": P()}, path)
 """
@@ -763,7 +763,7 @@ def security(c: Campaign, w: Path, rng: random.Random) -> None:
 
     cases = []
     for verb in (["train", "--resume", "R"], ["eval", "R", "--which", "last"], ["dynamic-eval", "R", "--which", "last"], ["finetune", "R"], ["analyze", "rank", "R", "--which", "last"], ["analyze", "saturation", "R"], ["report", "R", "--out", str(w / "sec-rep")]):
-        cases.append((f"pickled last.pt + best.pt to {' '.join(verb[:2]).replace(' R', '')}", good, ["checkpoints/last.pt", "checkpoints/best.pt"], "pt", verb))
+        cases.append((f"pickled last.pt + best.pt to {' '.join(verb[:2]).replace(' R', '')}" + (" (reads none: runs, payload inert)" if verb[0] == "report" else ""), good, ["checkpoints/last.pt", "checkpoints/best.pt"], "pt", verb))
     cases.append(("pickled last.pt to translate", mtrun, ["checkpoints/last.pt", "checkpoints/best.pt"], "pt", ["translate", "R", "--which", "last"]))
     cases.append(("pickled last.prev.pt behind a truncated last.pt", good, ["checkpoints/last.prev.pt"], "pt", ["train", "--resume", "R"]))
     cases.append(("pickled pytorch_model.bin (no safetensors)", hfm, ["pytorch_model.bin"], "pt", ["analyze", "rank", "--hf", "R", "--text", str(data / "test.txt"), "--out", str(w / "sec-x")]))
@@ -778,7 +778,8 @@ def security(c: Campaign, w: Path, rng: random.Random) -> None:
             (target / "model.safetensors").unlink()
         marker.unlink(missing_ok=True)
         r = run([*HR, *[str(target) if a == "R" else a for a in verb]])
-        problem = "PAYLOAD RAN" if marker.exists() else (c._common(r) or ("accepted" if r.rc == 0 else None))
+        reads = verb[0] != "report"  # report reads metrics.jsonl and records, no checkpoint
+        problem = "PAYLOAD RAN" if marker.exists() else (c._common(r) or ("accepted" if r.rc == 0 and reads else None))
         c.check(s, name, problem, r)
     # analysis outputs and retrofit state
     rep = w / "sec-rank"
@@ -797,11 +798,16 @@ def security(c: Campaign, w: Path, rng: random.Random) -> None:
     base = [*HR, "retrofit", "--hf", str(hfm), "--head", "mos", "--knob", "n_components=2", "--train", str(hfm.parent / "train.txt"), "--valid", str(hfm.parent / "valid.txt"), "--window", "16", "--batch-tokens", "64", "--steps", "20", "--out", str(rf)]
     run(base, timeout=300)
     states = sorted(rf.rglob("*.pt")) + sorted(rf.rglob("*.npy"))[:2]
+    clean = w / "sec-rf-clean"
+    shutil.copytree(rf, clean)
     for state in states[:4]:
+        shutil.rmtree(rf)
+        shutil.copytree(clean, rf)  # one poisoned file at a time
         poison("npy" if state.suffix == ".npy" else "pt", state)
-        (rf / "results.json").unlink(missing_ok=True)
+        (rf / "results.json").unlink(missing_ok=True)  # so that the same command reads it again
+        shutil.rmtree(rf / "model", ignore_errors=True)
         marker.unlink(missing_ok=True)
-        r = run([*base[:-4], "--steps", "25", "--out", str(rf)], timeout=300)
+        r = run(base, timeout=300)
         problem = "PAYLOAD RAN" if marker.exists() else c._common(r)
         c.check(s, f"pickled retrofit {state.relative_to(rf)} to retrofit", problem, r)
     if not states:
