@@ -297,8 +297,10 @@ def kill_and_resume(
     """Start ``first``, then ``n`` times: a random signal at a random moment, then ``resume``;
     finally resume to the end and compare the trajectory with the uninterrupted ``ref``."""
     args = first
-    for i in range(n):
-        name = rng.choice(list(SIGNALS))
+    # every signal at least once (kill -9 first among them when n allows), in a seeded order
+    names = [*SIGNALS] * (n // len(SIGNALS) + 1)
+    names = ["SIGKILL", *rng.sample(names[1:], len(names) - 1)][:n]
+    for i, name in enumerate(names):
         metrics = out / "metrics.jsonl"
         size = metrics.stat().st_size if metrics.is_file() else -1
         p = start(args)
@@ -681,8 +683,7 @@ def hf(c: Campaign, w: Path, rng: random.Random) -> None:
     ref = w / "rf-ref"
     c.succeed(s, "retrofit (frozen, mos-2)", [*base, "--out", str(ref), "--steps", "300"], timeout=400, check=lambda r: None if (ref / "results.json").is_file() else "no results.json")
     out = w / "rf-killed"
-    for _ in range(3):
-        name = rng.choice(list(SIGNALS))
+    for name in SIGNALS:
         p = start([*base, "--out", str(out), "--steps", "300"])
         time.sleep(rng.uniform(6, 18))
         if p.poll() is None:

@@ -115,12 +115,25 @@ def _corpus(config: Config) -> Corpus:
 
 
 def _check_same_vocab(run: RunDir, corpus: Corpus, path: Path) -> None:
-    if run.load_vocab() != corpus.vocab:
+    saved = run.load_vocab()
+    if saved != corpus.vocab:
         raise CheckpointError(
             f"the corpus at {corpus.directory} has a different vocabulary from the run's "
-            f"{run.vocab_file} ({len(corpus.vocab)} vs {len(run.load_vocab())} tokens): "
+            f"{run.vocab_file} ({_vocab_difference(corpus.vocab.words, saved.words)}): "
             f"checkpoint {path} cannot continue on it; point --data.dir at the run's corpus"
         )
+
+
+def _vocab_difference(now: Sequence[str], saved: Sequence[str]) -> str:
+    """Where two vocabularies part: their sizes, or (same size: the words' counts, hence
+    their frequency order, changed) the first id that names another token."""
+    if len(now) != len(saved):
+        return f"{len(now)} vs {len(saved)} tokens"
+    first = next(i for i, (a, b) in enumerate(zip(now, saved, strict=True)) if a != b)
+    return (
+        f"both {len(now)} tokens, but id {first} is {now[first]!r} in the corpus and "
+        f"{saved[first]!r} in the run"
+    )
 
 
 def _check_same_corpus(run: RunDir, corpus: Corpus, path: Path) -> None:
