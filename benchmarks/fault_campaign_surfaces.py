@@ -311,7 +311,10 @@ def kill_and_resume(
         if p.poll() is None:
             os.killpg(p.pid, SIGNALS[name]) if args[:3] == TORCHRUN[:3] else p.send_signal(SIGNALS[name])
         r = finish(p, timeout=90)
-        stray = subprocess.run(["pgrep", "-f", "--", str(out)], capture_output=True, text=True).stdout.split()
+        # processes of the run still alive 30 s after the one killed (torchrun's workers)
+        deadline = time.monotonic() + 30
+        while (stray := subprocess.run(["pgrep", "-f", "--", str(out)], capture_output=True, text=True).stdout.split()) and time.monotonic() < deadline:
+            time.sleep(0.5)
         problem, launcher = None, False
         if r.rc is None:
             problem = f"no exit within 90 s of {name}"
