@@ -157,3 +157,40 @@ def test_a_second_retrofit_into_a_folder_in_use_is_refused(texts, tmp_path, caps
     err = capsys.readouterr().err
     assert "is in use by" in err and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+
+
+@pytest.mark.parametrize(
+    ("damaged", "message"),
+    [
+        ("state.pt", r"state.pt cannot be read as a head's training state .*delete it"),
+        ("cache-train/targets.npy", r"cache-train holds a feature cache that cannot be read"),
+        ("cache-train/features.npy", r"cache-train holds a feature cache that cannot be read"),
+    ],
+)
+def test_a_crafted_saved_file_is_one_line_and_runs_nothing(
+    texts, tmp_path, capsys, damaged, message
+):
+    """Campaign: a pickled state.pt or cache .npy was refused (weights-only / no pickle) but
+    as a ValueError traceback; now one line naming the file and how to start again."""
+    import re
+
+    import numpy as np
+
+    from tests.test_untrusted_files import _Payload, write_malicious
+
+    model, files = texts
+    out = tmp_path / "out"
+    argv = command(model, files, out, "--head", "mos")
+    assert main(argv) == 0
+    (out / "results.json").unlink()  # so that running again reads the saved files
+    marker = tmp_path / "ran"
+    if damaged.endswith(".npy"):
+        np.save(out / damaged, np.array([_Payload(marker)], dtype=object))
+    else:
+        write_malicious(out / damaged, marker)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("highrank retrofit: error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+    assert not marker.exists()
