@@ -4,6 +4,8 @@ last.pt, a torn metrics.jsonl, and each bad input of the issue. Prints what each
 
     .venv/bin/python -m benchmarks.fault_campaign [WORK_DIR]
 
+Its sibling benchmarks/fault_campaign_surfaces.py attacks the other surfaces (issue 22).
+
 About 15-20 minutes on the shared 2-vCPU machine (each command pays torch's import).
 """
 

@@ -191,6 +191,16 @@ def test_unknown_dataset_and_file_in_the_way_are_clear_errors(tmp_path):
         get_dataset("ptb", tmp_path)
 
 
+def test_a_to_that_is_a_file_is_named(tmp_path, capsys):
+    """Campaign: `data get ptb --to FILE` said "[Errno 20] Not a directory: 'FILE/ptb'"."""
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(DataSourceError, match=r"f is a file; expected a folder .*another --to"):
+        get_dataset("ptb", tmp_path / "f")
+    with pytest.raises(DataSourceError, match=r"f is a file"):
+        get_dataset("ptb", tmp_path / "f" / "deeper")
+    assert (tmp_path / "f").read_text() == "x"
+
+
 def test_the_mirror_keeps_the_sources_paths():
     file = DATASETS["multi30k"].files[0]
     assert sources.source_url(file, "file:///m/") == "file:///m/" + file.url.removeprefix(

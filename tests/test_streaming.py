@@ -163,6 +163,31 @@ def test_a_shard_folder_reads_as_the_concatenated_file(tmp_path, cache, small_bl
     assert [p.name for p in b.files["train"]] == sorted(names)
 
 
+def test_data_stats_reads_a_shard_folder(tmp_path, cache, capsys):
+    """Campaign: `highrank data stats` of the folder `data zipf --shards` writes said "missing
+    split file train.txt"; it counts the shards as the memmap loader reads them."""
+    from highrank.cli import main
+
+    text = random_text(2, 40) + "a b\n"
+    single = write_corpus(tmp_path / "single", text)
+    sharded = write_corpus(tmp_path / "sharded", "x\n")
+    (sharded / "train.txt").unlink()
+    (sharded / "train").mkdir()
+    lines = text.splitlines(keepends=True)
+    (sharded / "train" / "part-00000.txt").write_text("".join(lines[:25]))
+    (sharded / "train" / "part-00001.txt").write_text("".join(lines[25:]))
+    args = ["data", "stats", "--json", "--cache-dir", str(cache)]
+    assert main([*args, str(single)]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main([*args, str(sharded)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["splits"]["train"]["file"] == str(sharded / "train")
+    for key in ("vocab_size", "splits"):
+        for split in got["splits"]:
+            got["splits"][split]["file"] = want["splits"][split]["file"]
+        assert got[key] == want[key]
+
+
 # ---- stream views -------------------------------------------------------------------------
 
 

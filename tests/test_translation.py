@@ -327,3 +327,14 @@ def test_eval_refuses_word_options_and_translate_a_folder_as_out(trained, tmp_pa
     err = capsys.readouterr().err
     assert "is a folder; give the file" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in trained.iterdir()) == before
+
+
+def test_a_model_no_memory_holds_is_one_line_before_any_work(corpus, tmp_path, capsys):
+    """Campaign: --model.d_ff=1e11 ended in the CPU allocator's traceback (the LM families said
+    "make the model smaller"); refused before the subwords are learned, nothing written."""
+    out = tmp_path / "huge"
+    argv = ["train", str(config_file(tmp_path, corpus, out)), "--model.d_ff=100000000000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "model.d_ff = 100000000000" in err and "make the model smaller" in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

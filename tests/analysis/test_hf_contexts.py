@@ -541,3 +541,20 @@ def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys, kind):
     assert main([*argv, "--window", "16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a file; expected a folder for the records" in err[0]
+
+
+
+def test_an_hf_analysis_names_the_model_before_the_slow_import(tmp_path, capsys):
+    """Campaign: `analyze rank --hf` of a damaged model was silent for 15-20 s (importing
+    transformers, reading the weights) before its one-line refusal; it names the model first."""
+    folder = save_tiny_model(tmp_path / "m")
+    (folder / "model.safetensors").write_bytes(b"")
+    text = write_text(tmp_path / "t.txt")
+    capsys.readouterr()  # saving the model's own bars
+    argv = ["analyze", "rank", "--hf", str(folder), "--text", str(text), "--out", str(tmp_path)]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == f"loading {folder} (transformers)"
+    assert len(err.strip().splitlines()) == 1 and "truncated or" in err, err
+    assert main([*argv, "--no-progress"]) == 2
+    assert "loading" not in capsys.readouterr().out

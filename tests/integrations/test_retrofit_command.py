@@ -101,6 +101,10 @@ def test_frozen_mode_starts_at_the_base_and_a_rerun_resumes(texts, tmp_path):
         (["--train", "/no/such.txt"], r"--train: text file /no/such.txt does not exist"),
         (["--device", "cuda:7"], r"--device = 'cuda:7', but this torch .* sees \d+ CUDA device"),
         (["--device", "toaster"], r"--device 'toaster' is not a device: .*cpu"),
+        # campaign: a traceback after the caches were built, and the folder then refused the
+        # corrected command as "a retrofit with other settings (lr)"
+        (["--lr", "-1"], r"--lr must be a positive finite number; got -1.0"),
+        (["--lr", "nan"], r"--lr must be a positive finite number; got nan"),
     ],
 )
 def test_bad_input_is_one_line_before_any_work(texts, tmp_path, capsys, change, message):
@@ -135,3 +139,58 @@ def test_a_run_may_resume_on_another_device(texts, tmp_path, capsys):
     assert json.loads((out / "plan.json").read_text())["device"] == "cpu"
     assert main(command(model, files, out, "--head", "softmax", "--device", "auto")) == 0
     assert "other settings" not in capsys.readouterr().err
+
+
+def test_a_second_retrofit_into_a_folder_in_use_is_refused(texts, tmp_path, capsys):
+    """Campaign: two retrofits into one --out ran at once, both writing its caches, state and
+    results; the second is refused in one line naming the holder, and writes nothing."""
+    import fcntl
+
+    from highrank.runs.locks import LOCK_FILE
+
+    model, files = texts
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / LOCK_FILE, "w") as held:  # another process's lock (another description)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(command(model, files, out, "--head", "mos")) == 2
+    err = capsys.readouterr().err
+    assert "is in use by" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+
+
+@pytest.mark.parametrize(
+    ("damaged", "message"),
+    [
+        ("state.pt", r"state.pt cannot be read as a head's training state .*delete it"),
+        ("cache-train/targets.npy", r"cache-train holds a feature cache that cannot be read"),
+        ("cache-train/features.npy", r"cache-train holds a feature cache that cannot be read"),
+    ],
+)
+def test_a_crafted_saved_file_is_one_line_and_runs_nothing(
+    texts, tmp_path, capsys, damaged, message
+):
+    """Campaign: a pickled state.pt or cache .npy was refused (weights-only / no pickle) but
+    as a ValueError traceback; now one line naming the file and how to start again."""
+    import re
+
+    import numpy as np
+
+    from tests.test_untrusted_files import _Payload, write_malicious
+
+    model, files = texts
+    out = tmp_path / "out"
+    argv = command(model, files, out, "--head", "mos")
+    assert main(argv) == 0
+    (out / "results.json").unlink()  # so that running again reads the saved files
+    marker = tmp_path / "ran"
+    if damaged.endswith(".npy"):
+        np.save(out / damaged, np.array([_Payload(marker)], dtype=object))
+    else:
+        write_malicious(out / damaged, marker)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("highrank retrofit: error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+    assert not marker.exists()

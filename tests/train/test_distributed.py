@@ -9,6 +9,7 @@ into a failure: the processes still alive then are killed.
 from __future__ import annotations
 
 import random
+import sys
 import traceback
 from pathlib import Path
 
@@ -347,3 +348,46 @@ def test_one_process_work_under_torchrun_runs_in_process_zero_only(monkeypatch, 
         monkeypatch.setenv("LOCAL_RANK", rank)
         assert only_process_zero("evaluation") is stops
     assert capsys.readouterr().err.count("evaluation runs in one process") == 1
+
+
+_WORKER = """import os, signal, sys, time
+from pathlib import Path
+from highrank.train.distributed import stop_with_the_launcher
+marker = Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: (marker.write_text("SIGTERM"), os._exit(0)))
+stop_with_the_launcher()
+marker.with_suffix(".ready").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+_LAUNCHER = """import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_a_worker_gets_sigterm_when_its_launcher_is_killed(tmp_path):
+    """Campaign: kill -9 of the torchrun launcher left both processes training on as orphans
+    (a later resume found the folder in use); now each gets a SIGTERM, which saves and stops."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    marker = tmp_path / "worker.txt"
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _WORKER, str(marker)])
+    ready = marker.with_suffix(".ready")
+    try:
+        deadline = time.time() + 120
+        while not ready.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), "the worker did not start"
+        launcher.kill()
+        launcher.wait()
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        assert marker.exists() and marker.read_text() == "SIGTERM"
+    finally:
+        launcher.kill()
+        if ready.exists() and not marker.exists():
+            os.kill(int(ready.read_text()), signal.SIGKILL)

@@ -216,3 +216,22 @@ def test_a_resume_says_when_the_metrics_file_lost_lines(corpus, tmp_path, capsys
     resume(out, options=TrainOptions(progress=False))
     err = capsys.readouterr().err
     assert f"lacks {len(lines) - 2} lines of the train history" in err
+
+
+@pytest.mark.parametrize("rank, says", [("0", True), ("1", False)])
+def test_under_torchrun_only_process_zero_says_what_an_interrupt_saved(
+    tmp_path, capsys, monkeypatch, rank, says
+):
+    """Campaign: a SIGTERM to a two-process run printed "interrupted ... saved last.pt" from
+    both processes, although only process 0 writes the run directory."""
+    from highrank.cli.common import guarded
+
+    for key, value in {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank}.items():
+        monkeypatch.setenv(key, value)
+    saved = tmp_path / "run" / "checkpoints" / "last.pt"
+
+    def job():
+        raise Interrupted("SIGTERM", 143, saved, 40)
+
+    assert guarded("train", job) == 143
+    assert ("interrupted by SIGTERM at step 40" in capsys.readouterr().err) == says

@@ -281,3 +281,20 @@ def test_an_absurd_model_size_is_refused_before_allocating(corpus, tmp_path, cap
     assert "parameters" in line and "GiB is available on cpu" in line
     assert time.perf_counter() - start < 30  # counted on the meta device
     assert not (tmp_path / "run").exists()
+
+
+def test_a_corpus_of_the_same_words_in_another_frequency_order_names_the_first_id(
+    corpus, tmp_path, capsys
+):
+    """Campaign: the refusal said "a different vocabulary (8683 vs 8683 tokens)"."""
+    out = tmp_path / "run"
+    assert main(cli_train(corpus, out, "--max-steps", "2")) == 0
+    reordered = tmp_path / "reordered"
+    shutil.copytree(corpus, reordered)
+    rare = json.loads((out / "vocab.json").read_text())["words"][-1]
+    text = (reordered / "train.txt").read_text()
+    (reordered / "train.txt").write_text(text + f"{rare} " * 500 + "\n")  # now the most frequent
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), f"--data.dir={reordered}", "--no-progress"]) == 2
+    line = one_error_line(capsys)
+    assert "different vocabulary" in line and "tokens, but id 0 is" in line, line

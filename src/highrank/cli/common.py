@@ -184,7 +184,7 @@ def guarded(verb: str, job: Callable[[], int]) -> int:
     """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130
     (SIGTERM 143 when training stopped on it), naming what was saved."""
     from highrank.runs.checkpoint import NonFiniteCheckpointError
-    from highrank.train import Interrupted, TrainingError
+    from highrank.train import Interrupted, TrainingError, distributed
 
     try:
         return job()
@@ -197,6 +197,8 @@ def guarded(verb: str, job: Callable[[], int]) -> int:
     except Interrupted as stop:  # training saved its state between two steps
         run_dir = stop.saved.parent.parent  # RUN_DIR/checkpoints/<name>.pt
         hint = AFTER_INTERRUPT[verb].replace("from the last checkpoint", "from it")
+        if distributed.launched_rank() not in (None, 0):
+            return stop.exit_status  # under torchrun process 0 saved and says so: once
         print(
             f"highrank {verb}: interrupted by {stop.signal_name} at step {stop.step}; saved "
             f"{stop.saved}; {hint.replace('RUN_DIR', str(run_dir))}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 # The dataset names of highrank.data.sources, here so that building the parser imports nothing
 # numerical (tests/data/test_sources.py checks that the two lists agree).
@@ -79,12 +80,26 @@ def _stats(args: argparse.Namespace) -> int:
     from highrank.data import CorpusError, corpus_stats, format_stats
 
     try:
-        stats = corpus_stats(args.directory, mode=args.mode, cache_dir=args.cache_dir)
+        corpus = _sharded(args.directory, args.mode, args.cache_dir)
+        stats = corpus_stats(
+            args.directory, mode=args.mode, cache_dir=args.cache_dir, corpus=corpus
+        )
     except CorpusError as error:
         print(f"highrank data stats: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     return 0
+
+
+def _sharded(directory: str, mode: str, cache_dir: str | None):
+    """The memory-mapped corpus of a folder whose split is a folder of shards (the layout
+    `data zipf --shards` writes and `data.memmap` reads); None for the in-memory layout."""
+    from highrank.data.streaming import SPLITS, load_stream_corpus
+
+    folder = Path(directory)
+    if any((folder / s).is_dir() and not (folder / f"{s}.txt").exists() for s in SPLITS):
+        return load_stream_corpus(folder, mode=mode, cache_dir=cache_dir)
+    return None
 
 
 def _zipf(args: argparse.Namespace) -> int:

@@ -119,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def job() -> int:
+        from highrank.integrations.retrofit import SavedFileError
         from highrank.integrations.retrofit_run import RetrofitError, RetrofitPlan, retrofit
 
         if args.threads:
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
             )
             retrofit(plan)
-        except RetrofitError as error:
+        except (RetrofitError, SavedFileError) as error:
             print(f"highrank retrofit: error: {error}", file=sys.stderr)
             return 2
         return 0

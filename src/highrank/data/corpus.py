@@ -567,18 +567,22 @@ def corpus_stats(
     mode: str = "word",
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
+    corpus=None,
 ) -> dict:
     """Per-split lines, tokens (``<eos>`` included) and OOV counts, and the vocabulary size.
+    ``corpus``: ``directory``'s corpus already opened (a memory-mapped one, whose split is a
+    folder of shards: :func:`highrank.data.streaming.load_stream_corpus`).
 
     Returns ``{"directory", "mode", "vocab_size", "splits": {split: {"file", "lines",
     "tokens", "oov"}}}`` (plain ints and strings, ready for JSON).
     """
-    corpus = load_corpus(directory, mode=mode, cache_dir=cache_dir, use_cache=use_cache)
+    if corpus is None:
+        corpus = load_corpus(directory, mode=mode, cache_dir=cache_dir, use_cache=use_cache)
     splits = {
         split: {
             "file": str(corpus.path(split)),
             "lines": corpus.lines[split],
-            "tokens": int(corpus.split(split).numel()),
+            "tokens": _token_count(corpus, split),
             "oov": corpus.oov[split],
         }
         for split in SPLITS
@@ -589,6 +593,12 @@ def corpus_stats(
         "vocab_size": len(corpus.vocab),
         "splits": splits,
     }
+
+
+def _token_count(corpus, split: str) -> int:
+    # a memory-mapped corpus counts its ids without reading them (its split() would)
+    ids = getattr(corpus, "ids", None)
+    return int(len(ids[split]) if ids is not None else corpus.split(split).numel())
 
 
 def format_stats(stats: dict) -> str:

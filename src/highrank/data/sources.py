@@ -240,8 +240,11 @@ def get_dataset(
         raise DataSourceError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
     dataset = DATASETS[name]
     folder = Path(to) / dataset.folder
-    if folder.exists() and not folder.is_dir():
-        raise DataSourceError(f"{folder} is a file; expected a folder for {name}")
+    for place in (folder, *folder.parents):  # --to itself, or a folder above it, may be a file
+        if place.exists() and not place.is_dir():
+            raise DataSourceError(
+                f"{place} is a file; expected a folder to put {name} in (choose another --to)"
+            )
     results = []
     for file in dataset.files:
         target = folder / file.name

@@ -64,6 +64,11 @@ CACHE_DTYPES = {"bfloat16": np.uint16, "float32": np.float32}  # bf16 kept as it
 # ---- 1. caching the frozen body's final hidden states ------------------------------------------
 
 
+class SavedFileError(ValueError):
+    """A file a retrofit saved (a feature cache, the training state) cannot be read: damaged,
+    or crafted (pickled objects are refused). The message names it and how to start again."""
+
+
 @dataclass(frozen=True)
 class FeatureCache:
     """A finished cache: ``features (N, d)`` (a read-only view of the memory map, in the
@@ -212,8 +217,15 @@ def load_cache(directory: str | os.PathLike) -> FeatureCache:
             f"{directory} is an unfinished cache ({state['windows_done']} of "
             f"{meta['n_windows']} windows): run cache_hidden_states again to finish it"
         )
-    raw = np.load(directory / FEATURES_FILE, mmap_mode="r")
-    targets = torch.from_numpy(np.load(directory / TARGETS_FILE).astype(np.int64))
+    try:  # allow_pickle stays False: an object array is refused, not unpickled
+        raw = np.load(directory / FEATURES_FILE, mmap_mode="r")
+        targets = torch.from_numpy(np.load(directory / TARGETS_FILE).astype(np.int64))
+    except (OSError, ValueError, EOFError) as error:
+        raise SavedFileError(
+            f"{directory} holds a feature cache that cannot be read ({type(error).__name__}: "
+            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); delete that "
+            "folder to cache again"
+        ) from None
     with _quiet_readonly_warning():
         features = torch.from_numpy(raw)
     if meta["dtype"] == "bfloat16":
@@ -397,13 +409,16 @@ def _read_train_state(path: Path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # unpickling refused, truncated zip, bad CRC, ...
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise ValueError(
+        raise SavedFileError(
             f"{path} cannot be read as a head's training state ({type(error).__name__}: "
             f"{reason}); delete it to train again"
         ) from None
     missing = [key for key in _TRAIN_STATE_KEYS if not isinstance(state, dict) or key not in state]
     if missing:
-        raise ValueError(f"{path} is not a head's training state (lacks {', '.join(missing)})")
+        raise SavedFileError(
+            f"{path} is not a head's training state (lacks {', '.join(missing)}); delete it to "
+            "train again"
+        )
     return state
 
 

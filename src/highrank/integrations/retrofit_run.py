@@ -57,6 +57,7 @@ from highrank.integrations.retrofit import (
     training_summary,
     window_tokens,
 )
+from highrank.runs.locks import run_lock
 
 MODES = ("frozen", "lora", "full")
 DEFAULT_LR = {"frozen": 3e-4, "lora": 2e-4, "full": 1e-5}
@@ -105,6 +106,9 @@ class RetrofitPlan:
         for name in ("max_train_tokens", "max_eval_tokens", "steps"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        # here, before the folder and its caches are written (the optimizer checked it later)
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise RetrofitError(f"--lr must be a positive finite number; got {self.lr!r}")
         _resolve_device(self.device)
 
     @property
@@ -135,9 +139,15 @@ def _positive(name: str, value) -> None:
 
 
 def retrofit(plan: RetrofitPlan, *, progress: bool = True) -> dict:
-    """Check, (cache,) train, evaluate and save: ``results.json``'s contents."""
+    """Check, (cache,) train, evaluate and save: ``results.json``'s contents. One process at
+    a time writes ``plan.out``: a second is refused naming the first (they raced before)."""
     out = Path(plan.out)
     _check_out(out, plan)
+    with run_lock(out):
+        return _retrofit(plan, out, progress)
+
+
+def _retrofit(plan: RetrofitPlan, out: Path, progress: bool) -> dict:
     say = print if progress else (lambda *a, **k: None)
     say(f"loading {plan.model}", flush=True)  # a GGUF file takes minutes to dequantise
     model, tokenizer = _load(plan)

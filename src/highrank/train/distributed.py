@@ -41,8 +41,10 @@ Outside torchrun (no process group) every function here is the identity or a no-
 from __future__ import annotations
 
 import atexit
+import ctypes
 import inspect
 import os
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -59,6 +61,7 @@ from highrank.train.startup import seed_everything
 from highrank.train.state import Progress
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+PR_SET_PDEATHSIG = 1  # <sys/prctl.h>: the signal a process gets when its parent dies
 RESEED_STRIDE = 1_000_003  # process r > 0 reseeds with seed + r * stride (a prime)
 T = TypeVar("T")
 
@@ -118,9 +121,23 @@ def init_from_env() -> bool:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         backend = "cpu:gloo,cuda:nccl"
+    stop_with_the_launcher()
     dist.init_process_group(backend, init_method="env://")
     atexit.register(_leave)
     return True
+
+
+def stop_with_the_launcher() -> None:
+    """Ask Linux for a SIGTERM when the parent (the torchrun launcher) dies: a kill -9 of the
+    launcher left both processes training on as orphans; now each stops at the next step
+    boundary like after any SIGTERM (process 0 saves last.pt). Elsewhere nothing happens."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: no prctl
+        return
+    if os.getppid() == 1:  # the launcher died before the request: stop as it would have
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _leave() -> None:

@@ -26,7 +26,7 @@ from highrank.config import (
 )
 from highrank.data import Corpus
 from highrank.data.streaming import corpus_checksums, open_corpus
-from highrank.model import build_model, count_parameters
+from highrank.model import build_model
 from highrank.runs.checkpoint import (
     CheckpointError,
     config_of,
@@ -43,6 +43,7 @@ from highrank.train.awd_lstm import AWDLSTMRecipe
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import Recipe, RunKind, Stage
 from highrank.train.seq2seq import TRANSLATION, Seq2SeqRecipe
+from highrank.train.sizes import check_model_fits, parameter_count
 from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import Progress, TrainOptions, TrainResult
 from highrank.train.transformer import TransformerRecipe
@@ -114,12 +115,25 @@ def _corpus(config: Config) -> Corpus:
 
 
 def _check_same_vocab(run: RunDir, corpus: Corpus, path: Path) -> None:
-    if run.load_vocab() != corpus.vocab:
+    saved = run.load_vocab()
+    if saved != corpus.vocab:
         raise CheckpointError(
             f"the corpus at {corpus.directory} has a different vocabulary from the run's "
-            f"{run.vocab_file} ({len(corpus.vocab)} vs {len(run.load_vocab())} tokens): "
+            f"{run.vocab_file} ({_vocab_difference(corpus.vocab.words, saved.words)}): "
             f"checkpoint {path} cannot continue on it; point --data.dir at the run's corpus"
         )
+
+
+def _vocab_difference(now: Sequence[str], saved: Sequence[str]) -> str:
+    """Where two vocabularies part: their sizes, or (same size: the words' counts, hence
+    their frequency order, changed) the first id that names another token."""
+    if len(now) != len(saved):
+        return f"{len(now)} vs {len(saved)} tokens"
+    first = next(i for i, (a, b) in enumerate(zip(now, saved, strict=True)) if a != b)
+    return (
+        f"both {len(now)} tokens, but id {first} is {now[first]!r} in the corpus and "
+        f"{saved[first]!r} in the run"
+    )
 
 
 def _check_same_corpus(run: RunDir, corpus: Corpus, path: Path) -> None:
@@ -388,67 +402,6 @@ def _start_finetune(
 
 
 # ---- facts about a config ---------------------------------------------------------------------
-
-# Float32 copies of the parameters training holds at least: weights, gradients, and one of
-# optimizer state (ASGD's averages; Adam holds two): activations come on top.
-TRAINING_COPIES = 3
-
-
-def check_model_fits(config: Config, vocab_size: int, device: torch.device) -> int:
-    """The parameter count, counted on the ``meta`` device; a ConfigError with the numbers when
-    ``TRAINING_COPIES`` float32 copies of it exceed the memory available on ``device``."""
-    count = parameter_count(config, vocab_size)
-    needed = TRAINING_COPIES * 4 * count
-    available = available_memory(device)
-    if available is not None and needed > available:
-        raise ConfigError(
-            f"the model has {count:,} parameters (model.d_embed = {config.model.d_embed}, "
-            f"model.d_hidden = {config.model.d_hidden}, model.n_layers = "
-            f"{config.model.n_layers}, vocabulary {vocab_size:,}): training needs at least "
-            f"{needed / 2**30:,.1f} GiB "
-            f"({TRAINING_COPIES} float32 copies: weights, gradients, optimizer state), but "
-            f"{available / 2**30:,.1f} GiB is available on {device}; make the model smaller"
-        )
-    return count
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free on ``device`` (MemAvailable for the CPU), None when unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def parameter_count(config: Config, vocab_size: int) -> int:
-    """Trainable parameters of the model ``config`` describes, built on the ``meta`` device
-    (nothing allocated)."""
-    from highrank import model as models  # not this module's name: tests wrap that one
-
-    try:
-        with torch.device("meta"):
-            model = models.build_model(config, vocab_size)
-    except RuntimeError as error:
-        if "overflow" not in str(error):
-            raise
-        # A tensor with more elements than an int64 byte count can hold: no machine has it.
-        raise ConfigError(
-            f"this model cannot be built: one of its tensors would hold more bytes than any "
-            f"machine has ({str(error).splitlines()[0]}); check the sizes under [model] "
-            f"(d_embed = {config.model.d_embed}, d_hidden = {config.model.d_hidden}, ...)"
-        ) from None
-    return count_parameters(model)
 
 
 def corpus_vocab_size(config: Config) -> int:

@@ -48,6 +48,7 @@ from highrank.train import distributed
 from highrank.train.loop import Trainer, restore
 from highrank.train.recipe import EpochSize, RunKind, Stage, StepBatch, StepResult, Verdict
 from highrank.train.schedule import build_adamw, lr_factor, set_lr
+from highrank.train.sizes import check_model_fits
 from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import Progress, TrainOptions, TrainResult
 from highrank.train.steps import backward_or_skip, clip_or_skip, head_chunk_size
@@ -294,6 +295,9 @@ def _start(
     """:func:`start_translation` (which picks its device itself), refusing ``--init-from``."""
     if init_from is not None:
         raise ConfigError("--init-from applies to language models, not translation")
+    # before the subwords are learned: a model no memory holds is one line, not an allocator's
+    # traceback
+    check_model_fits(config, _vocab_size(config), device)
     return start_translation(config, stage, options, command)
 
 

@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "hf", None):
+        if not getattr(args, "no_progress", False):  # transformers' import alone takes seconds
+            print(f"loading {', '.join(map(str, args.hf))} (transformers)", flush=True)
         register_highrank_models()
     return guarded("analyze", lambda: _module(args.analysis_module).run(args))
 
