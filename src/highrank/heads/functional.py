@@ -71,6 +71,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return product.t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def writable_in_place(tensor: torch.Tensor) -> bool:
+    """May an inference path overwrite ``tensor`` with ``out=`` ops? Only a plain tensor: no
+    autograd history, and not inside a ``torch.func`` transform (vmap, jvp, jacrev wrap their
+    tensors; their batching rules refuse ``out=`` ops), as the Jacobian instruments use."""
+    return not tensor.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
 def log_mixture(log_prior: torch.Tensor, component_log_probs: torch.Tensor) -> torch.Tensor:
     """``log sum_k pi_k p_k(x)`` computed as a log-sum-exp, never as log(p + eps).
 

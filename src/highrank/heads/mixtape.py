@@ -48,6 +48,7 @@ from highrank.heads.functional import (
     sigmoid_tree_mix,
     sigmoid_tree_mix_,
     widen,
+    writable_in_place,
 )
 from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
 from highrank.heads.residual import ResidualContexts
@@ -210,7 +211,7 @@ class Mixtape(OutputHead):
         # one (float32 or float64); a bf16 head keeps the general path.
         return (
             self.in_place_assembly
-            and not contexts.requires_grad
+            and writable_in_place(contexts)
             and self.weight.dtype in (torch.float32, torch.float64)
             and contexts.dtype == self.weight.dtype
         )
@@ -240,7 +241,7 @@ class Mixtape(OutputHead):
 
     def _log_prob_rows(self, h, component_mask, gate_mask) -> torch.Tensor:
         logits = self._logits(h, component_mask, gate_mask)  # (N, V), a fresh tensor
-        if self.in_place_assembly and not logits.requires_grad:
+        if self.in_place_assembly and writable_in_place(logits):
             # In place: a second (N, V) buffer is not free (its pages are faulted in on first
             # write); at 256 rows, V = 49,152 the softmax head's log_softmax into a new tensor
             # took 79 ms, this one 29 (benchmarks/results/inference-cost/profile-256.md).

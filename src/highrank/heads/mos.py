@@ -29,6 +29,7 @@ from highrank.heads.functional import (
     mixture_nll,
     smoothed_nll,
     widen,
+    writable_in_place,
 )
 from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 from highrank.heads.residual import ResidualContexts
@@ -126,7 +127,7 @@ class MixtureOfSoftmaxes(ContextMixture):
     def _log_prob_rows(self, h: torch.Tensor, latent_mask: torch.Tensor | None) -> torch.Tensor:
         log_prior, latents = self._prior_and_latents(h, latent_mask)
         logits = self._decoder_logits(latents)  # (N, K, V)
-        if self.in_place_mixing and not logits.requires_grad:
+        if self.in_place_mixing and writable_in_place(logits):
             return mixture_log_prob_(log_prior, logits)  # inference: in place, chunk by chunk
         return log_mixture(log_prior, F.log_softmax(logits, dim=-1))
 
