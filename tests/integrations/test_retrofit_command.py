@@ -194,3 +194,26 @@ def test_a_crafted_saved_file_is_one_line_and_runs_nothing(
     assert err.startswith("highrank retrofit: error: ") and len(err.strip().splitlines()) == 1
     assert re.search(message, err), err
     assert not marker.exists()
+
+
+def test_sigterm_says_what_was_kept_and_the_same_command_continues(texts, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model, files = texts
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "highrank", *command(model, files, out, "--head", "softmax",
+                                                        "--mode", "full")]
+    argv[argv.index("--steps") + 1] = "100000"  # far longer than the test waits
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "state.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the first checkpoint: training is under way
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err
+    assert err.strip().splitlines()[-1] == (
+        "highrank retrofit: stopped by SIGTERM; run the same command again: the caches and the "
+        "training continue from their last checkpoint")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
-from highrank.cli.common import guarded, non_negative_int, positive_int
+from highrank.cli.common import AFTER_INTERRUPT, guarded, non_negative_int, positive_int
 
 MODES = ("frozen", "lora", "full")
 
@@ -149,10 +150,35 @@ def run(args: argparse.Namespace) -> int:
                 cache_dtype=args.cache_dtype,
                 device=args.device,
             )
-            retrofit(plan)
+            with _sigterm_raises():
+                retrofit(plan)
         except (RetrofitError, SavedFileError) as error:
             print(f"highrank retrofit: error: {error}", file=sys.stderr)
             return 2
+        except Terminated:
+            print(f"highrank retrofit: stopped by SIGTERM; {AFTER_INTERRUPT['retrofit']}",
+                  file=sys.stderr)
+            return 128 + signal.SIGTERM
         return 0
 
     return guarded("retrofit", job)
+
+
+class Terminated(Exception):
+    """SIGTERM (a scheduler, ``kill``) arrived: what was saved stays; the same command goes on."""
+
+
+class _sigterm_raises:
+    """Within the block SIGTERM raises :class:`Terminated` (it killed the process silently);
+    the previous handler is restored after."""
+
+    def __enter__(self):
+        def stop(signum, frame):
+            raise Terminated
+
+        self.previous = signal.signal(signal.SIGTERM, stop)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self.previous)
+        return False
