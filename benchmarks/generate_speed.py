@@ -87,7 +87,7 @@ def decoder_products(label: str, model, ids) -> float:
     ``log_prob`` of one position (the base: in units of one row of its lm_head)."""
     import torch
 
-    counter_class = _decoder_products_class()
+    counter_class = decoder_products_class()
     if label == "base":
         weight = model.get_output_embeddings().weight
         one = weight.shape[0]  # V values per position
@@ -101,7 +101,7 @@ def decoder_products(label: str, model, ids) -> float:
     return round(counter.values / (4 * one), 3)
 
 
-def _decoder_products_class():
+def decoder_products_class():
     """The counter (a TorchDispatchMode), defined here so that torch is imported late."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode

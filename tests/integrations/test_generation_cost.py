@@ -7,34 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.generate_speed import decoder_products_class
 from tests.conftest import SMALL_KNOBS
 
 from .conftest import HIDDEN, VOCAB
 
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
-MATMULS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul")
-
-
-class DecoderProducts(TorchDispatchMode):
-    """Counts the output values of every matrix product one of whose operands is (a view of)
-    ``weight``: V per row multiplied with E, whatever the layout (x E^T or E x^T)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.storage = weight.untyped_storage().data_ptr()
-        self.values = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ in MATMULS and any(
-            isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.storage
-            for a in args
-        ):
-            self.values += out.numel()
-        return out
+# the counter the generate() benchmark records with (counts values of products with E)
+DecoderProducts = decoder_products_class()
 
 
 def decoder_values(model, run) -> int:
