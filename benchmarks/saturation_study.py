@@ -65,10 +65,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, default=4096)
     parser.add_argument("--jacobian-tokens", type=int, default=1024)
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {STEPS}")
+    parser.add_argument(
+        "--heads", default=",".join(HEADS),
+        help=f"the runs of the runs and replication steps, a subset of {HEADS} (two processes "
+        "may share the work, each with its own heads)",
+    )
     args = parser.parse_args(argv)
     unknown = set(args.steps.split(",")) - set(STEPS)
     if unknown:
         parser.error(f"unknown step(s) {', '.join(sorted(unknown))}; choose from {STEPS}")
+    args.heads = args.heads.split(",")
+    if set(args.heads) - set(HEADS):
+        parser.error(f"--heads: choose from {HEADS}")
     return args
 
 
@@ -113,7 +121,7 @@ def train_if_missing(run_dir: Path, head: str, args: argparse.Namespace, seconds
 
 
 def runs(args: argparse.Namespace, seconds: dict) -> None:
-    for head in HEADS:
+    for head in args.heads:
         run_dir = args.runs_dir / head
         train_if_missing(run_dir, head, args, seconds)
         out = args.out / f"ptb-{head}"
@@ -174,7 +182,7 @@ def train_replication_run(head: str, args: argparse.Namespace, seconds: dict) ->
 
 
 def replication(args: argparse.Namespace, seconds: dict) -> None:
-    for head in HEADS:
+    for head in args.heads:
         run_dir = train_replication_run(head, args, seconds)
         out = args.out / f"replication-{head}"
         data = ["--data-dir", str(args.data_dir / "ptb"), "--no-progress"]
