@@ -351,11 +351,54 @@ def summarize(args) -> None:
                       "new_parameters": trains[0]["new_parameters"] if trains[0] else 0,
                       "peak_rss_mib_train": [t["peak_rss_mib"] if t else None for t in trains]}
         table.append(_row(name, rows[name]))
-    write_json(args.out / "summary.json", {"settings": settings(args), "heads": rows},
+    against = against_controls(rows)
+    write_json(args.out / "summary.json",
+               {"settings": settings(args), "heads": rows, "against_controls": against},
                indent=1, end="")
-    (args.out / "results.md").write_text("\n".join(table) + "\n")
+    (args.out / "results.md").write_text(
+        "\n".join(table + ["", *against_controls_table(against)]) + "\n")
     plot_curves(records, args.out / "curves.png")
     del np
+
+
+# Each high-rank head against a rank-bounded head with at least as many new parameters
+# (control: 1,328,256; control3m: 3,098,111; MoS-4 has 2,658,816, MoS-2 1,329,408).
+CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "control3m"))
+
+
+def against_controls(rows: dict) -> list[dict]:
+    """Per pair and split: the means, the per-seed differences (a seed fixes the batch order
+    and the random factors for every head) and Welch's two-sided t-test over the seeds."""
+    from highrank.analysis.significance import compare_groups
+
+    found = []
+    for head, control in CONTROL_PAIRS:
+        if head not in rows or control not in rows or len(rows[head]["seeds"]) < 2:
+            continue
+        for split in ("valid", "test"):
+            a, b = rows[head][f"{split}_ppl"], rows[control][f"{split}_ppl"]
+            by_seed = dict(zip(rows[control]["seeds"], b, strict=True))
+            test = compare_groups(a, b, welch=True)
+            found.append({
+                "head": head, "control": control, "split": split,
+                "head_mean": test.mean_a, "control_mean": test.mean_b,
+                "per_seed_difference": {seed: value - by_seed[seed]
+                                        for seed, value in zip(rows[head]["seeds"], a, strict=True)
+                                        if seed in by_seed},
+                "welch_t": test.t, "welch_df": test.df, "p": test.p,
+            })
+    return found
+
+
+def against_controls_table(against: list[dict]) -> list[str]:
+    lines = ["| head | control | split | head ppl | control ppl | head - control, per seed "
+             "| Welch t (df) | p (two-sided) |", "|---|---|---|---|---|---|---|---|"]
+    for c in against:
+        seeds = ", ".join(f"s{k} {v:+.3f}" for k, v in c["per_seed_difference"].items())
+        lines.append(f"| {c['head']} | {c['control']} | {c['split']} | {c['head_mean']:.3f} "
+                     f"| {c['control_mean']:.3f} | {seeds} | {c['welch_t']:.2f} "
+                     f"({c['welch_df']:.1f}) | {c['p']:.3f} |")
+    return lines if against else []
 
 
 def _row(name: str, row: dict) -> str:
@@ -393,11 +436,15 @@ def plot_curves(records: dict, path: Path) -> None:
         return
     figure, axes = plt.subplots(figsize=(8, 5))
     for run, record in trains.items():
+        head, _, seed = run.rpartition("-s")
         loss = np.array([h["loss"] for h in record["history"]])
         window = min(20, len(loss))
         smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
         tokens = (np.arange(len(smooth)) + window) * record["budget"]["batch_tokens"]
-        axes.plot(tokens, smooth, label=run, linewidth=1)
+        # a colour per head (HEADS order), a line style per seed
+        colour = f"C{list(HEADS).index(head) % 10}" if head in HEADS else None
+        style = "-" if seed == "1" else "--"
+        axes.plot(tokens, smooth, label=run, linewidth=1, color=colour, linestyle=style)
     axes.set_xlabel("training tokens")
     axes.set_ylabel("training loss (nats/token, 20-step moving average)")
     axes.set_title("SmolLM2-135M, frozen body, warm-started heads on WikiText-2")

@@ -88,3 +88,26 @@ def test_the_ptb_transformer_stages_are_done_by_the_runs_records(tmp_path):
     for split in ("valid", "test"):
         (run / f"eval-{split}-best.json").write_text("{}")
     assert study.pending()[0] == "char-softmax-rank"
+
+
+def test_the_warm_start_study_tests_each_high_rank_head_against_its_capacity_control():
+    from scipy import stats
+
+    rows = {
+        "mos4": {"seeds": ["1", "2"], "valid_ppl": [16.0, 16.2], "test_ppl": [20.1, 20.4]},
+        "control3m": {"seeds": ["1", "2"], "valid_ppl": [16.5, 16.3], "test_ppl": [20.3, 20.2]},
+        "mixtape": {"seeds": ["1"], "valid_ppl": [16.0], "test_ppl": [20.0]},  # one seed: none
+    }
+    found = smollm2_warm_start.against_controls(rows)
+    assert [(c["head"], c["control"], c["split"]) for c in found] == [
+        ("mos4", "control3m", "valid"), ("mos4", "control3m", "test")]
+    valid, test = found
+    assert valid["per_seed_difference"] == pytest.approx({"1": -0.5, "2": -0.1})
+    assert test["per_seed_difference"] == pytest.approx({"1": -0.2, "2": 0.2})
+    expected = stats.ttest_ind([16.0, 16.2], [16.5, 16.3], equal_var=False)
+    assert valid["p"] == pytest.approx(expected.pvalue)
+    assert valid["welch_t"] == pytest.approx(expected.statistic)
+    table = smollm2_warm_start.against_controls_table(found)
+    assert table[2].startswith(
+        "| mos4 | control3m | valid | 16.100 | 16.400 | s1 -0.500, s2 -0.100 |"
+    )
