@@ -202,6 +202,46 @@ def replication(args: argparse.Namespace, seconds: dict) -> None:
             shutil.copy(run_dir / name, out / f"run-{name}")
 
 
+def replication_figure(out: Path) -> Path | None:
+    """saturation-curves.png: the replication runs' top-10 energy share, entropy rank and
+    anisotropy against the training step (the snapshots and last.pt; best.pt, averaged, is
+    drawn as a marker at the last step)."""
+    records = {}
+    for head in HEADS:
+        path = out / f"replication-{head}" / "saturation.json"
+        if path.is_file():
+            records[head] = json.loads(path.read_text())["inputs"][0]["checkpoints"]
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("top-10 energy share", lambda p: p["top_mass"]["10"]),
+              ("entropy effective rank", lambda p: p["entropy_effective_rank"]),
+              ("anisotropy (mean cosine)", lambda p: p["anisotropy"]["mean_cosine"]))
+    figure, axes = plt.subplots(1, len(panels), figsize=(12, 3.6))
+    for colour, (head, points) in enumerate(records.items()):
+        curve = [p for p in points if p["checkpoint"] != "best.pt"]
+        best = [p for p in points if p["checkpoint"] == "best.pt"]
+        for axis, (title, value) in zip(axes, panels, strict=True):
+            axis.plot([p["step"] for p in curve], [value(p) for p in curve], "o-",
+                      color=f"C{colour}", label=head, markersize=3)
+            axis.plot([p["step"] for p in best], [value(p) for p in best], "*",
+                      color=f"C{colour}", markersize=9)
+            axis.set_title(title, fontsize=10)
+            axis.set_xlabel("training step")
+    axes[0].legend(fontsize=8)
+    figure.suptitle("PTB small AWD-LSTM, replication runs (seed 1): the decoder E and the "
+                    "head's inputs over training (* best.pt)", fontsize=10)
+    figure.tight_layout()
+    path = out / "saturation-curves.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def headline(out: Path) -> dict:
     """The figures of the page's first table, read back from the records."""
     rows = {}
@@ -237,6 +277,7 @@ def main(argv=None) -> None:
         runs(args, seconds)
     if "replication" in steps:
         replication(args, seconds)
+    replication_figure(args.out)
     summary_path = args.out / "summary.json"
     previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     summary = {
