@@ -39,8 +39,10 @@ TARGETS = {"mos2": 1.15 * 2, "mos4": 1.15 * 4, "mixtape": 1.3}
 # The code paths a head can be switched back to, timed beside its default on the same head
 # object: label -> (head label, attributes set while it runs). MoS's log-space chain is what
 # log_prob computed before the in-place mixing (``heads.functional.mixture_log_prob_``);
-# Mixtape's general path what it computed before its in-place assembly.
+# Mixtape's general path what it computed before its in-place assembly; the softmax's general
+# path normalises into a new tensor, as it did before its in-place normalisation.
 EARLIER = {
+    "softmax_general": ("softmax", {"in_place_normalisation": False}),
     "mos2_chain": ("mos2", {"in_place_mixing": False}),
     "mos4_chain": ("mos4", {"in_place_mixing": False}),
     "mixtape_general": ("mixtape", {"in_place_assembly": False}),

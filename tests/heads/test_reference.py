@@ -197,6 +197,25 @@ def test_inference_paths_agree_with_the_general_ones(name, knobs, switch, rows):
     torch.testing.assert_close(fast, general, atol=2e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("name", ["softmax", "sigsoftmax", "gss", "plif"])
+def test_the_softmax_family_normalises_in_place_to_the_same_values_bit_for_bit(name, rows):
+    """Without gradients the softmax family's log_prob normalises its logits in place; the
+    values are those of the general path (a new tensor) exactly, and with gradients the
+    general path runs (the in-place one would break autograd)."""
+    head = build_head(name, d_in=6, vocab_size=300, d_embed=5).eval()
+    hidden = 3 * torch.randn(rows, 6)
+    with torch.no_grad():
+        fast = head.log_prob(hidden)
+        head.in_place_normalisation = False
+        general = head.log_prob(hidden)
+    assert torch.equal(fast, general)
+    head.in_place_normalisation = True
+    with_grad = head.log_prob(hidden.requires_grad_())
+    with_grad.logsumexp(-1).sum().backward()
+    torch.testing.assert_close(with_grad.detach(), general, atol=1e-6, rtol=1e-6)
+
+
 def _mixtape_reference(head, hidden, gate_weight=None):
     """Mixtape's equations written out for every token, in float64 (no gate-sharing trick).
     ``gate_weight``: U as a float64 matrix (default: the head's)."""
