@@ -161,6 +161,9 @@ def train_replication_run(head: str, args: argparse.Namespace, seconds: dict) ->
     directory = study.run_dir(options, run)
     d_hidden = json.loads((RESULTS / "replication" / "hidden-sizes.json").read_text())[head]
     snapshots = directory / "snapshots"
+    finished = (directory / "study-train.done").is_file()
+    if finished and not any(snapshots.glob("*.pt")):  # e.g. the replication study's own runs
+        raise SystemExit(f"{directory} finished without snapshots: no curve to draw from it")
     for step in REPLICATION_SNAPSHOTS:
         target = snapshots / f"step-{step:04d}.pt"
         if target.is_file() or (directory / "study-train.done").is_file():

@@ -64,10 +64,10 @@ def run_suites(args: argparse.Namespace, trees: dict[str, Path]) -> dict[str, in
     for side, tree in trees.items():
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                    f"--junitxml={(args.out / f'{side}.xml').resolve()}"]
-        log = open(args.out / f"{side}.log", "w", encoding="utf-8")
-        processes[side] = subprocess.Popen(
-            command, cwd=tree, env=side_env(tree), stdout=log, stderr=subprocess.STDOUT
-        )
+        with open(args.out / f"{side}.log", "w", encoding="utf-8") as log:  # the child keeps it
+            processes[side] = subprocess.Popen(
+                command, cwd=tree, env=side_env(tree), stdout=log, stderr=subprocess.STDOUT
+            )
     return {side: process.wait() for side, process in processes.items()}
 
 
@@ -83,8 +83,9 @@ def help_seconds(args: argparse.Namespace, trees: dict[str, Path]) -> dict[str, 
 
 
 def test_times(path: Path) -> dict[tuple[str, str], float]:
-    """(test module, test name) -> seconds, from a JUnit XML report; a pair that occurs
-    twice (two modules of one name) is left out of the comparison."""
+    """(test module or class, test name) -> seconds, from a JUnit XML report (the last part
+    of its classname: the module for plain tests, the class for methods); a pair that occurs
+    twice is left out of the comparison."""
     times: dict[tuple[str, str], float] = {}
     seen: collections.Counter = collections.Counter()
     for case in ET.parse(path).iter("testcase"):
@@ -92,6 +93,11 @@ def test_times(path: Path) -> dict[tuple[str, str], float]:
         seen[key] += 1
         times[key] = float(case.get("time", 0.0))
     return {key: value for key, value in times.items() if seen[key] == 1}
+
+
+def suite_seconds(path: Path) -> float:
+    """Every test's time, duplicates included (collection time is not in it)."""
+    return sum(float(case.get("time", 0.0)) for case in ET.parse(path).iter("testcase"))
 
 
 def outcome_counts(path: Path) -> dict[str, int]:
@@ -105,7 +111,7 @@ def outcome_counts(path: Path) -> dict[str, int]:
 def summarize(args: argparse.Namespace, help_runs: dict | None) -> dict:
     times = {side: test_times(args.out / f"{side}.xml") for side in SIDES}
     common = sorted(set(times["before"]) & set(times["after"]))
-    sums = {side: round(sum(times[side].values()), 1) for side in SIDES}
+    sums = {side: round(suite_seconds(args.out / f"{side}.xml"), 1) for side in SIDES}
     common_sums = {side: round(sum(times[side][k] for k in common), 1) for side in SIDES}
     summary = {
         "commits": {"before": args.before, "after": args.after},

@@ -67,3 +67,13 @@ def test_a_run_past_a_snapshot_step_is_refused(study):
     state["step"] = 500  # the run already went past step 100 and 300
     with pytest.raises(SystemExit, match="last.pt is at step 500, not 100"):
         module.train_replication_run("softmax", args, {})
+
+
+def test_a_finished_run_without_snapshots_is_refused(study, tmp_path):
+    module, args, calls, _ = study
+    run_dir = tmp_path / "runs" / "replication" / "softmax-seed1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "study-train.done").write_text("")
+    with pytest.raises(SystemExit, match="finished without snapshots"):
+        module.train_replication_run("softmax", args, {})
+    assert calls == []

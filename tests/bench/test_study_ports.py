@@ -107,6 +107,8 @@ def test_the_warm_start_study_tests_each_high_rank_head_against_its_capacity_con
     expected = stats.ttest_ind([16.0, 16.2], [16.5, 16.3], equal_var=False)
     assert valid["p"] == pytest.approx(expected.pvalue)
     assert valid["welch_t"] == pytest.approx(expected.statistic)
+    rows["control3m"] = {"seeds": ["1"], "valid_ppl": [16.5], "test_ppl": [20.3]}
+    assert smollm2_warm_start.against_controls(rows) == []  # the control's seed 2 not yet in
     table = smollm2_warm_start.against_controls_table(found)
     assert table[2].startswith(
         "| mos4 | control3m | valid | 16.100 | 16.400 | s1 -0.500, s2 -0.100 |"

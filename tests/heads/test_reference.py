@@ -199,19 +199,31 @@ def test_inference_paths_agree_with_the_general_ones(name, knobs, switch, rows):
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
 @pytest.mark.parametrize("name", ["softmax", "sigsoftmax", "gss", "plif"])
-def test_the_softmax_family_normalises_in_place_to_the_same_values_bit_for_bit(name, rows):
+def test_the_softmax_family_normalises_in_place_to_the_same_values_bit_for_bit(
+    name, rows, monkeypatch
+):
     """Without gradients the softmax family's log_prob normalises its logits in place; the
     values are those of the general path (a new tensor) exactly, and with gradients the
     general path runs (the in-place one would break autograd)."""
+    in_place_calls = []  # torch.log_softmax(..., out=): F.log_softmax does not go through it
+    real = torch.log_softmax
+
+    def spy(*args, **kwargs):
+        in_place_calls.append(kwargs.get("out") is not None and kwargs["out"] is args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "log_softmax", spy)
     head = build_head(name, d_in=6, vocab_size=300, d_embed=5).eval()
     hidden = 3 * torch.randn(rows, 6)
     with torch.no_grad():
         fast = head.log_prob(hidden)
+        assert in_place_calls == [True]  # the in-place path ran, writing into its input
         head.in_place_normalisation = False
         general = head.log_prob(hidden)
     assert torch.equal(fast, general)
     head.in_place_normalisation = True
     with_grad = head.log_prob(hidden.requires_grad_())
+    assert in_place_calls == [True]
     with_grad.logsumexp(-1).sum().backward()
     torch.testing.assert_close(with_grad.detach(), general, atol=1e-6, rtol=1e-6)
 

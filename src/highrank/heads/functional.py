@@ -74,7 +74,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def writable_in_place(tensor: torch.Tensor) -> bool:
     """May an inference path overwrite ``tensor`` with ``out=`` ops? Only a plain tensor: no
     autograd history, and not inside a ``torch.func`` transform (vmap, jvp, jacrev wrap their
-    tensors; their batching rules refuse ``out=`` ops), as the Jacobian instruments use."""
+    tensors; their batching rules refuse ``out=`` ops), as the Jacobian instruments use. Not
+    while torch.compile traces either: the functorch check is opaque to Dynamo (a fullgraph
+    compile would fail), and the compiled graph fuses the general path anyway."""
+    if torch.compiler.is_compiling():
+        return False
     return not tensor.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
