@@ -369,7 +369,10 @@ CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "contro
 
 def against_controls(rows: dict) -> list[dict]:
     """Per pair and split: the means, the per-seed differences (a seed fixes the batch order
-    and the random factors for every head) and Welch's two-sided t-test over the seeds."""
+    and the random factors for every head, so the seeds pair), the paired two-sided t-test of
+    those differences, and Welch's unpaired one for comparison."""
+    from scipy import stats
+
     from highrank.analysis.significance import CompareError, compare_groups
 
     found = []
@@ -384,12 +387,16 @@ def against_controls(rows: dict) -> list[dict]:
                 test = compare_groups(a, b, welch=True)
             except CompareError:  # no spread in either group: no t statistic
                 continue
+            differences = {seed: value - by_seed[seed]
+                           for seed, value in zip(rows[head]["seeds"], a, strict=True)
+                           if seed in by_seed}
+            paired = stats.ttest_1samp(list(differences.values()), 0.0)
             found.append({
                 "head": head, "control": control, "split": split,
                 "head_mean": test.mean_a, "control_mean": test.mean_b,
-                "per_seed_difference": {seed: value - by_seed[seed]
-                                        for seed, value in zip(rows[head]["seeds"], a, strict=True)
-                                        if seed in by_seed},
+                "per_seed_difference": differences,
+                "paired_t": float(paired.statistic), "paired_df": len(differences) - 1,
+                "paired_p": float(paired.pvalue),
                 "welch_t": test.t, "welch_df": test.df, "p": test.p,
             })
     return found
@@ -397,11 +404,12 @@ def against_controls(rows: dict) -> list[dict]:
 
 def against_controls_table(against: list[dict]) -> list[str]:
     lines = ["| head | control | split | head ppl | control ppl | head - control, per seed "
-             "| Welch t (df) | p (two-sided) |", "|---|---|---|---|---|---|---|---|"]
+             "| paired t (df) | p | Welch t (df) | p |", "|---" * 10 + "|"]
     for c in against:
         seeds = ", ".join(f"s{k} {v:+.3f}" for k, v in c["per_seed_difference"].items())
         lines.append(f"| {c['head']} | {c['control']} | {c['split']} | {c['head_mean']:.3f} "
-                     f"| {c['control_mean']:.3f} | {seeds} | {c['welch_t']:.2f} "
+                     f"| {c['control_mean']:.3f} | {seeds} | {c['paired_t']:.2f} "
+                     f"({c['paired_df']}) | {c['paired_p']:.3f} | {c['welch_t']:.2f} "
                      f"({c['welch_df']:.1f}) | {c['p']:.3f} |")
     return lines if against else []
 

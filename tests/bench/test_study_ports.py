@@ -107,6 +107,9 @@ def test_the_warm_start_study_tests_each_high_rank_head_against_its_capacity_con
     expected = stats.ttest_ind([16.0, 16.2], [16.5, 16.3], equal_var=False)
     assert valid["p"] == pytest.approx(expected.pvalue)
     assert valid["welch_t"] == pytest.approx(expected.statistic)
+    paired = stats.ttest_rel([16.0, 16.2], [16.5, 16.3])  # the seeds pair
+    assert valid["paired_p"] == pytest.approx(paired.pvalue)
+    assert valid["paired_t"] == pytest.approx(paired.statistic) and valid["paired_df"] == 1
     rows["control3m"] = {"seeds": ["1"], "valid_ppl": [16.5], "test_ppl": [20.3]}
     assert smollm2_warm_start.against_controls(rows) == []  # the control's seed 2 not yet in
     table = smollm2_warm_start.against_controls_table(found)
