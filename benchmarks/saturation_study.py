@@ -32,6 +32,7 @@ in ``summary.json`` with the machine.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import shutil
 import sys
@@ -280,18 +281,23 @@ def main(argv=None) -> None:
         runs(args, seconds)
     if "replication" in steps:
         replication(args, seconds)
-    replication_figure(args.out)
     summary_path = args.out / "summary.json"
-    previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    summary = {
-        "command": "python -m benchmarks.saturation_study "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": machine(args.threads),
-        "settings": {k: str(v) for k, v in vars(args).items()},
-        "seconds": {**previous.get("seconds", {}), **seconds},
-        "headline": headline(args.out),
-    }
-    write_json(summary_path, summary)
+    locks = args.out / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    # two --heads processes may finish together: one reads, merges and writes at a time
+    with open(locks / "summary.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        replication_figure(args.out)
+        previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        summary = {
+            "command": "python -m benchmarks.saturation_study "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": machine(args.threads),
+            "settings": {k: str(v) for k, v in vars(args).items()},
+            "seconds": {**previous.get("seconds", {}), **seconds},
+            "headline": headline(args.out),
+        }
+        write_json(summary_path, summary)
     print(f"wrote {summary_path}")
 
 
