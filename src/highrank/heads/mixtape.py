@@ -45,6 +45,7 @@ from highrank.heads.functional import (
     FEW_ROWS,
     apply_mask,
     linear,
+    log_softmax_fresh,
     sigmoid_tree_mix,
     sigmoid_tree_mix_,
     widen,
@@ -241,12 +242,7 @@ class Mixtape(OutputHead):
 
     def _log_prob_rows(self, h, component_mask, gate_mask) -> torch.Tensor:
         logits = self._logits(h, component_mask, gate_mask)  # (N, V), a fresh tensor
-        if self.in_place_assembly and writable_in_place(logits):
-            # In place: a second (N, V) buffer is not free (its pages are faulted in on first
-            # write); at 256 rows, V = 49,152 the softmax head's log_softmax into a new tensor
-            # took 79 ms, this one 29 (benchmarks/results/inference-cost/profile-256.md).
-            return torch.log_softmax(logits, dim=-1, out=logits)
-        return F.log_softmax(logits, dim=-1)
+        return log_softmax_fresh(logits, in_place=self.in_place_assembly)
 
     def _loss_rows(self, h, target, component_mask, gate_mask, *, label_smoothing) -> torch.Tensor:
         logits = self._logits(h, component_mask, gate_mask)

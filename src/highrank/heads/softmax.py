@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.base import OutputHead
-from highrank.heads.functional import writable_in_place
+from highrank.heads.functional import log_softmax_fresh
 from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 from highrank.heads.residual import copy_projection
 
@@ -63,12 +63,7 @@ class PointwiseSoftmax(OutputHead):
 
     def _log_prob_rows(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.transform(self._decoder_logits(self._project(h)))  # (N, V), a fresh tensor
-        if self.in_place_normalisation and writable_in_place(logits):
-            # Without gradients, normalise in place: a second (N, V) buffer is not free (its
-            # pages are faulted in on first write; at 256 rows, V = 49,152 the new buffer's
-            # log_softmax took 79 ms against 29 in place: inference-cost/profile-256.md).
-            return torch.log_softmax(logits, dim=-1, out=logits)
-        return F.log_softmax(logits, dim=-1)
+        return log_softmax_fresh(logits, in_place=self.in_place_normalisation)
 
     def _loss_rows(
         self, h: torch.Tensor, target: torch.Tensor, *, label_smoothing: float
