@@ -116,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
     )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="train again from the warm start in an existing --out (settings may change), "
+        "keeping its feature caches",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
             )
             with _sigterm_raises():
-                retrofit(plan)
+                retrofit(plan, restart=args.restart)
         except (RetrofitError, SavedFileError) as error:
             print(f"highrank retrofit: error: {error}", file=sys.stderr)
             return 2

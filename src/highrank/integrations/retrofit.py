@@ -37,6 +37,7 @@ whose ``last_hidden_state`` is the input of the output layer) and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -52,6 +53,8 @@ import torch
 from torch import nn
 
 from highrank.heads import OutputHead, build_head
+from highrank.train.state import TrainingError
+from highrank.train.steps import backward_or_skip, clip_or_skip
 from highrank.util.progress import progress_bar
 
 FEATURES_FILE = "features.npy"
@@ -59,6 +62,9 @@ TARGETS_FILE = "targets.npy"
 META_FILE = "meta.json"
 PROGRESS_FILE = "progress.json"
 CACHE_DTYPES = {"bfloat16": np.uint16, "float32": np.float32}  # bf16 kept as its bit pattern
+# Consecutive non-finite steps a retrofit skips before it stops (the LM trainers' default of
+# train.max_nonfinite_skips).
+MAX_NONFINITE_STEPS = 10
 
 
 # ---- 1. caching the frozen body's final hidden states ------------------------------------------
@@ -172,6 +178,12 @@ def _fill_features(body, inputs, features, directory, done, batch_windows, dtype
             output = body(input_ids=inputs[first:last].to(device), use_cache=False)
         hidden = output.last_hidden_state  # (b, window, d)
         rows = hidden.reshape(-1, hidden.shape[-1]).cpu()
+        if not bool(torch.isfinite(rows).all()):
+            raise TrainingError(
+                f"the model's final hidden states are not finite in windows {first}..{last - 1} "
+                f"of {directory.name}: the body itself overflows or holds NaN weights (load it "
+                "in float32?); nothing of those windows was cached"
+            )
         features[first * window : last * window] = _to_storage(rows, dtype)
         features.flush()  # rows on disk before the progress record says so
         _write_json(directory / PROGRESS_FILE, {"windows_done": last, "complete": False})
@@ -230,7 +242,21 @@ def load_cache(directory: str | os.PathLike) -> FeatureCache:
         features = torch.from_numpy(raw)
     if meta["dtype"] == "bfloat16":
         features = features.view(torch.bfloat16)
+    _check_finite_rows(directory, features)
     return FeatureCache(directory, features, targets, meta)
+
+
+def _check_finite_rows(directory: Path, features: torch.Tensor, block: int = 65536) -> None:
+    """Refuse a cache with a NaN/inf hidden state (it trained a NaN head silently), naming
+    the first such row; one pass over the memory map, a block of rows at a time."""
+    for start in range(0, features.shape[0], block):
+        finite = torch.isfinite(features[start : start + block].float()).all(dim=1)
+        if not bool(finite.all()):
+            row = start + int((~finite).nonzero()[0])
+            raise SavedFileError(
+                f"{directory / FEATURES_FILE} holds a non-finite hidden state at row {row}: "
+                "damaged; delete that folder to cache again"
+            )
 
 
 # ---- initialising a head from the model's own output layer ------------------------------------
@@ -311,12 +337,19 @@ def train_head(
     checkpoint_every: int = 25,
     stop_after: int | None = None,
     progress: bool = False,
+    lr_may_change: bool = False,
 ) -> dict:
     """Train ``head`` on ``cache`` for ``budget``, saving its whole state to ``state_path``
     every ``checkpoint_every`` steps and at the end; an existing state is resumed (a finished
     one is loaded and nothing is trained). ``stop_after`` returns after that many steps of
     this call (the state saved), as an interruption would. Returns the summary: steps done,
     per-step history (loss, lr, seconds) and the median seconds per step.
+
+    A step whose loss or gradient norm is not finite changes nothing (its history entry has
+    ``loss`` None and the reason under ``skipped``); more than :data:`MAX_NONFINITE_STEPS` in
+    a row raise :class:`~highrank.train.state.TrainingError`, with the last finite state saved
+    (:class:`NonFiniteSteps`). ``lr_may_change`` resumes a state saved with another ``lr``
+    (the one such a stop advised to lower).
     """
     _check_head_fits(head, cache)
     _check_positive("checkpoint_every", checkpoint_every)
@@ -324,22 +357,26 @@ def train_head(
     optimizer = torch.optim.Adam(head.parameter_groups(budget.lr))
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     history: list[dict] = []
-    start = _load_train_state(state_path, head, optimizer, budget, history)
+    start = _load_train_state(state_path, head, optimizer, budget, history, lr_may_change)
     end = budget.steps if stop_after is None else min(budget.steps, start + stop_after)
+    guard = NonFiniteSteps(state_path, budget.lr)
+    save = functools.partial(_save_train_state, state_path, head, optimizer, budget, history)
     head.train()
     with progress_bar(total=budget.steps, initial=start, desc="train head", unit="step",
                       disable=not progress) as bar:
         for step in range(start, end):
-            history.append(_train_step(head, cache, budget, optimizer, base_lrs, step))
+            history.append(_train_step(head, cache, budget, optimizer, base_lrs, step, guard))
             bar.update(1)
-            bar.set_postfix(loss=f"{history[-1]['loss']:.4f}")
+            bar.set_postfix(loss=_shown_loss(history[-1]))
+            if guard.exhausted:
+                guard.stop(step + 1, head, save)
             if (step + 1) % checkpoint_every == 0 or step + 1 == end:
-                _save_train_state(state_path, head, optimizer, budget, history)
+                save()
     head.eval()
     return training_summary(history, budget)
 
 
-def _train_step(head, cache, budget, optimizer, base_lrs, step) -> dict:
+def _train_step(head, cache, budget, optimizer, base_lrs, step, guard) -> dict:
     started = time.perf_counter()
     for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
         group["lr"] = base * budget.lr_factor(step)
@@ -348,13 +385,80 @@ def _train_step(head, cache, budget, optimizer, base_lrs, step) -> dict:
     hidden, target = cache.rows(rows).to(device), cache.targets[rows].to(device)
     optimizer.zero_grad(set_to_none=True)
     loss = head.loss(hidden, target)
-    loss.backward()
-    if budget.clip is not None:
-        nn.utils.clip_grad_norm_(head.parameters(), budget.clip)
-    optimizer.step()
-    seconds = time.perf_counter() - started
-    lr = base_lrs[0] * budget.lr_factor(step)
-    return {"step": step + 1, "loss": float(loss.detach()), "lr": lr, "seconds": seconds}
+    skipped = guard.backward_and_step(loss, optimizer, list(head.parameters()), budget.clip)
+    return step_record(step, loss, base_lrs[0] * budget.lr_factor(step), started, skipped)
+
+
+def step_record(step: int, loss: torch.Tensor, lr: float, started: float, skipped: str) -> dict:
+    """One step's history entry: ``loss`` None (and the reason under ``skipped``) for a step
+    the non-finite guard skipped, so that the history stays valid JSON."""
+    record = {"step": step + 1, "loss": None if skipped else float(loss.detach()), "lr": lr,
+              "seconds": time.perf_counter() - started}
+    if skipped:
+        record["skipped"] = skipped
+    return record
+
+
+def _shown_loss(record: dict) -> str:
+    return "skipped" if record["loss"] is None else f"{record['loss']:.4f}"
+
+
+class NonFiniteSteps:
+    """The LM trainers' non-finite guard (:mod:`highrank.train.steps`) for a retrofit loop: a
+    step whose loss or gradient norm is NaN/inf changes nothing (no optimizer step); more than
+    ``allowed`` in a row stop training with the last finite state kept, in one line saying
+    what to change."""
+
+    def __init__(self, state_path: Path, lr: float, allowed: int = MAX_NONFINITE_STEPS) -> None:
+        self.state_path, self.lr, self.allowed = state_path, lr, allowed
+        self.in_a_row, self.reason = 0, ""
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                          params: list[torch.Tensor], clip: float | None) -> str:
+        """Backward, clip (``None``: none, the norm still checked) and step; the reason the
+        step was skipped, or ``""``."""
+        reason = backward_or_skip(loss, optimizer) or clip_or_skip(optimizer, params, clip or 0)
+        if reason:
+            self.in_a_row, self.reason = self.in_a_row + 1, reason
+        else:
+            optimizer.step()
+            self.in_a_row = 0
+        return reason
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_a_row > self.allowed
+
+    def stop(self, step: int, model: nn.Module, save) -> None:
+        """Save the state (the skipped steps changed nothing, so it is the last finite one,
+        unless a finite step itself produced non-finite weights: then nothing is written)
+        and raise the one-line :class:`~highrank.train.state.TrainingError`."""
+        if all_finite_parameters(model):
+            save()
+        kept = (f"{self.state_path} holds the last finite state" if self.state_path.exists()
+                else "no training state was saved")
+        raise TrainingError(
+            f"retrofit step {step}: the {self.reason}; {self.in_a_row} consecutive steps were "
+            f"non-finite, more than {self.allowed}. Those steps changed nothing and {kept}. "
+            f"{RESTART_ADVICE.format(lr=self.lr)}"
+        )
+
+
+RESTART_ADVICE = (
+    "Lower --lr (now {lr:g}) and run the same command again to continue, or add --restart to "
+    "train again from the warm start (the feature caches are kept)"
+)
+
+
+def all_finite_parameters(model: nn.Module) -> bool:
+    """Whether every parameter and buffer of ``model`` is finite."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def finite_perplexity(nll_per_token: float) -> float:
+    """``exp(nll)``, ``inf`` where that overflows a float (a diverged head's 2e20 nats)."""
+    return math.exp(nll_per_token) if nll_per_token < 709.0 else math.inf
 
 
 def training_summary(history: list[dict], budget: TrainBudget) -> dict:
@@ -384,16 +488,14 @@ def _save_train_state(path: Path, head, optimizer, budget, history) -> None:
     os.replace(temporary, path)
 
 
-def _load_train_state(path: Path, head, optimizer, budget, history: list) -> int:
+def _load_train_state(path: Path, head, optimizer, budget, history: list,
+                      lr_may_change: bool = False) -> int:
     """Steps already done (0 when there is no state); fills ``history`` in place."""
     if not path.exists():
         return 0
     state = _read_train_state(path)
-    if state["budget"] != asdict(budget):
-        raise ValueError(
-            f"{path} was trained with budget {state['budget']}, not {asdict(budget)}; "
-            "delete it to train again"
-        )
+    check_saved_budget(path, state["budget"], budget, lr_may_change)
+    check_finite_tensors(path, state["head"])
     head.load_state_dict(state["head"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])  # dropout masks continue as they would have
@@ -423,6 +525,30 @@ def _read_train_state(path: Path) -> dict:
 
 
 _TRAIN_STATE_KEYS = ("budget", "head", "optimizer", "history", "rng", "python_rng")
+
+
+def check_saved_budget(path: Path, saved: dict, budget: TrainBudget,
+                       lr_may_change: bool = False) -> None:
+    """Refuse a state trained with another budget (``lr`` aside when ``lr_may_change``)."""
+    ignored = {"lr"} if lr_may_change else set()
+    expected = {k: v for k, v in asdict(budget).items() if k not in ignored}
+    if not isinstance(saved, dict) or {k: v for k, v in saved.items()
+                                       if k not in ignored} != expected:
+        raise SavedFileError(
+            f"{path} was trained with budget {saved}, not {asdict(budget)}; delete it or add "
+            "--restart to train again"
+        )
+
+
+def check_finite_tensors(path: Path, tensors: dict) -> None:
+    """Refuse saved weights holding NaN/inf (resuming them gave a NaN model and exit 0)."""
+    for name, value in tensors.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(
+                torch.isfinite(value).all()):
+            raise SavedFileError(
+                f"{path} holds non-finite values in {name}; add --restart to train again from "
+                "the warm start (the feature caches are kept)"
+            )
 
 
 # ---- 3. evaluation ------------------------------------------------------------------------------
@@ -476,7 +602,7 @@ def evaluate_head(
     return {
         "tokens": n,
         "nll_per_token": totals["nll"] / n,
-        "perplexity": math.exp(totals["nll"] / n),
+        "perplexity": finite_perplexity(totals["nll"] / n),
         "kl_from_reference": totals["kl"] / n if reference is not None else None,
         "seconds": totals["seconds"],
         "matrix_rows": rows if matrix_path is not None else None,

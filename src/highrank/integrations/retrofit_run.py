@@ -27,13 +27,23 @@ highrank.integrations.hf``) and ``generate()`` uses.
 resume on another device.
 
 Resumable: the plan is kept in ``OUT/plan.json`` (a rerun with another plan is refused;
-the device may change),
+the device and the folder's place may change),
 caches continue from their last batch of windows, training from its last checkpoint
-(``OUT/state.pt``, weights-only), and finished steps are skipped.
+(``OUT/state.pt``, weights-only), and finished steps are skipped; a finished run is reported at
+once, without loading the model.
+
+Nothing non-finite is saved: both training loops skip a step whose loss or gradient norm is not
+finite and stop after :data:`~highrank.integrations.retrofit.MAX_NONFINITE_STEPS` in a row
+(the last finite state kept); a trained model whose weights or valid/test perplexity are not
+finite is not saved, nor its results. Either stop is recorded in ``plan.json`` (``stopped``):
+the same command with another ``--lr`` then continues, and ``--restart`` trains again from the
+warm start with the caches kept. What a rerun loads is checked (a NaN cached row or saved
+weight is one line).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -48,16 +58,24 @@ from torch import nn
 
 from highrank.heads import HEADS, base_init_knobs, build_head, check_init
 from highrank.integrations.retrofit import (
+    RESTART_ADVICE,
+    NonFiniteSteps,
     TrainBudget,
+    all_finite_parameters,
     batch_indices,
     cache_hidden_states,
+    check_finite_tensors,
+    check_saved_budget,
     evaluate_head,
+    finite_perplexity,
     load_cache,
+    step_record,
     train_head,
     training_summary,
     window_tokens,
 )
 from highrank.runs.locks import run_lock
+from highrank.train.state import TrainingError
 
 MODES = ("frozen", "lora", "full")
 DEFAULT_LR = {"frozen": 3e-4, "lora": 2e-4, "full": 1e-5}
@@ -138,17 +156,46 @@ def _positive(name: str, value) -> None:
 # ---- the whole run ---------------------------------------------------------------------------
 
 
-def retrofit(plan: RetrofitPlan, *, progress: bool = True) -> dict:
+def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False) -> dict:
     """Check, (cache,) train, evaluate and save: ``results.json``'s contents. One process at
-    a time writes ``plan.out``: a second is refused naming the first (they raced before)."""
+    a time writes ``plan.out``: a second is refused naming the first (they raced before).
+
+    A finished run is reported at once. ``restart`` trains again from the warm start with this
+    plan (its settings may differ), keeping the feature caches, which check their own settings.
+    """
     out = Path(plan.out)
-    _check_out(out, plan)
-    with run_lock(out):
-        return _retrofit(plan, out, progress)
-
-
-def _retrofit(plan: RetrofitPlan, out: Path, progress: bool) -> dict:
     say = print if progress else (lambda *a, **k: None)
+    if not restart:
+        _check_out(out, plan)
+        finished = _finished_results(out)
+        if finished is not None:
+            say(f"{out} holds a finished retrofit ({out / 'model'}); nothing to do", flush=True)
+            return finished
+    with run_lock(out):
+        if restart:
+            _forget_training(out)
+        return _retrofit(plan, out, progress, say)
+
+
+def _finished_results(out: Path) -> dict | None:
+    """``results.json`` of a finished run (written last, after the model), else None."""
+    results = out / "results.json"
+    if not (results.is_file() and (out / "model").is_dir()):
+        return None
+    try:
+        return json.loads(results.read_text())
+    except (OSError, ValueError):
+        return None  # damaged: the run's saved state decides what happens
+
+
+def _forget_training(out: Path) -> None:
+    """What ``--restart`` discards: the training state and what was made from it."""
+    for name in ("results.json", "history.json", "state.pt"):
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "model", ignore_errors=True)
+
+
+def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say) -> dict:
     say(f"loading {plan.model}", flush=True)  # a GGUF file takes minutes to dequantise
     model, tokenizer = _load(plan)
     device = _resolve_device(plan.device)
@@ -161,15 +208,15 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool) -> dict:
         ids[split] = _token_ids(plan, tokenizer, split)
     _check_plan_fits(plan, model, ids)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "plan.json", asdict(plan))
-    base_scores = {}
-    if plan.mode == "frozen":
-        hf_model, summary, scores, base_scores = _run_frozen(plan, model, ids, out, progress)
-    else:
-        hf_model, summary, scores, base_scores = _run_end_to_end(plan, model, ids, out, progress)
+    stopped = _stopped(out)  # kept until the run finishes: lr may differ from the state's
+    _write_json(out / "plan.json", {**asdict(plan), **stopped})
+    run = _run_frozen if plan.mode == "frozen" else _run_end_to_end
+    hf_model, summary, scores, base_scores = run(plan, model, ids, out, progress, bool(stopped))
+    _refuse_non_finite(out, plan, hf_model, scores, summary)
     results = {"plan": asdict(plan), "base": base_scores, "trained": scores,
                "training": {k: v for k, v in summary.items() if k != "history"}}
     _save_model(hf_model, tokenizer, out / "model", plan)
+    _write_json(out / "plan.json", asdict(plan))
     _write_json(out / "results.json", results)
     _write_json(out / "history.json", {"history": summary["history"]})
     for split in ("valid", "test"):
@@ -179,6 +226,42 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool) -> dict:
     say(f"saved {out / 'model'} (reload with AutoModelForCausalLM after "
         "import highrank.integrations.hf)", flush=True)
     return results
+
+
+def _stopped(out: Path) -> dict:
+    """``{"stopped": ...}`` when the non-finite guard stopped this run (plan.json says so)."""
+    try:
+        old = json.loads((out / "plan.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"stopped": old["stopped"]} if isinstance(old, dict) and "stopped" in old else {}
+
+
+def _mark_stopped(out: Path, error: TrainingError) -> None:
+    plan = json.loads((out / "plan.json").read_text())
+    _write_json(out / "plan.json", {**plan, "stopped": str(error)})
+
+
+def _refuse_non_finite(out: Path, plan: RetrofitPlan, hf_model, scores: dict,
+                       summary: dict) -> None:
+    """Nothing non-finite is saved as a model or a result: a diverged run stops here, in one
+    line, with what to change (its finite losses reached 1e20 before the scores overflowed)."""
+    bad = [f"{split} perplexity {score['perplexity']}" for split, score in scores.items()
+           if not math.isfinite(score["perplexity"])]
+    if not all_finite_parameters(hf_model):
+        bad.append("non-finite weights")
+    if not bad:
+        return
+    losses = [h["loss"] for h in summary["history"] if h["loss"] is not None]
+    last = f"; the last training loss was {losses[-1]:.3g}" if losses else ""
+    error = TrainingError(
+        f"the trained model has {', '.join(bad)}: training diverged{last}. No model and no "
+        f"results were saved. {RESTART_ADVICE.format(lr=plan.learning_rate)}"
+        .replace("run the same command again to continue, or add --restart to train again",
+                 "add --restart to train again")
+    )
+    _mark_stopped(out, error)
+    raise error
 
 
 def _splits(plan: RetrofitPlan) -> list[str]:
@@ -194,16 +277,20 @@ def _check_out(out: Path, plan: RetrofitPlan) -> None:
     saved = out / "plan.json"
     if saved.exists():
         old = json.loads(saved.read_text())
+        may_change = _MAY_CHANGE + (("lr",) if "stopped" in old else ())
         changed = sorted(k for k, v in asdict(plan).items()
-                         if k not in _MAY_CHANGE and old.get(k) != v)
+                         if k not in may_change and old.get(k) != v)
         if changed:
             raise RetrofitError(
                 f"{out} holds a retrofit with other settings ({', '.join(changed)}); give "
-                "another --out, or delete it to start again"
+                "another --out, add --restart to train again with these (the caches are "
+                "kept), or delete it"
             )
 
 
-_MAY_CHANGE = ("device",)  # a run may resume on another device
+# A run may resume on another device, and from a folder that was moved or copied; after the
+# non-finite guard stopped it, with another --lr.
+_MAY_CHANGE = ("device", "out")
 
 
 def _load(plan: RetrofitPlan):
@@ -300,7 +387,7 @@ def _head_knobs(plan: RetrofitPlan) -> dict:
 # ---- frozen: cached features, the head alone ----------------------------------------------------
 
 
-def _run_frozen(plan, model, ids, out: Path, progress: bool):
+def _run_frozen(plan, model, ids, out: Path, progress: bool, lr_may_change: bool):
     from highrank.integrations.hf import attach_head
 
     caches = {
@@ -315,8 +402,12 @@ def _run_frozen(plan, model, ids, out: Path, progress: bool):
     budget = _budget(plan, len(caches["train"]))
     # Cached rows are single tokens, shuffled: dropout per token, not locked over a sequence.
     locked, hf_model.head.dropout_time_dim = hf_model.head.dropout_time_dim, None
-    summary = train_head(hf_model.head, caches["train"], budget, out / "state.pt",
-                         checkpoint_every=10, progress=progress)
+    try:
+        summary = train_head(hf_model.head, caches["train"], budget, out / "state.pt",
+                             checkpoint_every=10, progress=progress, lr_may_change=lr_may_change)
+    except TrainingError as error:
+        _mark_stopped(out, error)
+        raise
     summary["trainable_parameters"] = sum(p.numel() for p in hf_model.head.parameters())
     hf_model.head.dropout_time_dim = locked
     scores, base_scores = {}, {}
@@ -350,7 +441,7 @@ def _budget(plan: RetrofitPlan, train_tokens: int) -> TrainBudget:
 # ---- lora / full: the body trained too, on windows ---------------------------------------------
 
 
-def _run_end_to_end(plan, model, ids, out: Path, progress: bool):
+def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: bool):
     from highrank.integrations.hf import attach_head
 
     windows = {split: window_tokens(ids[split], plan.window) for split in ids}
@@ -365,7 +456,12 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool):
     budget = _budget(plan, inputs.shape[0] * plan.window)
     budget = TrainBudget(**{**asdict(budget), "batch_tokens": per_batch,
                             "steps": plan.steps or max(1, inputs.shape[0] // per_batch)})
-    summary = _train_windows(trainable, inputs, targets, budget, out / "state.pt", progress)
+    try:
+        summary = _train_windows(trainable, inputs, targets, budget, out / "state.pt", progress,
+                                 lr_may_change)
+    except TrainingError as error:
+        _mark_stopped(out, error)
+        raise
     summary["trainable_parameters"] = sum(p.numel() for p in trainable.parameters()
                                           if p.requires_grad)
     trained = trainable.merge_and_unload() if plan.mode == "lora" else trainable
@@ -392,35 +488,38 @@ def _make_trainable(hf_model, plan: RetrofitPlan):
     return get_peft_model(hf_model, config).train()
 
 
-def _train_windows(model, inputs, targets, budget: TrainBudget, state_path: Path, progress):
-    """Adam over batches of whole windows (``budget.batch_tokens`` counts windows here)."""
+def _train_windows(model, inputs, targets, budget: TrainBudget, state_path: Path, progress,
+                   lr_may_change: bool = False):
+    """Adam over batches of whole windows (``budget.batch_tokens`` counts windows here), with
+    the non-finite guard of the frozen loop."""
     from highrank.util.progress import progress_bar
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=budget.lr)
     history: list[dict] = []
-    start = _load_state(state_path, model, optimizer, budget, history)
+    start = _load_state(state_path, model, optimizer, budget, history, lr_may_change)
+    guard = NonFiniteSteps(state_path, budget.lr)
+    save = functools.partial(_save_state, state_path, model, optimizer, budget, history)
     with progress_bar(total=budget.steps, initial=start, desc="retrofit", unit="step",
                       disable=not progress) as bar:
         for step in range(start, budget.steps):
             began = time.perf_counter()
+            lr = budget.lr * budget.lr_factor(step)
             for group in optimizer.param_groups:
-                group["lr"] = budget.lr * budget.lr_factor(step)
+                group["lr"] = lr
             rows = batch_indices(budget, inputs.shape[0], step)
             optimizer.zero_grad(set_to_none=True)
             device = _device_of(model)
             loss = model(input_ids=inputs[rows].to(device),
                          shift_labels=targets[rows].to(device)).loss
-            loss.backward()
-            nn.utils.clip_grad_norm_(params, budget.clip)
-            optimizer.step()
-            history.append({"step": step + 1, "loss": float(loss.detach()),
-                            "lr": budget.lr * budget.lr_factor(step),
-                            "seconds": time.perf_counter() - began})
+            skipped = guard.backward_and_step(loss, optimizer, params, budget.clip)
+            history.append(step_record(step, loss, lr, began, skipped))
             bar.update(1)
-            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
+            bar.set_postfix(loss="skipped" if skipped else f"{history[-1]['loss']:.3f}")
+            if guard.exhausted:
+                guard.stop(step + 1, model, save)
             if (step + 1) % 10 == 0 or step + 1 == budget.steps:
-                _save_state(state_path, model, optimizer, budget, history)
+                save()
     model.eval()
     return training_summary(history, budget)
 
@@ -435,7 +534,8 @@ def _save_state(path: Path, model, optimizer, budget, history) -> None:
     os.replace(temporary, path)
 
 
-def _load_state(path: Path, model, optimizer, budget, history: list) -> int:
+def _load_state(path: Path, model, optimizer, budget, history: list,
+                lr_may_change: bool = False) -> int:
     if not path.exists():
         return 0
     try:
@@ -443,8 +543,8 @@ def _load_state(path: Path, model, optimizer, budget, history: list) -> int:
     except Exception as error:  # unpickling refused, truncated, ...
         raise RetrofitError(f"{path} cannot be read ({type(error).__name__}); delete it to "
                             "train again") from None
-    if state.get("budget") != asdict(budget):
-        raise RetrofitError(f"{path} was trained with another budget; delete it to train again")
+    check_saved_budget(path, state.get("budget"), budget, lr_may_change)
+    check_finite_tensors(path, state["trainable"])
     parameters = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in state["trainable"].items():
@@ -475,7 +575,7 @@ def _window_perplexity(model, inputs, targets, *, base: bool = False, batch: int
         nll -= float(picked.double().sum())
     bar.close()
     n = targets.numel()
-    return {"tokens": n, "nll_per_token": nll / n, "perplexity": math.exp(nll / n),
+    return {"tokens": n, "nll_per_token": nll / n, "perplexity": finite_perplexity(nll / n),
             "seconds": time.perf_counter() - began}
 
 
