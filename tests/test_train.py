@@ -558,3 +558,26 @@ def test_divergence_before_any_checkpoint_says_none_was_saved(corpus, tmp_path, 
     with pytest.raises(TrainingError, match="no checkpoint of this stage was saved yet"):
         train(config, options=QUIET)
     assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+
+
+# ---- train.patience: early stopping at epoch ends ---------------------------------------------
+
+
+def test_patience_stops_when_validation_stops_improving_and_a_resume_agrees(corpus, tmp_path):
+    """A large min delta makes every epoch after the first 'not improved': patience 2 stops
+    after epoch 3 (two epochs without an improvement of more than 10 nats)."""
+    overrides = ("train.epochs=8", "train.patience=2", "train.patience_min_delta=10")
+    result = train(tiny_config(corpus, tmp_path / "run", *overrides), options=QUIET)
+    assert result.stop_reason == "patience" and result.epochs_completed == 3
+    # stopped part-way (max_steps) and resumed: the same stop at the same epoch
+    out = tmp_path / "resumed"
+    train(tiny_config(corpus, out, *overrides), options=options(max_steps=40))
+    again = resume(out, options=QUIET)
+    assert again.stop_reason == "patience" and again.epochs_completed == 3
+    assert trajectory(out) == trajectory(tmp_path / "run")
+
+
+def test_without_patience_a_run_goes_to_its_epochs(corpus, tmp_path):
+    result = train(tiny_config(corpus, tmp_path / "run", "train.epochs=3",
+                               "train.patience_min_delta=10"), options=QUIET)
+    assert result.stop_reason == "epochs" and result.epochs_completed == 3

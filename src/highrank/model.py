@@ -94,6 +94,7 @@ def _awd_lstm(config: Config, vocab_size: int) -> AWDLSTM:
         d_hidden=m.d_hidden,
         n_layers=m.n_layers,
         d_last=m.d_last,
+        d_project=m.d_project,
         dropout_embedding=m.dropout_embedding,
         dropout_input=m.dropout_input,
         dropout_hidden=m.dropout_hidden,
@@ -156,7 +157,10 @@ def _language_model(
     input embedding (``.embedding``, the tied weight) and outputs ``.d_last`` features."""
     m = config.model
     backbone = build_backbone(config, vocab_size)
-    wired: dict = {"d_embed": m.d_embed}
+    # the decoder's width: the input embedding's, unless an untied head reads a projected
+    # output (model.d_project): then the output width, so that it alone varies (the map)
+    untied_projection = getattr(m, "d_project", None) is not None and not m.tie_weights
+    wired: dict = {"d_embed": m.d_project if untied_projection else m.d_embed}
     if m.tie_weights:
         wired["tied_weight"] = backbone.embedding.weight
     if "dropout_time_dim" in inspect.signature(HEADS[config.head.name]).parameters:
@@ -196,6 +200,7 @@ def load_run(
     which: str = "best",
     *,
     device: str | torch.device = "cpu",
+    own_config: Config | None = None,
 ) -> tuple[LanguageModel, Config, Vocab]:
     """``(model, config, vocab)`` of a run directory, for evaluation.
 
@@ -205,11 +210,13 @@ def load_run(
             ``"last"``, ``"finetuned"`` (best of ``highrank finetune``), ``"finetune-last"``,
             or a path to a ``.pt`` file (:func:`highrank.runs.checkpoint.read_run`).
         device: where the model goes.
+        own_config: the run's ``config.toml`` when the caller has read it already (it is then
+            not read again to check the checkpoint against it).
 
     Returns the model in eval mode with the checkpoint's evaluation weights; building it does
     not disturb the global torch RNG.
     """
-    payload, config, vocab, path = read_run(run_dir, which)
+    payload, config, vocab, path = read_run(run_dir, which, own_config=own_config)
     with torch.random.fork_rng(devices=[]):  # initialisation draws; keep the caller's stream
         model = build_model(config, len(vocab))
     load_weights(model, payload["model"], path)
@@ -222,10 +229,11 @@ def load_run_corpus(
     *,
     data_dir: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
+    own_config: Config | None = None,
 ) -> tuple[LanguageModel, Config, Corpus]:
     """:func:`load_run` and the run's corpus: its ``data.dir``, or ``data_dir`` when given,
     which must give the vocabulary the run was trained with (a clear error says otherwise)."""
-    model, config, vocab = load_run(run_dir, which, device=device)
+    model, config, vocab = load_run(run_dir, which, device=device, own_config=own_config)
     if FAMILIES[config.model.backbone].parallel_corpus:
         raise CheckpointError(
             f'{run_dir} is a translation run (model.backbone = "{config.model.backbone}"): it '

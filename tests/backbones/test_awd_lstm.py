@@ -167,3 +167,36 @@ def test_bad_tokens_and_state_are_named_in_the_error():
         model(torch.randint(0, 20, (5, 2)), model.init_state(3))
     with pytest.raises(ValueError, match="state has 2 layers; expected 3"):
         model(torch.randint(0, 20, (5, 2)), model.init_state(2)[:2])
+
+
+def test_a_projection_sets_the_output_width_and_keeps_the_recurrence():
+    """model.d_project: the last layer keeps its size, the output (what the head reads) is a
+    linear map of it to d_project; without it there is no projection."""
+    from highrank.backbones.awd_lstm import AWDLSTM
+
+    torch.manual_seed(0)
+    plain = AWDLSTM(30, d_embed=8, d_hidden=12, n_layers=1, d_last=12)
+    projected = AWDLSTM(30, d_embed=8, d_hidden=12, n_layers=1, d_last=12, d_project=3)
+    assert plain.projection is None and plain.d_last == 12
+    assert projected.layer_sizes == (12,) and projected.d_last == 3
+    projected.eval()
+    tokens = torch.randint(0, 30, (5, 2))
+    output, state, extras = projected(tokens)
+    assert output.shape == (5, 2, 3) and state[0][0].shape == (1, 2, 12)
+    # the output is the projection of the LSTM's own output
+    hidden, _ = projected.layers[0](projected.embedding(tokens), projected.init_state(2)[0])
+    torch.testing.assert_close(output, projected.projection(hidden))
+
+
+def test_an_untied_head_on_a_projection_has_the_output_width_as_its_decoder_width(tmp_path):
+    """The map's cells differ by their output layer alone: with model.d_project and untied
+    weights, the head's decoder has width d_project (the input embedding keeps d_embed)."""
+    from highrank.config import load_config
+    from highrank.model import build_model
+
+    config = load_config(None, ["data.dir=x", "model.d_embed=8", "model.n_layers=1",
+                                "model.d_last=12", "model.d_project=3",
+                                "model.tie_weights=false"])
+    model = build_model(config, 30)
+    assert model.backbone.embedding.weight.shape == (30, 8)
+    assert model.head.d_in == 3 and model.head.weight.shape == (30, 3)

@@ -5,6 +5,7 @@ ICLR 2018): an embedding and a stack of weight-dropped single-layer LSTMs with l
       -> embedding with whole-word dropout (dropoute)       (T, B, d_embed)
       -> locked dropout (dropouti)
       -> LSTM_1 -> locked dropout (dropouth) -> ... -> LSTM_L   each LSTM weight-dropped (wdrop)
+      -> [a linear projection to d_project: the output width, when asked]
       -> raw output (T, B, d_last) -> locked dropout (dropout) -> output (T, B, d_last)
 
 The backbone produces hidden states and knows nothing about the vocabulary distribution: the
@@ -56,6 +57,10 @@ class AWDLSTM(nn.Module):
         d_last: hidden size of the last layer, i.e. of the output; defaults to ``d_embed``,
             as tying with a plain softmax head requires. Heads with their own projection
             (MoS, MoC, Mixtape) let it be free.
+        d_project: when given, the last layer's output is projected linearly (with a bias) to
+            this width, which is then the output width ``d_last`` the head reads: a body
+            whose recurrence keeps its size while the output width varies (the bottleneck
+            map). None: no projection.
         dropout_embedding: ``dropoute``, whole-word dropout on the embedding (Sec. 4.3).
         dropout_input: ``dropouti``, locked dropout on the embedding output (Sec. 4.2).
         dropout_hidden: ``dropouth``, locked dropout between LSTM layers.
@@ -73,6 +78,7 @@ class AWDLSTM(nn.Module):
         d_hidden: int = 1150,
         n_layers: int = 3,
         d_last: int | None = None,
+        d_project: int | None = None,
         dropout_embedding: float = 0.1,
         dropout_input: float = 0.4,
         dropout_hidden: float = 0.3,
@@ -88,12 +94,14 @@ class AWDLSTM(nn.Module):
             ("d_hidden", d_hidden),
             ("n_layers", n_layers),
             ("d_last", d_embed if d_last is None else d_last),
+            ("d_project", 1 if d_project is None else d_project),
         ):
             check_positive_int(name, value)
         self.vocab_size = vocab_size
         self.d_embed = d_embed
-        self.d_last = d_embed if d_last is None else d_last
-        self.layer_sizes = tuple([d_hidden] * (n_layers - 1) + [self.d_last])
+        last_layer = d_embed if d_last is None else d_last
+        self.layer_sizes = tuple([d_hidden] * (n_layers - 1) + [last_layer])
+        self.d_last = last_layer if d_project is None else d_project  # the output width
         self.dropout_embedding = check_probability("dropout_embedding", dropout_embedding)
         self.ar_alpha = _check_non_negative("ar_alpha", ar_alpha)
         self.tar_beta = _check_non_negative("tar_beta", tar_beta)
@@ -106,6 +114,8 @@ class AWDLSTM(nn.Module):
             WeightDrop(nn.LSTM(d_in, d_out), weight_drop)
             for d_in, d_out in zip(inputs, self.layer_sizes, strict=True)
         )
+        # (T, B, last_layer) -> (T, B, d_project)
+        self.projection = None if d_project is None else nn.Linear(last_layer, d_project)
         self.input_dropout = LockedDropout(check_probability("dropout_input", dropout_input))
         self.hidden_dropout = LockedDropout(check_probability("dropout_hidden", dropout_hidden))
         self.output_dropout = LockedDropout(check_probability("dropout_output", dropout_output))
@@ -134,6 +144,8 @@ class AWDLSTM(nn.Module):
             new_state.append(layer_state)
             if i < self.n_layers - 1:
                 x = self.hidden_dropout(x)
+        if self.projection is not None:
+            x = self.projection(x)  # (T, B, d_project)
         output = self.output_dropout(x)  # (T, B, d_last)
         return output, new_state, AWDLSTMExtras(raw_output=x, dropped_output=output)
 
@@ -157,7 +169,8 @@ class AWDLSTM(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"vocab_size={self.vocab_size}, d_embed={self.d_embed}, "
-            f"layer_sizes={self.layer_sizes}, dropout_embedding={self.dropout_embedding}, "
+            f"layer_sizes={self.layer_sizes}, d_last={self.d_last}, "
+            f"dropout_embedding={self.dropout_embedding}, "
             f"ar_alpha={self.ar_alpha}, tar_beta={self.tar_beta}"
         )
 

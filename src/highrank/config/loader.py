@@ -324,9 +324,11 @@ RULES: dict[str, Rule] = {
             "log_every",
             "checkpoint_every",
             "chunk_size",
+            "patience",
         )
     },
     "train.max_nonfinite_skips": NON_NEGATIVE,
+    "train.patience_min_delta": NON_NEGATIVE_FINITE,
     "train.checkpoint_minutes": NON_NEGATIVE_FINITE,
     "train.lr": POSITIVE_FINITE,
     "train.weight_decay": NON_NEGATIVE_FINITE,

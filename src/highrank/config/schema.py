@@ -78,6 +78,8 @@ class ModelConfig:
         d_hidden: hidden size of the inner LSTM layers.
         n_layers: number of stacked single-layer LSTMs.
         d_last: output size of the last LSTM; None (unset): d_embed.
+        d_project: a linear projection of the last LSTM's output to this width, then the
+            output width the head reads; None (unset): no projection.
         tie_weights: share the embedding matrix with the head's decoder.
         dropout_embedding: ``dropoute``, whole embedding rows dropped.
         dropout_input: ``dropouti``, locked dropout on the embeddings.
@@ -116,6 +118,7 @@ class ModelConfig:
     d_hidden: int = 1150
     n_layers: int = 3
     d_last: int | None = None
+    d_project: int | None = None
     tie_weights: bool = True
     dropout_embedding: float = 0.1
     dropout_input: float = 0.4
@@ -177,6 +180,10 @@ class TrainConfig:
             2**21 logits (see OutputHead.loss).
         max_nonfinite_skips: steps with a non-finite loss or gradient that may be skipped
             before the run stops with an error.
+        patience: stop the stage when this many epoch-end validations in a row did not lower
+            the best validation loss by more than patience_min_delta (early stopping; it
+            applies to finetuning too); None (unset): run to train.epochs.
+        patience_min_delta: the improvement in nats per token that counts for patience.
 
     The ``seq2seq`` family (:mod:`highrank.train.seq2seq`; lr is the peak learning rate):
 
@@ -219,6 +226,8 @@ class TrainConfig:
     checkpoint_minutes: float = 10.0
     chunk_size: int | None = None
     max_nonfinite_skips: int = 10
+    patience: int | None = None
+    patience_min_delta: float = 0.0
     max_tokens: int = 4096
     label_smoothing: float = 0.1
     warmup_steps: int = 4000

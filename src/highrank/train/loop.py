@@ -183,7 +183,20 @@ class Trainer:
         self.log.validation(record, val_loss, improved, seconds, verdict)
         if verdict.stop_reason:
             p.done, p.stop_reason = True, verdict.stop_reason
+        elif kind == "epoch" and self._out_of_patience(val_loss):
+            p.done, p.stop_reason = True, "patience"
         return improved
+
+    def _out_of_patience(self, val_loss: float) -> bool:
+        """train.patience: whether this many epoch-end validations in a row have not lowered
+        the best loss by more than train.patience_min_delta."""
+        p, train = self.progress, self.config.train
+        if train.patience is None:
+            return False
+        if val_loss < p.patience_loss - train.patience_min_delta:
+            p.patience_loss, p.patience_epoch = val_loss, p.epoch
+            return False
+        return p.epoch - p.patience_epoch >= train.patience
 
     def _record(self, kind: str, meter: Meter) -> dict[str, Any]:
         return self.log.record(kind, meter, self.recipe.lr, self.recipe.phase)

@@ -64,6 +64,8 @@ RESUME_OVERRIDES = (
     "train.checkpoint_every",
     "train.max_nonfinite_skips",
     "train.checkpoint_minutes",
+    "train.patience",  # when to stop, decided at epoch ends: may be changed for what is left
+    "train.patience_min_delta",
     "run.device",
     "data.dir",
     "data.cache_dir",

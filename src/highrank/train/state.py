@@ -64,6 +64,9 @@ class Progress:
     step: int = 0
     best_val_loss: float = math.inf
     best_epoch: int = 0
+    # train.patience: the best loss by more than patience_min_delta, and its epoch
+    patience_loss: float = math.inf
+    patience_epoch: int = 0
     consecutive_skips: int = 0
     done: bool = False
     stop_reason: str = ""

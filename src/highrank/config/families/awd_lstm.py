@@ -24,6 +24,7 @@ AWD_LSTM = Family(
             "d_hidden": POSITIVE,
             "n_layers": POSITIVE,
             "d_last": POSITIVE,
+            "d_project": POSITIVE,
             "dropout_embedding": PROBABILITY,
             "dropout_input": PROBABILITY,
             "dropout_hidden": PROBABILITY,
