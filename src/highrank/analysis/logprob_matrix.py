@@ -8,10 +8,11 @@ matrix the rank study of Kanai et al. / Ganea et al. looks at before normalisati
 
 The matrix is written block by block (PTB test: 82,429 x 10,000 = 3.3 GB; the WikiText-2 test
 set: 245,568 x 33,278 = 33 GB), so it never has to fit in memory, to a temporary file that is
-renamed into place when complete. Next to ``NAME.npy`` go ``NAME.contexts.npz`` (``positions``
-and ``targets`` of each row) and ``NAME.json`` (what was written, from what, and how).
-:func:`iter_row_blocks` reads it back in blocks with plain file reads, not a memory map, so a
-reader's resident memory stays at one block however large the file.
+renamed into place when complete (:func:`highrank.util.npy.write_matrix`). Next to
+``NAME.npy`` go ``NAME.contexts.npz`` (``positions`` and ``targets`` of each row) and
+``NAME.json`` (what was written, from what, and how). :func:`iter_row_blocks` reads it back in
+blocks with plain file reads, not a memory map, so a reader's resident memory stays at one
+block however large the file.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,10 +30,10 @@ from highrank.analysis.contexts import count_contexts, iter_contexts
 from highrank.analysis.output import read_json, write_json
 from highrank.heads import OutputHead
 from highrank.model import LanguageModel
-from highrank.util.atomic import fsync_directory, remove_temporaries, sync, temporary_beside
+from highrank.util.npy import MATRIX_DTYPE, write_matrix  # noqa: F401  (its old home)
 
 MATRIX_KINDS = ("log_prob", "logits")
-_DTYPE = np.dtype("<f4")
+_DTYPE = MATRIX_DTYPE
 _HEADER_READERS = {
     (1, 0): np.lib.format.read_array_header_1_0,
     (2, 0): np.lib.format.read_array_header_2_0,
@@ -63,44 +64,6 @@ def check_kind(head: OutputHead, kind: str) -> None:
 # ---- writing ------------------------------------------------------------------------------
 
 
-class _NpyWriter:
-    """Appends float32 row blocks to a ``.npy`` of known shape, atomically renamed on close."""
-
-    def __init__(self, path: Path, shape: tuple[int, int]) -> None:
-        self.path, self.shape, self.rows_written = path, shape, 0
-        # A write killed outright (SIGKILL, out of memory) leaves its temporary file: the next
-        # write of the same matrix deletes it (and the fixed-name one of older versions), so at
-        # most one stays behind. Two processes must never write one matrix at once.
-        remove_temporaries(path)
-        path.with_name(f".{path.name}.partial").unlink(missing_ok=True)
-        self.file: BinaryIO
-        self.file, self.temporary = temporary_beside(path)
-        header = {"descr": _DTYPE.str, "fortran_order": False, "shape": shape}
-        np.lib.format.write_array_header_2_0(self.file, header)
-
-    def append(self, rows: np.ndarray) -> None:
-        if rows.ndim != 2 or rows.shape[1] != self.shape[1]:
-            raise ValueError(f"a block of shape {rows.shape} does not fit a {self.shape} matrix")
-        if self.rows_written + rows.shape[0] > self.shape[0]:
-            raise ValueError(f"more rows than the {self.shape[0]} announced for {self.path}")
-        self.file.write(np.ascontiguousarray(rows, dtype=_DTYPE).tobytes())
-        self.rows_written += rows.shape[0]
-
-    def commit(self) -> None:
-        if self.rows_written != self.shape[0]:
-            raise ValueError(
-                f"{self.path}: {self.rows_written} rows written but {self.shape[0]} announced"
-            )
-        sync(self.file)
-        self.file.close()
-        os.replace(self.temporary, self.path)
-        fsync_directory(self.path.parent)
-
-    def abort(self) -> None:
-        self.file.close()
-        Path(self.temporary).unlink(missing_ok=True)
-
-
 class DiskSpaceError(ValueError):
     """A matrix would not fit in the free space of the disk it is to be written to."""
 
@@ -120,24 +83,6 @@ def check_disk_space(path: str | os.PathLike, shape: tuple[int, int]) -> int:
             "another --out"
         )
     return needed
-
-
-def write_matrix(
-    path: str | os.PathLike, blocks: Iterable[np.ndarray | torch.Tensor], shape: tuple[int, int]
-) -> Path:
-    """Stream row ``blocks`` (each ``(n_i, cols)``, summing to ``shape[0]`` rows) into the
-    float32 ``.npy`` at ``path``; nothing appears at ``path`` unless every row arrived."""
-    writer = _NpyWriter(Path(path), (int(shape[0]), int(shape[1])))
-    try:
-        for block in blocks:
-            if isinstance(block, torch.Tensor):
-                block = block.detach().float().cpu().numpy()
-            writer.append(block)
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
-    return Path(path)
 
 
 def write_head_matrix(

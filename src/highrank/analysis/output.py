@@ -2,8 +2,9 @@
 
 Every ``highrank analyze`` verb keeps one JSON record per run in ``RUN_DIR/analysis/``
 (:func:`run_record_path`), so ``highrank report`` can assemble them later without recomputing,
-and prints a table a person reads. Records are written atomically (temporary file in the
-same directory, then renamed), so an interrupted analysis never leaves half a file.
+and prints a table a person reads. Records are written by the package's one JSON writer,
+:func:`highrank.util.atomic.write_json` (atomically: an interrupted analysis never leaves half a
+file; NumPy values as plain numbers, non-finite floats as null), importable from here too.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from highrank.util.atomic import write_text_atomic
+from highrank.util.atomic import write_json  # noqa: F401  (the one JSON writer)
 
 ANALYSIS_DIR = "analysis"
 
@@ -40,15 +41,6 @@ def record_tag(
     if max_contexts is not None:
         tag += f"-first{max_contexts}"
     return tag
-
-
-def write_json(path: str | os.PathLike, record: Mapping[str, Any]) -> Path:
-    """Write ``record`` as indented JSON, atomically; NumPy scalars and arrays become plain
-    numbers and lists, non-finite floats become null. Returns the path."""
-    path = Path(path)
-    text = json.dumps(_plain(record), indent=2, allow_nan=False) + "\n"
-    write_text_atomic(path, text)
-    return path
 
 
 def read_json(path: str | os.PathLike) -> dict[str, Any]:
@@ -125,20 +117,3 @@ def is_number(value: Any) -> bool:
     return value is None or (
         isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
     )
-
-
-def _plain(value: Any) -> Any:
-    """JSON-ready copy: NumPy/torch scalars and arrays to Python, NaN/inf to None."""
-    if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    if isinstance(value, np.ndarray):
-        return _plain(value.tolist())
-    if hasattr(value, "tolist") and not isinstance(value, str):  # torch tensors, numpy scalars
-        return _plain(value.tolist())
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, os.PathLike):
-        return str(value)
-    return value

@@ -35,6 +35,7 @@ from highrank.analysis.rows import RowSource
 from highrank.analysis.spectrum import plot_spectrum
 from highrank.runs.locks import exclusive
 from highrank.util.atomic import atomic_file, write_text_atomic
+from highrank.util.machine import available_memory as available_memory_bytes  # plan_gram's probe
 from highrank.util.progress import progress_bar, progress_note
 
 EFFECTIVE_RANK_EPSILONS = (1e-3, 1e-4, 1e-5)
@@ -349,22 +350,6 @@ def _gram_bytes(m: int, n: int, block_rows: int, backend: str) -> tuple[int, int
         chunk = min(_RowGramUpdate.COLUMNS, n)
         work = 8 * rows * n + 16 * rows * chunk + 8 * rows * rows
     return gram, work, gram if backend == "torch" else 0
-
-
-def available_memory_bytes(device: str | torch.device = "cpu") -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` (free GPU memory for a CUDA ``device``), in
-    bytes; ``None`` where it cannot be read."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo", encoding="ascii") as file:
-            for line in file:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _gb(count: int) -> str:

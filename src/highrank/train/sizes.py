@@ -3,12 +3,11 @@ counted on the ``meta`` device, before anything is allocated (every run kind che
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from highrank.config import Config, ConfigError
 from highrank.model import count_parameters
+from highrank.util.machine import available_memory
 
 # Float32 copies of the parameters training holds at least: weights, gradients, and one of
 # optimizer state (ASGD's averages; Adam holds two): activations come on top.
@@ -40,25 +39,6 @@ def _size_keys(config: Config) -> str:
         "seq2seq": ("d_embed", "d_ff", "n_encoder_layers", "n_decoder_layers"),
     }.get(config.model.backbone, ("d_embed",))
     return ", ".join(f"model.{name} = {getattr(config.model, name)}" for name in names)
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free on ``device`` (MemAvailable for the CPU), None when unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def parameter_count(config: Config, vocab_size: int) -> int:

@@ -9,7 +9,9 @@ of one; a write that fails removes its temporary file, and one killed outright l
 The file gets the mode a plain ``open()`` would give it (0o666 less the umask), not
 ``mkstemp``'s 0o600: caches, vocabularies, records and reports are meant to be read by others.
 
-    write_text_atomic(path, text)          text and JSON (UTF-8)
+    write_json(path, payload)              a JSON record (indented; NumPy/torch values as plain
+                                           numbers and lists, NaN/inf as null)
+    write_text_atomic(path, text)          text (UTF-8)
     write_bytes_atomic(path, data)         bytes
     with atomic_file(path) as handle:      whatever writes to a binary file (np.save, np.savez)
         np.save(handle, array)
@@ -21,12 +23,14 @@ appended block by block) use the same pieces: :func:`temporary_beside`, :func:`s
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 
 def temporary_beside(path: str | os.PathLike) -> tuple[BinaryIO, Path]:
@@ -90,9 +94,35 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Replace ``path`` by ``text`` (UTF-8) atomically; returns the path. JSON goes through
-    here too: ``write_text_atomic(path, json.dumps(record) + "\\n")``."""
+    """Replace ``path`` by ``text`` (UTF-8) atomically; returns the path."""
     return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json(path: str | os.PathLike, payload: Any) -> Path:
+    """Replace ``path`` by ``payload`` as indented JSON (and a newline), atomically; the folder
+    is created if need be. NumPy and torch scalars and arrays become plain numbers and lists,
+    non-finite floats ``null`` (the file stays valid JSON), paths and other values JSON cannot
+    hold their ``str``. Returns the path: the one JSON writer of the package (run records,
+    analysis records, retrofit plans, states' side files)."""
+    text = json.dumps(json_ready(payload), indent=2, allow_nan=False, default=str) + "\n"
+    return write_text_atomic(path, text)
+
+
+def json_ready(value: Any) -> Any:
+    """A copy of ``value`` that :func:`json.dumps` takes as it is meant: mappings with string
+    keys, lists for tuples and arrays (anything with ``tolist``: NumPy, torch), ``None`` for
+    NaN and infinities, ``str`` for paths."""
+    if isinstance(value, Mapping):
+        return {str(key): json_ready(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(item) for item in value]
+    if hasattr(value, "tolist") and not isinstance(value, str):  # NumPy, torch
+        return json_ready(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, os.PathLike):
+        return str(value)
+    return value
 
 
 def remove_temporaries(path: str | os.PathLike) -> list[Path]:
@@ -115,9 +145,11 @@ def _umask() -> int:
 __all__ = [
     "atomic_file",
     "fsync_directory",
+    "json_ready",
     "remove_temporaries",
     "sync",
     "temporary_beside",
     "write_bytes_atomic",
+    "write_json",
     "write_text_atomic",
 ]

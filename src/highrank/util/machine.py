@@ -14,7 +14,10 @@ number can always be traced to the hardware and the versions that produced it::
     gpus             the names of the visible CUDA devices ([] without)
     note             what the numbers should be read with, e.g. "shared with other jobs"
 
-torch and numpy are imported when the description is made, not with this module.
+:func:`available_memory` is the one memory probe: what training, the rank instruments and a
+retrofit check their plans against before any long work.
+
+torch and numpy are imported when they are needed, not with this module.
 """
 
 from __future__ import annotations
@@ -61,6 +64,30 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def available_memory(device: Any = "cpu") -> int | None:
+    """Bytes free on ``device`` (a ``torch.device`` or its name): free GPU memory for CUDA,
+    ``MemAvailable`` of ``/proc/meminfo`` for the CPU (the free physical pages where that file
+    is missing); ``None`` where it cannot be known (another device, an unreadable probe)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def machine_line(machine: dict[str, Any]) -> str:
     """One line for a table's caption: ``<cpu>, <n> CPUs, torch <version> (<t> threads)``,
     the GPUs and the note when there are any."""
@@ -73,4 +100,4 @@ def machine_line(machine: dict[str, Any]) -> str:
     return line + (f"; {machine['note']}" if machine.get("note") else "")
 
 
-__all__ = ["cpu_model", "describe_machine", "machine_line"]
+__all__ = ["available_memory", "cpu_model", "describe_machine", "machine_line"]
