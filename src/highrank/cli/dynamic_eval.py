@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from highrank.cli.common import guarded, positive_int
-from highrank.cli.evaluate import add_eval_options, load_for_eval, report_eval, split_ids
+from highrank.cli.evaluate import add_eval_options, report_eval
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,9 +27,11 @@ def run(args: argparse.Namespace) -> int:
         refuse_transformer_dynamic_eval,
     )
     from highrank.evaluate.perplexity import evaluate_perplexity
+    from highrank.evaluate.run import eval_record, load_for_eval, split_tokens
 
     def job() -> int:
-        model, config, corpus = load_for_eval(args)
+        loaded = load_for_eval(args.run_dir, args.which, data_dir=args.data_dir)
+        model, config, corpus = loaded.model, loaded.config, loaded.corpus
         refuse_transformer_dynamic_eval(config)
         settings = config.dynamic_eval
         stats = gradient_statistics(
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         # The same tokens in the same segments, without adapting: the figure to compare with.
         static = evaluate_perplexity(
             model,
-            split_ids(args, corpus),
+            split_tokens(corpus, args.split, args.max_tokens),
             batch_size=settings.batch_size,
             bptt=settings.bptt,
             progress=not args.no_progress,
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         )
         result = dynamic_evaluate(
             model,
-            split_ids(args, corpus),
+            split_tokens(corpus, args.split, args.max_tokens),
             stats,
             **knobs,
             batch_size=settings.batch_size,
@@ -72,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
             "max_stats_batches": args.max_stats_batches,
             "static_perplexity": static.perplexity,
         }
-        report_eval(args, "dynamic-eval", result, extra, corpus)
+        record = eval_record(
+            loaded, args.run_dir, args.which, args.split, result, extra,
+            max_tokens=args.max_tokens,
+        )
+        report_eval(args, "dynamic-eval", record)
         print(f"static perplexity of the same {static.tokens:,} tokens in the same segments "
               f"(no adaptation): {static.perplexity:.2f}")
         return 0

@@ -1,12 +1,15 @@
 """``highrank eval``: perplexity of a trained run on a split (hidden state carried).
 
-Also the options and the JSON record ``highrank dynamic-eval`` shares with it.
+The work is :func:`highrank.evaluate.run.evaluate_run`; this verb writes its record and prints
+it (a translation run: ``highrank translate``'s BLEU). Also the options and the record writing
+``highrank dynamic-eval`` shares with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from highrank.cli.common import guarded, positive_int
 from highrank.cli.translate import add_search_options, translate
@@ -30,51 +33,21 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def load_for_eval(args: argparse.Namespace):
-    """The run's model, config and corpus, checked against the run's vocabulary."""
-    from highrank.model import load_run_corpus
-
-    return load_run_corpus(args.run_dir, args.which, data_dir=args.data_dir)
-
-
-def split_ids(args: argparse.Namespace, corpus):
-    """The split's token ids, the first ``--max-tokens`` of them when given: a memory map for
-    a ``data.memmap`` run (:func:`highrank.data.streaming.split_stream`; read a segment at a
-    time)."""
-    from highrank.data.streaming import split_stream
-
-    ids = split_stream(corpus, args.split)
-    return ids if args.max_tokens is None else ids[: args.max_tokens]
-
-
-def report_eval(args: argparse.Namespace, kind: str, result, extra: dict, corpus=None) -> None:
-    """Write the record (:func:`record_name`) and print its one-line summary.
+def report_eval(args: argparse.Namespace, kind: str, record: dict) -> None:
+    """Write ``record`` (:func:`highrank.evaluate.run.record_file`) and print its summary.
 
     The record names the checkpoint (file and sha256), the data directory, the split, the
     tokens scored and a sha256 of the split's file, so a figure can always be traced back.
     A character-level run's record also holds its bits per character.
     """
-    from highrank.analysis.output import write_json
-    from highrank.data.chars import bits_per_char
-    from highrank.evaluate.records import data_facts, record_path
+    from highrank.evaluate.run import record_file
+    from highrank.util.atomic import write_json
 
-    data = data_facts(args, corpus)
-    if corpus is not None and corpus.mode == "char":  # <eos> counted: it stands for a newline
-        extra = {**extra, "bits_per_char": bits_per_char(result.loss, 1)}
-    record = {
-        "split": args.split,
-        "checkpoint": args.which,
-        **data,
-        "loss": result.loss,
-        "perplexity": result.perplexity,
-        "tokens": result.tokens,
-        **extra,
-    }
-    path = write_json(record_path(args.run_dir, kind, args.split, args.which, data), record)
-    bpc = f", {extra['bits_per_char']:.4f} bits per character" if "bits_per_char" in extra else ""
+    path = write_json(record_file(args.run_dir, record, kind), record)
+    bpc = f", {record['bits_per_char']:.4f} bits per character" if "bits_per_char" in record else ""
     print(
-        f"{kind} {args.split}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f}{bpc} "
-        f"over {result.tokens:,} tokens; wrote {path}"
+        f"{kind} {args.split}: loss {record['loss']:.4f}, perplexity {record['perplexity']:.2f}"
+        f"{bpc} over {record['tokens']:,} tokens; wrote {path}"
     )
 
 
@@ -103,47 +76,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.evaluate.perplexity import (
-        check_segment_length,
-        default_bptt,
-        evaluate_perplexity,
-        write_token_nll,
-    )
     from highrank.train import distributed
 
     if distributed.only_process_zero("evaluation"):  # one evaluation, not one per process
         return 0
-    if args.bleu or _is_translation_run(args.run_dir):
-        word_only = [f"--{name.replace('_', '-')}" for name in WORD_LM_OPTIONS
-                     if getattr(args, name, None)]
-        if word_only:  # never decode the whole split and overwrite another evaluation's files
-            print(f"highrank eval: error: {', '.join(word_only)} applies to language-model runs;"
-                  " a translation run translates and scores whole sentences (`highrank "
-                  "translate` has the decoding options)", file=sys.stderr)
-            return 2
-        return guarded("eval", lambda: translate(args))
 
     def job() -> int:
-        model, config, corpus = load_for_eval(args)
-        default_batch = {
-            "valid": config.train.eval_batch_size,
-            "test": config.train.test_batch_size,
-        }
-        batch_size = args.batch_size or default_batch[args.split]
-        bptt = check_segment_length(config, args.bptt or default_bptt(config))
-        result = evaluate_perplexity(
-            model,
-            split_ids(args, corpus),
-            batch_size=batch_size,
-            bptt=bptt,
+        from highrank.evaluate.run import evaluate_run, is_translation_run, run_config
+
+        own_config = run_config(args.run_dir)  # read once (None: the checks below say why)
+        if args.bleu or is_translation_run(own_config):
+            return _translate(args)
+        record = evaluate_run(
+            args.run_dir,
+            args.split,
+            args.which,
+            data_dir=args.data_dir,
+            max_tokens=args.max_tokens,
+            batch_size=args.batch_size,
+            bptt=args.bptt,
+            token_nll=args.token_nll or None,
             progress=not args.no_progress,
-            return_token_nll=bool(args.token_nll),
-            name=str(corpus.path(args.split)),
+            own_config=own_config,
         )
         if args.token_nll:
-            print(f"wrote {write_token_nll(args.token_nll, result, corpus.vocab)}")
-        extra = {"batch_size": batch_size, "bptt": bptt}
-        report_eval(args, "eval", result, extra, corpus)
+            print(f"wrote {Path(args.token_nll)}")
+        report_eval(args, "eval", record)
         return 0
 
     return guarded("eval", job)
@@ -153,14 +111,13 @@ def run(args: argparse.Namespace) -> int:
 WORD_LM_OPTIONS = ("max_tokens", "token_nll", "bptt", "batch_size")
 
 
-def _is_translation_run(run_dir: str) -> bool:
-    """Whether RUN_DIR's config is one of a translation family, seq2seq (False when it cannot
-    be read: the perplexity path then says what is wrong)."""
-    from highrank.config import FAMILIES, ConfigError, load_config
-    from highrank.runs.run_dir import CONFIG_FILE
-
-    try:
-        config = load_config(f"{run_dir}/{CONFIG_FILE}")
-        return FAMILIES[config.model.backbone].parallel_corpus
-    except ConfigError:
-        return False
+def _translate(args: argparse.Namespace) -> int:
+    """A translation run (or --bleu): translate the split and score it, as `highrank translate`."""
+    word_only = [f"--{name.replace('_', '-')}" for name in WORD_LM_OPTIONS
+                 if getattr(args, name, None)]
+    if word_only:  # never decode the whole split and overwrite another evaluation's files
+        print(f"highrank eval: error: {', '.join(word_only)} applies to language-model runs;"
+              " a translation run translates and scores whole sentences (`highrank "
+              "translate` has the decoding options)", file=sys.stderr)
+        return 2
+    return translate(args)

@@ -6,6 +6,8 @@
     dynamic.py     dynamic evaluation (Krause et al. 2017): gradient statistics, the RMS update
     records.py     where ``highrank eval`` / ``dynamic-eval`` keep a figure and what it was
                    computed from
+    run.py         evaluate_run(run_dir, split, which, ...) -> the record ``highrank eval``
+                   writes: the one library call that evaluates a run
 
 ``from highrank.evaluate import evaluate_perplexity, dynamic_evaluate`` keeps working as it did
 when this package was one module.
@@ -24,6 +26,7 @@ from highrank.evaluate.perplexity import (
     evaluate_perplexity,
     write_token_nll,
 )
+from highrank.evaluate.run import evaluate_run
 from highrank.evaluate.scoring import EvalResult, TokenIds
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "default_bptt",
     "dynamic_evaluate",
     "evaluate_perplexity",
+    "evaluate_run",
     "gradient_statistics",
     "refuse_transformer_dynamic_eval",
     "write_token_nll",

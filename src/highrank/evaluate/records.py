@@ -11,13 +11,13 @@ of the run's corpus (``"default_data"``), which ``highrank report`` and ``compar
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
-from highrank.runs.checkpoint import checkpoint_path
+from highrank.config import Config, load_config
+from highrank.runs.checkpoint import CONFIG_FILE, checkpoint_path
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -43,22 +43,33 @@ def split_sha256(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def data_facts(args: argparse.Namespace, corpus) -> dict[str, Any]:
-    """What a record says about its inputs (see the module docstring)."""
-    from highrank.config import load_config
-
-    checkpoint = checkpoint_path(args.run_dir, args.which)
-    own_dir = Path(load_config(Path(args.run_dir) / "config.toml").data.dir).resolve()
+def data_facts(
+    run_dir: str | os.PathLike,
+    which: str,
+    split: str,
+    corpus,
+    *,
+    max_tokens: int | None = None,
+    own_config: Config | None = None,
+) -> dict[str, Any]:
+    """What a record says about its inputs (see the module docstring): checkpoint ``which`` of
+    ``run_dir`` scored on ``split`` of ``corpus`` (its first ``max_tokens`` tokens when given).
+    ``own_config``: the run's ``config.toml`` when the caller has read it (read here when
+    None), whose ``data.dir`` tells whether ``corpus`` is the run's own."""
+    checkpoint = checkpoint_path(run_dir, which)
+    if own_config is None:
+        own_config = load_config(Path(run_dir) / CONFIG_FILE)
+    own_dir = Path(own_config.data.dir).resolve()
     data_dir = Path(corpus.directory).resolve()
-    split_file = corpus.path(args.split)
+    split_file = corpus.path(split)
     return {
         "checkpoint_file": str(checkpoint.resolve()),
         "checkpoint_sha256": file_sha256(checkpoint),
         "data_dir": str(data_dir),
         "split_file": str(split_file.resolve()),
         "data_sha256": split_sha256(split_file),  # a shard folder: over its shards
-        "max_tokens": args.max_tokens,
-        "default_data": data_dir == own_dir and args.max_tokens is None,
+        "max_tokens": max_tokens,
+        "default_data": data_dir == own_dir and max_tokens is None,
         "own_data_dir": data_dir == own_dir,
     }
 

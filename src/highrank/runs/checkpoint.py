@@ -386,7 +386,9 @@ def missing_best_hint(run_dir: str | os.PathLike) -> str:
     return f"checkpoint {path} does not exist: the run has saved no checkpoint yet"
 
 
-def read_run(run_dir: str | os.PathLike, which: str = "best") -> RunState:
+def read_run(
+    run_dir: str | os.PathLike, which: str = "best", *, own_config: Config | None = None
+) -> RunState:
     """What a run directory's checkpoint ``which`` holds, checked, but the model itself:
     :func:`highrank.model.load_run` builds that (this package knows no model).
 
@@ -395,6 +397,8 @@ def read_run(run_dir: str | os.PathLike, which: str = "best") -> RunState:
         which: ``"best"`` (lowest validation loss; averaged weights after the ASGD switch),
             ``"last"``, ``"finetuned"`` (best of ``highrank finetune``), ``"finetune-last"``,
             or a path to a ``.pt`` file.
+        own_config: the run's ``config.toml`` when the caller has read it already (it is then
+            not read again); read here when None.
 
     A missing run, checkpoint or vocabulary, or a vocabulary of another run, is a
     :class:`CheckpointError` saying what to do.
@@ -411,7 +415,7 @@ def read_run(run_dir: str | os.PathLike, which: str = "best") -> RunState:
         )
     payload = load_checkpoint(path)
     if Path(run_dir).resolve() in path.resolve().parents:  # a file of the run: it must be its own
-        check_own_checkpoint(run_dir, payload, path)
+        check_own_checkpoint(run_dir, payload, path, own_config=own_config)
     config = config_of(payload, path)
     vocab = Vocab.load(Path(run_dir) / VOCAB_FILE)
     if len(vocab) != payload["vocab_size"]:
@@ -423,11 +427,16 @@ def read_run(run_dir: str | os.PathLike, which: str = "best") -> RunState:
 
 
 def check_own_checkpoint(
-    run_dir: str | os.PathLike, payload: Mapping[str, Any], path: Path
+    run_dir: str | os.PathLike,
+    payload: Mapping[str, Any],
+    path: Path,
+    *,
+    own_config: Config | None = None,
 ) -> None:
     """Refuse a checkpoint of another run: its ``run_id`` differs from the run directory's
     (environment.json), or (checkpoints without an id) its model differs from the one
-    config.toml describes. Resume, finetune, eval and every analysis read a run through it."""
+    config.toml describes (``own_config`` when the caller read it already). Resume, finetune,
+    eval and every analysis read a run through it."""
     run_dir = Path(run_dir)
     ours, theirs = _run_id(run_dir), payload.get("run_id")
     if ours is not None and theirs is not None and ours != theirs:
@@ -438,7 +447,9 @@ def check_own_checkpoint(
         )
     try:
         stored = config_to_dict(config_of(payload, path))
-        own = config_to_dict(load_config(run_dir / CONFIG_FILE))
+        if own_config is None:
+            own_config = load_config(run_dir / CONFIG_FILE)
+        own = config_to_dict(own_config)
     except (ConfigError, CheckpointError, OSError):
         return  # an old config the schema no longer reads: the weights check still applies
     for section in ("model", "head"):
