@@ -5,7 +5,9 @@
         [--out benchmarks/results/ptb-transformer-lm]
 
 Two tables of the Transformer issue, made with highrank's own commands (each printed and kept
-in ``<out>/commands.txt``):
+in ``<out>/commands.txt``; the evaluations' records are computed in this process by
+``highrank.evaluate.evaluate_run``, the call behind ``highrank eval``, and logged as that
+command):
 
 * **word**: ``configs/ptb/transformer-<head>.toml`` for softmax, MoS (K = 5) and Mixtape, at
   one budget: ``--train.epochs=2 --train.warmup_steps=100`` (830 updates of 32 windows x 70
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 from pathlib import Path
 
 from benchmarks import _common
@@ -94,11 +97,29 @@ def record(path: Path) -> dict:
 
 
 def evaluate(args, run: Path) -> dict:
+    """The valid and test records of ``highrank eval RUN --split SPLIT``: the same record,
+    computed in this process (:func:`highrank.evaluate.evaluate_run` on ``--threads`` threads)
+    and written where the command keeps it; the command is logged as if it had run."""
+    import torch
+
+    from highrank.evaluate.run import evaluate_run, record_file
+    from highrank.util.atomic import write_json as write_record
+
     out = {}
     for split in ("valid", "test"):
         path = run / f"eval-{split}-best.json"
         if not path.is_file():
-            highrank(args, "eval", str(run), "--split", split, "--no-progress")
+            line = shlex.join(["highrank", "eval", str(run), "--split", split, "--no-progress"])
+            print(f"+ {line}", flush=True)
+            with open(Path(args.out) / "commands.txt", "a", encoding="utf-8") as log:
+                log.write(f"{line}  # in process: highrank.evaluate.evaluate_run\n")
+            threads = torch.get_num_threads()
+            torch.set_num_threads(args.threads)
+            try:
+                result = evaluate_run(run, split)
+            finally:
+                torch.set_num_threads(threads)
+            path = write_record(record_file(run, result), result)
         out[split] = record(path)
     return out
 

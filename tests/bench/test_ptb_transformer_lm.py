@@ -26,3 +26,37 @@ def test_a_row_holds_the_evaluations_the_rank_and_the_training_time(tmp_path):
     assert row["press_rank"] == 51 and row["logprob_matrix_shape"] == [64, 50]
     table = ptb_transformer_lm.table_markdown("char", [row])
     assert "| mos | 1.440 | 1.300 | 51 | 20 | 0.7 |" in table
+
+
+def test_evaluate_writes_the_records_highrank_eval_writes(tmp_path):
+    """The study's eval stage calls evaluate_run in process (issue 31 item 3): the records are
+    byte for byte those of `highrank eval`, and the command is logged."""
+    import argparse
+
+    from benchmarks import ptb_transformer_lm
+    from highrank.cli import main
+    from highrank.train import TrainOptions, train
+    from tests.train.test_interrupts import tiny
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split, lines in (("train", 60), ("valid", 12), ("test", 12)):
+        text = [" ".join(f"w{(i * 7 + j) % 20}" for j in range(6)) for i in range(lines)]
+        (corpus / f"{split}.txt").write_text("\n".join(text) + "\n")
+    run = tmp_path / "run"
+    train(tiny(corpus, run), options=TrainOptions(progress=False))
+    args = argparse.Namespace(threads=1, out=str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+
+    records = ptb_transformer_lm.evaluate(args, run)
+    for split in ("valid", "test"):
+        path = run / f"eval-{split}-best.json"
+        ours = path.read_bytes()
+        assert records[split] == json.loads(ours)
+        path.unlink()
+        assert main(["eval", str(run), "--split", split, "--no-progress"]) == 0
+        assert path.read_bytes() == ours
+    logged = (tmp_path / "out" / "commands.txt").read_text().splitlines()
+    assert [line.split("  #")[0] for line in logged] == [
+        f"highrank eval {run} --split {split} --no-progress" for split in ("valid", "test")
+    ]
