@@ -28,11 +28,19 @@ from highrank.util.argtypes import positive_int
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser, hf=True)
     parser.add_argument(
-        "--max-tokens",
+        "--max-contexts",
         type=positive_int,
         default=DEFAULT_MAX_TOKENS,
-        help=f"the first N contexts of the split or text ({DEFAULT_MAX_TOKENS}); a high-rank "
-        "head costs a Jacobian (d_in forward passes of the head) per token",
+        metavar="N",
+        help=f"the first N contexts (tokens) of the split or text ({DEFAULT_MAX_TOKENS}); a "
+        "high-rank head costs a Jacobian (d_in forward passes of the head) per token",
+    )
+    parser.add_argument(  # the old spelling, kept for scripts (one vocabulary: issue 31)
+        "--max-tokens",
+        type=positive_int,
+        dest="max_contexts",
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu)")
     parser.add_argument(
@@ -65,11 +73,11 @@ def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         split=args.split,
         which=args.which,
         data_dir=args.data_dir,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_contexts,
         device=args.device,
         progress=not args.no_progress,
     )
-    tag = record_tag(args.split, args.which, max_contexts=args.max_tokens)
+    tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
     return record, run_record_path(run_dir, "gradient-bottleneck", tag)
 
 
@@ -79,7 +87,7 @@ def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         args.text,
         window=args.window,
         bos=args.bos,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_contexts,
         device=args.device,
         progress=not args.no_progress,
     )

@@ -25,6 +25,7 @@ from highrank.cli.analyze.common import (
     record_each,
     write_summary,
 )
+from highrank.runs.checkpoint import CHECKPOINT_FILES, checkpoint_path
 from highrank.util.argtypes import positive_int
 
 
@@ -33,10 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "run_dirs", nargs="*", metavar="RUN_DIR", help="runs of `highrank train` (or --hf)"
     )
     parser.add_argument(
-        "--checkpoint",
+        "--which",
         action="append",
-        metavar="PT",
-        help="only these .pt files (repeatable; default: every checkpoint in RUN_DIR/checkpoints)",
+        metavar="CHECKPOINT",
+        help="only these checkpoints: best, last, finetuned, ... or .pt paths (repeatable; "
+        "default: every checkpoint in RUN_DIR/checkpoints)",
+    )
+    parser.add_argument(  # the old spelling, kept for scripts (one vocabulary: issue 31)
+        "--checkpoint", action="append", dest="which", default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--split", choices=("train", "valid", "test"), default="test")
     parser.add_argument("--data-dir", help="corpus folder (default: each run's data.dir)")
@@ -91,15 +97,24 @@ def _run_all(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> None:
     check_runs_or_hf(args, SaturationError)
-    if args.checkpoint and len(args.run_dirs) > 1:
-        raise SaturationError("--checkpoint names files of one run; give one RUN_DIR with it")
+    for which in args.which or ():
+        if which not in CHECKPOINT_FILES and not which.endswith(".pt"):
+            raise SaturationError(
+                f"--which {which} names no checkpoint; expected one of "
+                f"{', '.join(CHECKPOINT_FILES)} or a path to a .pt file"
+            )
+        if which.endswith(".pt") and len(args.run_dirs) > 1:
+            raise SaturationError(
+                f"--which {which} names a file of one run; give one RUN_DIR with it (the "
+                "names best, last, ... apply to each run)"
+            )
 
 
 def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     record = analyze_saturation_run(
         run_dir,
         split=args.split,
-        checkpoints=args.checkpoint,
+        checkpoints=[checkpoint_path(run_dir, w) for w in args.which] if args.which else None,
         data_dir=args.data_dir,
         max_contexts=args.max_contexts,
         top_k=args.top_k,
