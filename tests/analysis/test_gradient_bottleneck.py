@@ -200,3 +200,23 @@ def test_mos_closed_form_jacobian_equals_forward_mode():
     reference = vmap(jacfwd(lambda row: head.log_prob(row[None])[0]))(hidden)
     torch.testing.assert_close(mos_jacobians(head, hidden), reference, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(head_jacobians(head, hidden), reference, rtol=1e-5, atol=1e-6)
+
+
+def test_mos_closed_form_jacobian_of_a_float64_head_is_float64_and_exact():
+    """A float64 MoS head (as the float64 checks build) gets its Jacobian in float64: the
+    closed form once cast parts of it to float32 and failed on the mixed product."""
+    from torch.func import jacfwd, vmap
+
+    from highrank.analysis.gradient_bottleneck import head_jacobians, mos_jacobians
+
+    torch.manual_seed(7)
+    head = build_head("mos", d_in=7, vocab_size=50, n_components=3, d_embed=5).double().eval()
+    with torch.no_grad():
+        head.weight.normal_()
+        head.bias.normal_()
+    hidden = torch.randn(4, 7, dtype=torch.float64)
+    reference = vmap(jacfwd(lambda row: head.log_prob(row[None])[0]))(hidden)
+    got = mos_jacobians(head, hidden)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, reference, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(head_jacobians(head, hidden), reference, rtol=1e-10, atol=1e-12)

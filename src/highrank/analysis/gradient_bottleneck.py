@@ -207,19 +207,22 @@ def mos_jacobians(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         d log p_v / dg = sum_k r_kv [ (P_k - pi^T P) + (E_v - q_k^T E) diag(1 - h_k^2) A_k ]
 
     one (V x d_embed) by (d_embed x K d_in) product per token instead of d_in forward passes
-    of the head (tests check it against ``jacfwd``)."""
+    of the head (tests check it against ``jacfwd``). Computed in the head's dtype, float32 at
+    least (a half-precision head's parts are raised to float32, a float64 head stays float64)."""
     n, k, d_embed = hidden.shape[0], head.n_components, head.d_embed
-    log_prior = torch.log_softmax(head.prior(hidden).float(), dim=-1)  # (n, K)
+    dtype = torch.promote_types(head.weight.dtype, torch.float32)
+    log_prior = torch.log_softmax(head.prior(hidden).to(dtype), dim=-1)  # (n, K)
     latents = torch.tanh(head.latent(hidden)).view(n, k, d_embed)  # (n, K, de)
-    log_q = torch.log_softmax(head._decoder_logits(latents), dim=-1)  # (n, K, V)
+    log_q = torch.log_softmax(head._decoder_logits(latents).to(dtype), dim=-1)  # (n, K, V)
+    latents = latents.to(dtype)
     joint = log_prior[:, :, None] + log_q  # (n, K, V)
     r = (joint - torch.logsumexp(joint, dim=1, keepdim=True)).exp()  # (n, K, V)
-    prior = head.prior.weight.float()  # (K, d_in)
+    prior = head.prior.weight.to(dtype)  # (K, d_in)
     c = prior[None] - (log_prior.exp() @ prior)[:, None]  # (n, K, d_in): d log pi_k / dg
-    a = head.latent.weight.float().view(k, d_embed, -1)  # (K, de, d_in)
+    a = head.latent.weight.to(dtype).view(k, d_embed, -1)  # (K, de, d_in)
     b = (1 - latents.square())[..., None] * a[None]  # (n, K, de, d_in): d h_k / dg
     # E B_k for every token and component: one (V, de) @ (de, n K d_in) product
-    eb = head.weight.float() @ b.permute(2, 0, 1, 3).reshape(d_embed, -1)  # (V, n K d_in)
+    eb = head.weight.to(dtype) @ b.permute(2, 0, 1, 3).reshape(d_embed, -1)  # (V, n K d_in)
     eb = eb.view(-1, n, k, b.shape[-1])  # (V, n, K, d_in)
     qeb = torch.einsum("nkv,vnke->nke", log_q.exp(), eb)  # (n, K, d_in): q_k^T E B_k
     mixed = (r.permute(2, 0, 1)[..., None] * eb).sum(dim=2).permute(1, 0, 2)  # (n, V, d_in)
