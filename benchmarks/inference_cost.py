@@ -16,11 +16,15 @@ Issue 19's targets: MoS with K components within 1.15 K of the softmax, Mixtape 
 ``--profile ROWS`` profiles every variant instead (``profile-ROWS.md``/``.json``): the time in
 matrix products against everything else, and the costliest operators. ``--gemm-columns`` times
 the decoder's GEMM at Mixtape's block widths and the next multiples of 16 (``gemm-columns.md``).
+Every timing run records the machine's load (``os.getloadavg()``: 1, 5 and 15 minutes) just
+before and just after it (``load_average`` in each JSON record, a line in each table), so a
+figure said to come from a quiet machine can be checked against its record.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -68,6 +72,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="instead: time the decoder GEMM at column counts that are multiples of 16 or not",
     )
     return parser.parse_args(argv)
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15-minute load averages (``os.getloadavg()``, rounded to 0.01);
+    None where the platform keeps none."""
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def timed_load(run, *args) -> tuple:
+    """``run(*args)`` and the load averages just before and just after it."""
+    before = load_average()
+    out = run(*args)
+    return out, {"before": before, "after": load_average()}
+
+
+def load_line(loads: dict) -> str:
+    """One line naming the recorded load of every timing run (``loads``: label -> before/after)."""
+
+    def show(values):
+        return "not available" if values is None else " / ".join(f"{v:.2f}" for v in values)
+
+    parts = [f"{label}: {show(load['before'])} before, {show(load['after'])} after"
+             for label, load in loads.items()]  # fmt: skip
+    return "Load average (1 / 5 / 15 min, `os.getloadavg()`): " + "; ".join(parts) + ".\n"
 
 
 def build_heads():
@@ -146,7 +177,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + (
         f"\n\nTargets (issue 19): {targets}. Wall: wall-clock medians; CPU: medians of this "
         "process's CPU time, which leaves out the time other jobs held the cores.\n"
-    )
+    ) + ("\n" + load_line({f"{rows} rows": load for rows, load in result["load_average"].items()})
+         if "load_average" in result else "")  # fmt: skip
 
 
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
@@ -230,24 +262,27 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     heads = build_heads()
     if args.gemm_columns:
-        timings = gemm_columns(args.repeats)
+        timings, load = timed_load(gemm_columns, args.repeats)
         write_json(args.out / "gemm-columns.json",
                    {"d": D_MODEL, "repeats": args.repeats, "timings": timings,
-                    "machine": machine(args.threads, note="shared with other jobs")})  # fmt: skip
+                    "machine": machine(args.threads, note="shared with other jobs"),
+                    "load_average": load})  # fmt: skip
         table = "| rows x columns | CPU ms (median) | time per value vs 256 x 49,152 |\n"
         table += "|---|---:|---:|\n" + "".join(
             f"| {shape} | {t['median_cpu_ms']:.1f} | {t['per_value_vs_softmax']:.2f} |\n"
             for shape, t in timings.items()
         )
+        table += "\n" + load_line({"GEMMs": load})
         (args.out / "gemm-columns.md").write_text(table)
         print(table)
         return 0
     if args.profile:
-        profiles = profile_rows(heads, args.profile)
+        profiles, load = timed_load(profile_rows, heads, args.profile)
         write_json(args.out / f"profile-{args.profile}.json",
                    {"rows": args.profile, "machine": machine(args.threads, note="shared with "
-                    "other jobs while it ran"), "variants": profiles})  # fmt: skip
-        table = profile_markdown(profiles, args.profile)
+                    "other jobs while it ran"), "load_average": load,
+                    "variants": profiles})  # fmt: skip
+        table = profile_markdown(profiles, args.profile) + "\n" + load_line({"profile": load})
         (args.out / f"profile-{args.profile}.md").write_text(table)
         print(table)
         return 0
@@ -257,9 +292,12 @@ def main(argv=None) -> int:
                      "earlier_paths": {k: [of, attrs] for k, (of, attrs) in EARLIER.items()}},
         "machine": machine(args.threads, note="shared with other jobs while it ran"),
         "rows": {},
+        "load_average": {},
     }  # fmt: skip
     for rows in (int(r) for r in args.rows.split(",")):
-        result["rows"][str(rows)] = time_rows(heads, rows, args.repeats)
+        result["rows"][str(rows)], result["load_average"][str(rows)] = timed_load(
+            time_rows, heads, rows, args.repeats
+        )
         print(f"rows {rows}: " + ", ".join(
             f"{h} {c['ratio_to_softmax']:.2f}x (CPU {c['cpu_ratio_to_softmax']:.2f}x)"
             for h, c in result["rows"][str(rows)].items()
