@@ -17,7 +17,9 @@ default; lr ``--lr``, linear warm-up, cosine decay to 0, gradient-norm clip 1, n
 
 * ``own``: SmolLM2's own softmax head fine-tuned (decoder and a zero-initialised bias);
 * ``control``: the rank-bounded capacity control ``mlp_softmax``, the softmax over
-  g + Z tanh(W g + a) with width 2 d (as many new parameters as MoS-2);
+  g + Z tanh(W g + a) with width 2 d (1,328,256 new parameters at d = 576: 1,152 fewer than
+  MoS-2's 1,329,408); ``control3m``: the same at width 2,687 (3,098,111: 218 fewer than
+  Mixtape's 3,098,329, 439,295 more than MoS-4's 2,658,816);
 * ``mos2``, ``mos4``: Mixture of Softmaxes with 2 and 4 components (residual contexts);
 * ``mixtape``: Mixtape (gate_dim 64, frequent fraction 0.1 of the tokenizer's ids, which are
   not frequency-ordered: "frequent" is only the first 10% of ids), residual contexts;
