@@ -41,6 +41,7 @@ LAYERS = [
     ),
     ("highrank.model",),
     ("highrank.mt.translation",),
+    ("highrank.causal_lm",),
     ("highrank.train", "highrank.evaluate"),
     ("highrank.analysis",),
     ("highrank.demo", "highrank.bench", "highrank.integrations"),

@@ -3,7 +3,9 @@
 The instruments of :mod:`highrank.analysis` (rank, pairwise KL, top-k) read the log-prob rows
 ``log P(. | context)`` of highrank's own runs through :mod:`~highrank.analysis.contexts`; this
 module gives them the same rows from any ``transformers`` causal LM (``AutoModelForCausalLM``):
-a local model folder (``save_pretrained`` output) or a ``.gguf`` file, loaded offline.
+a local model folder (``save_pretrained`` output) or a ``.gguf`` file, loaded offline by
+:mod:`highrank.causal_lm` (loading, the text's token ids and the windows live there; their
+names are importable from here too).
 
 **How contexts are read.** The text file is tokenised whole by the model's tokenizer, without
 special tokens: ids ``x_0 .. x_{N-1}``. The stream is cut into non-overlapping windows of ``W``
@@ -43,8 +45,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,223 +54,28 @@ import numpy as np
 import torch
 
 from highrank.analysis.logprob_matrix import ContextRows, write_context_matrix
+from highrank.causal_lm import (  # noqa: F401  (loading and windows live there; old imports)
+    DEFAULT_MAX_WINDOW,
+    INSTALL_HINT,
+    HFInputError,
+    check_finite_weights,
+    check_window,
+    default_window,
+    load_causal_lm,
+    max_positions,
+    model_source,
+    require_hf,
+    text_token_ids,
+    vocab_width,
+)
 from highrank.util.progress import progress_bar
 
-DEFAULT_MAX_WINDOW = 1024
 # Logits entries of one batch of windows: 256 MB of float32 logits, about 6 times that at the
 # peak of their float64 normalisation.
 BATCH_ELEMENTS = 2**26
-INSTALL_HINT = "pip install 'highrank[hf]'"
-
-
-class HFInputError(ValueError):
-    """A model path, text file or reading option the Hugging Face contexts cannot use."""
-
-
-# ---- loading a model and a text -------------------------------------------------------------
-
-
-def model_source(path: str | os.PathLike) -> tuple[Path, str | None]:
-    """``(folder, gguf file name or None)`` of a model path: a folder holding ``config.json``
-    (``save_pretrained`` output) or a ``.gguf`` file; anything else is refused, naming it."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise HFInputError(
-            f"model {path} does not exist; expected a model folder (save_pretrained output, "
-            "with config.json) or a .gguf file"
-        )
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise HFInputError(
-                f"model folder {path} has no config.json; expected the output of "
-                "save_pretrained (config.json and the weights) or a .gguf file"
-            )
-        return path, None
-    if path.suffix.lower() != ".gguf":
-        raise HFInputError(
-            f"model {path} is a file but not a .gguf file; expected a model folder "
-            "(save_pretrained output) or a .gguf file"
-        )
-    return path.parent, path.name
-
-
-def require_hf(gguf: bool = False) -> None:
-    """Raise :class:`HFInputError` naming the missing package when the ``hf`` extra (and,
-    for a ``.gguf`` file, the ``gguf`` package) is not installed."""
-    needed = ["transformers", *(["gguf"] if gguf else [])]
-    for name in needed:
-        try:
-            __import__(name)
-        except ImportError:
-            what = "reading a .gguf file" if name == "gguf" else "Hugging Face models"
-            raise HFInputError(
-                f"{what} needs the '{name}' package, which is not installed: {INSTALL_HINT}"
-            ) from None
-
-
-def load_causal_lm(
-    path: str | os.PathLike,
-    *,
-    device: str | torch.device = "cpu",
-    dtype=torch.float32,
-    progress: bool = True,
-) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a local causal LM: ``AutoModelForCausalLM`` and
-    ``AutoTokenizer`` from a model folder, or from a ``.gguf`` file (``gguf_file=``,
-    dequantised to ``dtype``). Only local files are read (``local_files_only``), whatever
-    ``HF_HUB_OFFLINE`` says. The model is in eval mode on ``device``. ``progress=False``
-    hides transformers' loading bars."""
-    folder, gguf_file = model_source(path)
-    require_hf(gguf=gguf_file is not None)
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    if not progress:
-        hf_logging.disable_progress_bar()
-    try:
-        return _load(path, folder, gguf_file, device, dtype)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _load(path, folder: Path, gguf_file: str | None, device, dtype) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    options: dict[str, Any] = {"local_files_only": True}
-    if gguf_file is not None:
-        options["gguf_file"] = gguf_file
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **options)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise HFInputError(
-            f"no tokenizer could be loaded from {path} ({_first_line(error)}); save one beside "
-            "the model with tokenizer.save_pretrained(folder)"
-        ) from None
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **options)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise HFInputError(
-            f"{path} could not be loaded as a causal LM: {_first_line(error)}"
-        ) from None
-    except RuntimeError as error:  # transformers' size check: the weights do not fit the config
-        if "mismatched_sizes" not in str(error):
-            raise
-        raise HFInputError(
-            f"{path} could not be loaded: its weights do not have the sizes its config.json "
-            "gives (a hidden size, a vocabulary or a layer count differs); restore the "
-            "config.json that was saved with them"
-        ) from None
-    except pickle.UnpicklingError as error:  # torch's weights-only load refused a pickle
-        raise HFInputError(
-            f"{path} could not be loaded: its PyTorch weights file holds Python objects "
-            f"beyond tensors{_unpickled_global(error)}, which could run code, so it was "
-            "refused; convert the model to safetensors where you trust its source"
-        ) from None
-    except Exception as error:  # safetensors' own errors: a truncated or damaged weights file
-        if type(error).__name__ != "SafetensorError":
-            raise
-        raise HFInputError(
-            f"{path} could not be loaded: its weights file is truncated or damaged "
-            f"({_first_line(error)}); save or copy the model again"
-        ) from None
-    check_finite_weights(model, path)
-    return model.to(device).eval(), tokenizer
-
-
-def _unpickled_global(error: Exception) -> str:
-    """`` (posix.system)``: the global torch's weights-only unpickler refused, when it says."""
-    found = re.search(r"GLOBAL ([\w.]+)", str(error))
-    return f" ({found.group(1)})" if found else ""
-
-
-def check_finite_weights(model: Any, path: str | os.PathLike) -> None:
-    """One line naming the first parameter with a NaN or infinite entry (such a model's
-    log-probabilities are undefined, and every instrument would fail later, further away)."""
-    for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise HFInputError(
-                f"{path}: the weight {name} {tuple(tensor.shape)} holds {bad} NaN or infinite "
-                "entries; the model's log-probabilities are undefined (a diverged or damaged "
-                "checkpoint): load an earlier or intact copy"
-            )
-
-
-def text_token_ids(tokenizer: Any, path: str | os.PathLike) -> torch.Tensor:
-    """``(N,)`` int64 ids of the whole UTF-8 text file at ``path``, tokenised at once by
-    ``tokenizer`` without special tokens (no BOS/EOS added)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HFInputError(f"text file {path} does not exist") from None
-    except IsADirectoryError:
-        raise HFInputError(f"text file {path} is a folder; expected a text file") from None
-    except UnicodeDecodeError as error:
-        raise HFInputError(
-            f"text file {path} is not UTF-8 (byte {error.start}: {error.reason})"
-        ) from None
-    try:
-        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    except Exception as error:  # the tokenizer's own failure, whatever its library raises
-        raise HFInputError(
-            f"the model's tokenizer could not tokenise {path}: {type(error).__name__}: "
-            f"{_first_line(error)}"
-        ) from None
-    return torch.tensor(ids, dtype=torch.int64)
 
 
 # ---- windows -------------------------------------------------------------------------------
-
-
-def max_positions(model: Any) -> int | None:
-    """The model's maximum sequence length from its config, or ``None`` when it says none."""
-    config = model.config
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def default_window(model: Any) -> int:
-    """``min(the model's maximum positions, 1024)`` (1024 when the config gives none)."""
-    limit = max_positions(model)
-    return DEFAULT_MAX_WINDOW if limit is None else min(limit, DEFAULT_MAX_WINDOW)
-
-
-def check_window(
-    model: Any,
-    n_tokens: int,
-    window: int | None = None,
-    *,
-    bos_token_id: int | None = None,
-    source: str = "the text",
-) -> int:
-    """The window length to read ``n_tokens`` tokens with: ``window``, or the default one;
-    refused when the model cannot take it or the text is shorter than one window."""
-    if window is None:
-        window = default_window(model)
-        if bos_token_id is not None and window == max_positions(model):
-            window -= 1  # room for the BOS token
-    if not isinstance(window, int) or window < 1:
-        raise HFInputError(f"window must be a positive number of tokens; got {window!r}")
-    limit = max_positions(model)
-    needed = window + (bos_token_id is not None)
-    if limit is not None and needed > limit:
-        raise HFInputError(
-            f"a window of {window} tokens{' plus BOS' if bos_token_id is not None else ''} "
-            f"exceeds the model's {limit} positions; use --window {limit - (needed - window)}"
-        )
-    if n_tokens < window:
-        raise HFInputError(
-            f"{source} has {n_tokens} tokens, fewer than one window of {window}; give a "
-            "longer text or a smaller --window"
-        )
-    return window
 
 
 def count_text_contexts(n_tokens: int, max_contexts: int | None = None) -> int:
@@ -328,15 +133,6 @@ def _batches(
 def auto_batch_windows(window: int, vocab_size: int) -> int:
     """Windows per batch keeping the ``(B, W, V)`` logits under :data:`BATCH_ELEMENTS`."""
     return max(1, BATCH_ELEMENTS // max(1, window * vocab_size))
-
-
-def vocab_width(model: Any) -> int | None:
-    """The width of the model's output (its config's ``vocab_size``), or ``None``."""
-    config = model.config
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    value = getattr(config, "vocab_size", None)
-    return value if isinstance(value, int) else None
 
 
 # ---- the rows ------------------------------------------------------------------------------
@@ -619,8 +415,3 @@ class TokenizerVocab:
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> list[str]:
         return [repr(self.tokenizer.decode([int(i) for i in ids]))]
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
