@@ -60,6 +60,9 @@ ABOVE_RUNS_AND_CONFIG = (
     "highrank.demo",
     "highrank.cli",
 )
+# Who may import the instruments: the command line, the demo and the benchmark (and analysis
+# itself). What others need of a causal LM or a file format lives below (causal_lm, util).
+ANALYSIS_USERS = ("highrank.analysis", "highrank.cli", "highrank.demo", "highrank.bench")
 RECIPES = ("highrank.train.awd_lstm", "highrank.train.transformer", "highrank.train.seq2seq")
 HEAVY = ("torch", "numpy", "scipy")
 
@@ -180,6 +183,19 @@ def test_nothing_below_the_command_line_imports_it():
     assert not offenders, "\n".join(offenders)
 
 
+def test_only_the_command_line_demo_and_bench_import_analysis():
+    """``analysis/`` is the instruments; loading a causal LM, windows, JSON records, the memory
+    probe and the streamed matrix live below it, so an integration never needs it."""
+    offenders = [
+        f"{_where(module, target)}: {module} imports {target}"
+        for module, edges in imports().items()
+        if not any(_in(module, user) for user in ANALYSIS_USERS)
+        for target, _ in edges
+        if _in(target, "highrank.analysis")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
 @pytest.mark.parametrize("layer", ["highrank.runs", "highrank.config"])
 def test_runs_and_config_know_no_model_training_or_analysis(layer):
     """Directly or through anything they import."""
@@ -280,7 +296,13 @@ def test_the_cycle_finder_finds_one():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["train", "--help"], ["eval", "--help"], ["config", "show", "--vocab-size", "0"]],
+    [
+        ["--help"],
+        ["train", "--help"],
+        ["eval", "--help"],
+        ["config", "show", "--vocab-size", "0"],
+        ["retrofit", "--help"],
+    ],
 )
 def test_highrank_help_imports_no_torch_numpy_or_scipy(argv):
     """``python -m highrank --help`` (and these verbs' help and option errors) import only

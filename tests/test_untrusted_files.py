@@ -52,7 +52,12 @@ def test_a_malicious_checkpoint_is_refused_without_running(tmp_path):
 def test_a_malicious_retrofit_state_is_refused_without_running(tmp_path):
     pytest.importorskip("transformers", reason="the retrofit needs the hf extra")
     from highrank.heads import build_head
-    from highrank.integrations.retrofit import TrainBudget, _load_train_state
+    from highrank.integrations.retrofit import (
+        TrainBudget,
+        Trainee,
+        load_train_state,
+        read_train_state,
+    )
 
     head = build_head("softmax", d_in=4, vocab_size=7)
     optimizer = torch.optim.Adam(head.parameters())
@@ -60,7 +65,9 @@ def test_a_malicious_retrofit_state_is_refused_without_running(tmp_path):
     path = write_malicious(tmp_path / "state.pt", marker, budget={}, head={})
     budget = TrainBudget(steps=2, batch_tokens=2, lr=1e-3)
     with pytest.raises(ValueError, match=r"state\.pt cannot be read as a head's training state"):
-        _load_train_state(path, head, optimizer, budget, [])
+        load_train_state(path, Trainee.head(head, budget.lr), optimizer, budget, [])
+    with pytest.raises(ValueError, match=r"state\.pt cannot be read as a model's training state"):
+        read_train_state(path, "trainable", "a model's")
     assert not marker.exists()
 
 

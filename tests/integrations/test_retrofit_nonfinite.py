@@ -161,12 +161,12 @@ def test_a_finished_run_is_reported_at_once_without_loading_the_model(
     out = tmp_path / "out"
     argv = command(model, files, out, "--head", "softmax")
     assert main(argv) == 0
-    import highrank.analysis.hf_contexts as hf_contexts
+    import highrank.causal_lm as causal_lm  # where the retrofit loads a model from
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a finished run loaded the model again")
 
-    monkeypatch.setattr(hf_contexts, "load_causal_lm", no_loading)
+    monkeypatch.setattr(causal_lm, "load_causal_lm", no_loading)
     capsys.readouterr()
     assert main(argv) == 0
     assert "holds a finished retrofit" in capsys.readouterr().out

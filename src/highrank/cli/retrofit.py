@@ -1,6 +1,6 @@
 """``highrank retrofit``: a warm-started highrank head on a local causal LM, trained in one
 command (frozen body on cached features, LoRA, or full fine-tuning); see
-:mod:`highrank.integrations.retrofit_run`."""
+:mod:`highrank.integrations.retrofit`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import sys
 
 from highrank.cli.common import AFTER_INTERRUPT, guarded, non_negative_int, positive_int
 
+# highrank.integrations.retrofit.plan's MODES, spelt out so that --help imports no torch
+# (tests/integrations/test_retrofit_command.py holds the two equal).
 MODES = ("frozen", "lora", "full")
 
 
@@ -126,8 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def job() -> int:
-        from highrank.integrations.retrofit import SavedFileError
-        from highrank.integrations.retrofit_run import RetrofitError, RetrofitPlan, retrofit
+        from highrank.integrations.retrofit import (
+            RetrofitError,
+            RetrofitPlan,
+            SavedFileError,
+            retrofit,
+        )
+        from highrank.train.state import Interrupted
 
         if args.threads:
             import torch
@@ -161,13 +168,23 @@ def run(args: argparse.Namespace) -> int:
         except (RetrofitError, SavedFileError) as error:
             print(f"highrank retrofit: error: {error}", file=sys.stderr)
             return 2
-        except Terminated:
-            print(f"highrank retrofit: stopped by SIGTERM; {AFTER_INTERRUPT['retrofit']}",
-                  file=sys.stderr)
-            return 128 + signal.SIGTERM
+        except Terminated:  # outside the training steps (loading a model takes minutes)
+            return _stopped_by("SIGTERM")
+        except Interrupted as stop:  # the training loop saved its state between two steps
+            return _stopped_by(stop.signal_name)
         return 0
 
     return guarded("retrofit", job)
+
+
+def _stopped_by(name: str) -> int:
+    """The last line after a signal, and the shell's status for it (143, 130)."""
+    if name == "SIGTERM":
+        print(f"highrank retrofit: stopped by SIGTERM; {AFTER_INTERRUPT['retrofit']}",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
+    print(f"highrank retrofit: interrupted; {AFTER_INTERRUPT['retrofit']}", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 class Terminated(Exception):
@@ -176,7 +193,9 @@ class Terminated(Exception):
 
 class _sigterm_raises:
     """Within the block SIGTERM raises :class:`Terminated` (it killed the process silently);
-    the previous handler is restored after."""
+    the previous handler is restored after. The training loop catches it for itself
+    (:class:`highrank.train.interrupts.SignalCatcher`: the state saved between two steps);
+    this covers what has no step to stop at: loading the model, tokenising, caching, scoring."""
 
     def __enter__(self):
         def stop(signum, frame):

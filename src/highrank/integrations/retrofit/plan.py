@@ -1,0 +1,128 @@
+"""What a retrofit run depends on, checked before any work: :class:`RetrofitPlan`, kept in
+``OUT/plan.json``; a rerun with another plan is refused (:func:`check_out`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from highrank.config import ConfigError
+from highrank.heads import HEADS, check_init
+from highrank.train.startup import resolve_device as _resolve_run_device
+from highrank.util.checks import check_finite, check_positive_int
+
+# ``highrank.cli.retrofit`` spells these out (its --help imports no torch); a test holds them equal.
+MODES = ("frozen", "lora", "full")
+DEFAULT_LR = {"frozen": 3e-4, "lora": 2e-4, "full": 1e-5}
+# A run may resume on another device, and from a folder that was moved or copied; after the
+# non-finite guard stopped it, with another --lr.
+MAY_CHANGE = ("device", "out")
+
+
+class RetrofitError(ValueError):
+    """Input that the retrofit cannot use: one line naming it and what was expected."""
+
+
+@dataclass(frozen=True)
+class RetrofitPlan:
+    """Everything a retrofit run depends on (kept in ``OUT/plan.json``)."""
+
+    model: str
+    head: str
+    train: str
+    valid: str
+    out: str
+    test: str | None = None
+    mode: str = "frozen"
+    knobs: dict = field(default_factory=dict)
+    init: str = "base"
+    window: int = 256
+    max_train_tokens: int | None = None
+    max_eval_tokens: int | None = None
+    steps: int | None = None  # None: one pass over the training windows
+    batch_tokens: int = 512
+    lr: float | None = None  # None: DEFAULT_LR[mode]
+    warmup_steps: int = 20
+    seed: int = 0
+    lora_rank: int = 8
+    cache_dtype: str = "float32"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RetrofitError(f"--mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.head not in HEADS:
+            raise RetrofitError(f"unknown head {self.head!r}; choose one of: {', '.join(HEADS)}")
+        check_init(self.init)
+        for name in ("window", "batch_tokens", "lora_rank"):
+            _positive(name, getattr(self, name))
+        for name in ("max_train_tokens", "max_eval_tokens", "steps"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        # here, before the folder and its caches are written (the optimizer checked it later)
+        if self.lr is not None and not (_finite(self.lr) and self.lr > 0):
+            raise RetrofitError(f"--lr must be a positive finite number; got {self.lr!r}")
+        resolve_device(self.device)
+
+    @property
+    def learning_rate(self) -> float:
+        return DEFAULT_LR[self.mode] if self.lr is None else self.lr
+
+    @property
+    def splits(self) -> list[str]:
+        """The texts this plan reads: train, valid and (when given) test."""
+        return ["train", "valid"] + (["test"] if self.test else [])
+
+
+def resolve_device(name: str) -> torch.device:
+    """``--device`` as training resolves ``run.device`` (``auto``: CUDA when available); a
+    device that is not there, or no device at all, is one :class:`RetrofitError`."""
+    try:
+        return _resolve_run_device(name)
+    except ConfigError as error:
+        message = str(error).replace("--run.device", "--device").replace("run.device", "--device")
+        raise RetrofitError(message) from None
+    except RuntimeError:  # torch.device("toaster")
+        raise RetrofitError(f"--device {name!r} is not a device: give auto, cpu, cuda or "
+                            "cuda:N") from None
+
+
+def check_out(out: Path, plan: RetrofitPlan) -> None:
+    """``out`` is a new folder or one of this plan (:data:`MAY_CHANGE` aside; ``lr`` too when
+    the non-finite guard stopped it)."""
+    if out.exists() and not out.is_dir():
+        raise RetrofitError(f"--out {out} is a file; expected a folder (new or of this run)")
+    saved = out / "plan.json"
+    if saved.exists():
+        old = json.loads(saved.read_text())
+        may_change = MAY_CHANGE + (("lr",) if "stopped" in old else ())
+        changed = sorted(k for k, v in asdict(plan).items()
+                         if k not in may_change and old.get(k) != v)
+        if changed:
+            raise RetrofitError(
+                f"{out} holds a retrofit with other settings ({', '.join(changed)}); give "
+                "another --out, add --restart to train again with these (the caches are "
+                "kept), or delete it"
+            )
+
+
+def _positive(name: str, value) -> None:
+    try:
+        check_positive_int(f"--{name.replace('_', '-')}", value)
+    except ValueError as error:
+        raise RetrofitError(str(error)) from None
+
+
+def _finite(value) -> bool:
+    try:
+        check_finite("lr", value)
+    except ValueError:
+        return False
+    return True
+
+
+__all__ = ["DEFAULT_LR", "MAY_CHANGE", "MODES", "RetrofitError", "RetrofitPlan", "check_out",
+           "resolve_device"]

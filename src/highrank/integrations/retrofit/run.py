@@ -1,0 +1,393 @@
+"""``highrank retrofit``: a warm-started high-rank head on a user's own causal LM, one command.
+
+    highrank retrofit --hf MODEL --head mos --train FILE --valid FILE [--test FILE] --out DIR
+        [--mode frozen|lora|full] [--knob n_components=2] ...
+
+Three modes, one budget and one training loop (:mod:`~highrank.integrations.retrofit.train`:
+Adam, linear warm-up then cosine decay, gradient-norm clip 1):
+
+* ``frozen``: the body is frozen; its final hidden states are cached once
+  (:func:`~highrank.integrations.retrofit.cache.cache_hidden_states`, ``OUT/cache-<split>``)
+  and only the head is trained on them. The cheapest protocol: every head sees the same
+  features.
+* ``lora``: PEFT LoRA adapters on the body's attention and MLP projections, plus the whole
+  head, trained on the text's windows end to end; merged into the body when saved.
+* ``full``: every parameter, at a small learning rate: the protocol of Softmax-CPR (Chang &
+  McCallum; iesl/Softmax-CPR fine-tunes the whole GPT-2, lr 1e-5).
+
+The head starts at the base model's distribution (``attach_head(init="base")``), untied from
+the input embedding in frozen mode (the body must keep reading the embedding it was cached
+with). Before any long work the inputs are checked (the model loads, the head and knobs
+exist and are in range, each text holds at least one window, memory and disk suffice) and a
+bad one is one line. Then: valid/test perplexity of the base model and of the trained one on
+the model's own tokens (``results.json``; :mod:`~highrank.integrations.retrofit.score`), and
+``OUT/model``, a ``HighrankForCausalLM`` with its tokenizer that
+``AutoModelForCausalLM.from_pretrained`` reloads (after ``import highrank.integrations.hf``)
+and ``generate()`` uses.
+
+``device`` (``--device``; ``auto``: CUDA when available) runs the body and the head there
+(caching, training, evaluation); caches and states are stored on the CPU side, so a run may
+resume on another device.
+
+Resumable: the plan is kept in ``OUT/plan.json`` (a rerun with another plan is refused;
+the device and the folder's place may change), caches continue from their last batch of
+windows, training from its last checkpoint (``OUT/state.pt``, weights-only), and finished
+steps are skipped; a finished run is reported at once, without loading the model. A SIGINT or
+SIGTERM during training saves the state between two steps
+(:class:`~highrank.train.state.Interrupted`).
+
+Nothing non-finite is saved: the training loop skips a step whose loss or gradient norm is
+not finite and stops after :data:`~highrank.integrations.retrofit.train.MAX_NONFINITE_STEPS`
+in a row (the last finite state kept); a trained model whose weights or valid/test perplexity
+are not finite is not saved, nor its results. Either stop is recorded in ``plan.json``
+(``stopped``): the same command with another ``--lr`` then continues, and ``--restart`` trains
+again from the warm start with the caches kept. What a rerun loads is checked (a NaN cached
+row or saved weight is one line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from highrank import causal_lm
+from highrank.heads import base_init_knobs, build_head
+from highrank.integrations.retrofit.cache import cache_hidden_states, head_from_lm_head
+from highrank.integrations.retrofit.plan import (
+    RetrofitError,
+    RetrofitPlan,
+    check_out,
+    resolve_device,
+)
+from highrank.integrations.retrofit.score import evaluate_head, score_windows
+from highrank.integrations.retrofit.train import (
+    RESTART_ADVICE,
+    TrainBudget,
+    all_finite_parameters,
+    train_head,
+    train_windows,
+)
+from highrank.runs.locks import run_lock
+from highrank.train.state import TrainingError
+from highrank.util.atomic import write_json
+from highrank.util.machine import available_memory
+
+# The body's projections that LoRA adapts, by the names transformers' architectures use.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "fc1", "fc2", "Wqkv")
+
+
+def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False) -> dict:
+    """Check, (cache,) train, evaluate and save: ``results.json``'s contents. One process at
+    a time writes ``plan.out``: a second is refused naming the first (they raced before).
+
+    A finished run is reported at once. ``restart`` trains again from the warm start with this
+    plan (its settings may differ), keeping the feature caches, which check their own settings.
+    """
+    out = Path(plan.out)
+    say = print if progress else (lambda *a, **k: None)
+    if not restart:
+        check_out(out, plan)
+        finished = _finished_results(out)
+        if finished is not None:
+            say(f"{out} holds a finished retrofit ({out / 'model'}); nothing to do", flush=True)
+            return finished
+    with run_lock(out):
+        if restart:
+            _forget_training(out)
+        return _retrofit(plan, out, progress, say)
+
+
+def _finished_results(out: Path) -> dict | None:
+    """``results.json`` of a finished run (written last, after the model), else None."""
+    results = out / "results.json"
+    if not (results.is_file() and (out / "model").is_dir()):
+        return None
+    try:
+        return json.loads(results.read_text())
+    except (OSError, ValueError):
+        return None  # damaged: the run's saved state decides what happens
+
+
+def _forget_training(out: Path) -> None:
+    """What ``--restart`` discards: the training state and what was made from it."""
+    for name in ("results.json", "history.json", "state.pt"):
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "model", ignore_errors=True)
+
+
+def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say) -> dict:
+    say(f"loading {plan.model}", flush=True)  # a GGUF file takes minutes to dequantise
+    model, tokenizer = _load(plan)
+    device = resolve_device(plan.device)
+    if device.type != "cpu":
+        say(f"running on {device}", flush=True)
+    model.to(device)
+    ids = {}
+    for split in plan.splits:
+        say(f"tokenising --{split} {getattr(plan, split)}", flush=True)
+        ids[split] = _token_ids(plan, tokenizer, split)
+    _check_plan_fits(plan, model, ids)
+    out.mkdir(parents=True, exist_ok=True)
+    stopped = _stopped(out)  # kept until the run finishes: lr may differ from the state's
+    write_json(out / "plan.json", {**asdict(plan), **stopped})
+    run = _run_frozen if plan.mode == "frozen" else _run_end_to_end
+    hf_model, summary, scores, base_scores = run(plan, model, ids, out, progress, bool(stopped))
+    _refuse_non_finite(out, plan, hf_model, scores, summary)
+    results = {"plan": asdict(plan), "base": base_scores, "trained": scores,
+               "training": {k: v for k, v in summary.items() if k != "history"}}
+    _save_model(hf_model, tokenizer, out / "model")
+    write_json(out / "plan.json", asdict(plan))
+    write_json(out / "results.json", results)
+    write_json(out / "history.json", {"history": summary["history"]})
+    for split in ("valid", "test"):
+        if split in scores:
+            say(f"{split} perplexity: base {base_scores[split]['perplexity']:.3f}, "
+                f"{plan.head} {scores[split]['perplexity']:.3f}", flush=True)
+    say(f"saved {out / 'model'} (reload with AutoModelForCausalLM after "
+        "import highrank.integrations.hf)", flush=True)
+    return results
+
+
+def _stopped(out: Path) -> dict:
+    """``{"stopped": ...}`` when the non-finite guard stopped this run (plan.json says so)."""
+    try:
+        old = json.loads((out / "plan.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"stopped": old["stopped"]} if isinstance(old, dict) and "stopped" in old else {}
+
+
+def _mark_stopped(out: Path, error: TrainingError) -> None:
+    plan = json.loads((out / "plan.json").read_text())
+    write_json(out / "plan.json", {**plan, "stopped": str(error)})
+
+
+@contextmanager
+def _stop_recorded(out: Path) -> Iterator[None]:
+    """Training stopped by the non-finite guard is recorded in ``plan.json`` (the same
+    command may then continue with another ``--lr``)."""
+    try:
+        yield
+    except TrainingError as error:
+        _mark_stopped(out, error)
+        raise
+
+
+def _refuse_non_finite(out: Path, plan: RetrofitPlan, hf_model, scores: dict,
+                       summary: dict) -> None:
+    """Nothing non-finite is saved as a model or a result: a diverged run stops here, in one
+    line, with what to change (its finite losses reached 1e20 before the scores overflowed)."""
+    bad = [f"{split} perplexity {score['perplexity']}" for split, score in scores.items()
+           if not math.isfinite(score["perplexity"])]
+    if not all_finite_parameters(hf_model):
+        bad.append("non-finite weights")
+    if not bad:
+        return
+    losses = [h["loss"] for h in summary["history"] if h["loss"] is not None]
+    last = f"; the last training loss was {losses[-1]:.3g}" if losses else ""
+    error = TrainingError(
+        f"the trained model has {', '.join(bad)}: training diverged{last}. No model and no "
+        f"results were saved. {RESTART_ADVICE.format(lr=plan.learning_rate)}"
+        .replace("run the same command again to continue, or add --restart to train again",
+                 "add --restart to train again")
+    )
+    _mark_stopped(out, error)
+    raise error
+
+
+# ---- checks before any long work ---------------------------------------------------------------
+
+
+def _load(plan: RetrofitPlan):
+    try:
+        return causal_lm.load_causal_lm(plan.model, progress=False)
+    except causal_lm.HFInputError as error:
+        raise RetrofitError(str(error)) from None
+
+
+def _token_ids(plan: RetrofitPlan, tokenizer, split: str) -> torch.Tensor:
+    try:
+        ids = causal_lm.text_token_ids(tokenizer, getattr(plan, split))
+    except causal_lm.HFInputError as error:
+        raise RetrofitError(f"--{split}: {error}") from None
+    limit = plan.max_train_tokens if split == "train" else plan.max_eval_tokens
+    ids = ids if limit is None else ids[: limit + 1]
+    if ids.numel() < plan.window + 1:
+        raise RetrofitError(
+            f"--{split} {getattr(plan, split)} holds {ids.numel()} tokens, fewer than one window "
+            f"of {plan.window} plus its next token; give a longer text or a smaller --window"
+        )
+    return ids
+
+
+def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
+    """Head and knobs valid, window within the model's positions, memory and disk enough."""
+    lm_head = model.get_output_embeddings()
+    vocab, width = lm_head.weight.shape
+    knobs = _head_knobs(plan)
+    try:
+        probe = build_head(plan.head, d_in=width, vocab_size=vocab, **knobs)
+    except (TypeError, ValueError) as error:
+        raise RetrofitError(f"--head {plan.head}: {error}") from None
+    positions = causal_lm.max_positions(model)
+    if positions is not None and plan.window > positions:
+        raise RetrofitError(f"--window {plan.window} exceeds the model's {positions} positions")
+    head_bytes = sum(p.numel() for p in probe.parameters()) * 4 * 4  # weights, grads, Adam
+    del probe
+    need = head_bytes + _activation_bytes(plan, vocab)
+    if plan.mode == "frozen":
+        cache_bytes = sum(t.numel() for t in ids.values()) * width * _dtype_bytes(plan)
+        free_disk = shutil.disk_usage(_existing_parent(Path(plan.out))).free
+        if cache_bytes > free_disk:
+            raise RetrofitError(
+                f"the feature caches need {cache_bytes / 2**30:.1f} GiB but "
+                f"{_existing_parent(Path(plan.out))} has {free_disk / 2**30:.1f} GiB free; "
+                "free space, lower --max-train-tokens or use --cache-dtype bfloat16"
+            )
+    else:
+        need += sum(p.numel() for p in model.parameters()) * 4 * (4 if plan.mode == "full" else 1)
+    available = available_memory(resolve_device(plan.device))
+    if available is not None and need > available:
+        raise RetrofitError(
+            f"this plan needs about {need / 2**30:.1f} GiB of memory but {available / 2**30:.1f}"
+            " GiB are available; lower --batch-tokens, use --mode frozen, or a smaller head"
+        )
+
+
+def _activation_bytes(plan: RetrofitPlan, vocab: int) -> int:
+    """The (tokens x components x V) logits of one batch, with their gradients, in float32."""
+    components = int(plan.knobs.get("n_components", 4 if plan.head == "mixtape" else 1))
+    return plan.batch_tokens * components * vocab * 4 * 3
+
+
+def _dtype_bytes(plan: RetrofitPlan) -> int:
+    return 2 if plan.cache_dtype == "bfloat16" else 4
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _head_knobs(plan: RetrofitPlan) -> dict:
+    try:
+        return base_init_knobs(plan.head, plan.knobs) if plan.init == "base" else plan.knobs
+    except ValueError as error:
+        raise RetrofitError(str(error)) from None
+
+
+def _budget(plan: RetrofitPlan, train_tokens: int) -> TrainBudget:
+    if plan.batch_tokens > train_tokens:
+        raise RetrofitError(
+            f"--batch-tokens {plan.batch_tokens} exceeds the {train_tokens} training tokens"
+        )
+    steps = plan.steps or max(1, train_tokens // plan.batch_tokens)
+    return TrainBudget(steps=steps, batch_tokens=plan.batch_tokens, lr=plan.learning_rate,
+                       warmup_steps=min(plan.warmup_steps, steps), clip=1.0, seed=plan.seed)
+
+
+# ---- frozen: cached features, the head alone ----------------------------------------------------
+
+
+def _run_frozen(plan, model, ids, out: Path, progress: bool, lr_may_change: bool):
+    from highrank.integrations.hf import attach_head  # the hf extra (transformers)
+
+    caches = {
+        split: cache_hidden_states(model, ids[split], out / f"cache-{split}", window=plan.window,
+                                   dtype=plan.cache_dtype, source=str(plan.model),
+                                   progress=progress)
+        for split in ids
+    }
+    base_head = head_from_lm_head(model, "softmax").to(model.get_output_embeddings().weight.device)
+    base_head.eval()  # the base model's own output layer: its exact distribution
+    torch.manual_seed(plan.seed)
+    hf_model = attach_head(model, plan.head, init=plan.init, untie=True, **plan.knobs)
+    budget = _budget(plan, len(caches["train"]))
+    # Cached rows are single tokens, shuffled: dropout per token, not locked over a sequence.
+    locked, hf_model.head.dropout_time_dim = hf_model.head.dropout_time_dim, None
+    with _stop_recorded(out):
+        summary = train_head(hf_model.head, caches["train"], budget, out / "state.pt",
+                             checkpoint_every=10, progress=progress,
+                             lr_may_change=lr_may_change, catch_signals=True)
+    summary["trainable_parameters"] = sum(p.numel() for p in hf_model.head.parameters())
+    hf_model.head.dropout_time_dim = locked
+    scores, base_scores = {}, {}
+    for split in [s for s in ("valid", "test") if s in caches]:
+        base_scores[split] = evaluate_head(base_head, caches[split])
+        scores[split] = evaluate_head(hf_model.head, caches[split], reference=base_head)
+    return hf_model, summary, scores, base_scores
+
+
+# ---- lora / full: the body trained too, on windows ---------------------------------------------
+
+
+def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: bool):
+    from highrank.integrations.hf import attach_head  # the hf extra (transformers)
+
+    windows = {split: causal_lm.window_tokens(ids[split], plan.window) for split in ids}
+    base_scores = {split: score_windows(model, *windows[split], base=True,
+                                        label=f"{split} (base)", progress=progress)
+                   for split in ("valid", "test") if split in windows}
+    torch.manual_seed(plan.seed)
+    hf_model = attach_head(model, plan.head, init=plan.init, **plan.knobs)
+    trainable = make_trainable(hf_model, plan)
+    inputs, targets = windows["train"]
+    per_batch = max(1, plan.batch_tokens // plan.window)
+    budget = replace(_budget(plan, inputs.shape[0] * plan.window), batch_tokens=per_batch,
+                     steps=plan.steps or max(1, inputs.shape[0] // per_batch))
+    with _stop_recorded(out):
+        summary = train_windows(trainable, inputs, targets, budget, out / "state.pt",
+                                progress=progress, lr_may_change=lr_may_change,
+                                catch_signals=True)
+    summary["trainable_parameters"] = sum(p.numel() for p in trainable.parameters()
+                                          if p.requires_grad)
+    trained = trainable.merge_and_unload() if plan.mode == "lora" else trainable
+    scores = {split: score_windows(trained, *windows[split], label=split, progress=progress)
+              for split in ("valid", "test") if split in windows}
+    return trained, summary, scores, base_scores
+
+
+def make_trainable(hf_model, plan: RetrofitPlan):
+    """``full``: every parameter of ``hf_model``; ``lora``: PEFT LoRA adapters of rank
+    ``plan.lora_rank`` on the body's ``nn.Linear`` projections named in :data:`LORA_TARGETS`,
+    plus the whole head."""
+    if plan.mode == "full":
+        return hf_model.train().requires_grad_(True)
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise RetrofitError("--mode lora needs the peft package: pip install peft") from None
+    targets = sorted({name.rsplit(".", 1)[-1] for name, module in hf_model.model.named_modules()
+                      if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS})
+    if not targets:
+        raise RetrofitError("found no attention or MLP projection in the body to adapt with LoRA")
+    config = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
+                        target_modules=rf"^model\..*\.({'|'.join(targets)})$",
+                        modules_to_save=["head"])
+    return get_peft_model(hf_model, config).train()
+
+
+# ---- saving ------------------------------------------------------------------------------------
+
+
+def _save_model(hf_model, tokenizer, folder: Path) -> None:
+    partial = folder.with_name(f".{folder.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    hf_model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+
+
+__all__ = ["LORA_TARGETS", "make_trainable", "retrofit"]

@@ -1,0 +1,145 @@
+"""Perplexity of a retrofit, one tally for every mode: the float64 NLL of the targets (and the
+KL from a reference distribution) over blocks of log-probability rows.
+
+The rows come from the cache through a head (frozen mode, :func:`evaluate_head`, which can
+also write the first rows of the matrix to a ``.npy`` for the rank instruments) or from a
+causal LM run over whole windows (lora / full mode and the base model,
+:func:`score_windows`); both add them to a :class:`Tally`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from highrank.heads import OutputHead
+from highrank.integrations.retrofit.cache import FeatureCache, check_head_fits
+from highrank.util.checks import check_positive_int
+from highrank.util.npy import write_matrix
+from highrank.util.progress import progress_bar
+
+
+def finite_perplexity(nll_per_token: float) -> float:
+    """``exp(nll)``, ``inf`` where that overflows a float (a diverged head's 2e20 nats)."""
+    return math.exp(nll_per_token) if nll_per_token < 709.0 else math.inf
+
+
+@dataclass
+class Tally:
+    """Running totals over blocks of rows: tokens, NLL (float64), KL(reference || rows) and
+    the seconds spent computing the rows."""
+
+    tokens: int = 0
+    nll: float = 0.0
+    kl: float = 0.0
+    seconds: float = 0.0
+
+    @torch.no_grad()
+    def add(self, log_probs: torch.Tensor, targets: torch.Tensor,
+            reference: torch.Tensor | None = None) -> None:
+        """Rows ``log_probs (..., V)`` (normalised, float32) of ``targets (...)``; with the
+        ``reference`` rows of the same contexts, their KL from it (nats, summed)."""
+        if reference is not None:
+            self.kl += float((reference.exp() * (reference - log_probs)).sum().double())
+        self.nll -= float(log_probs.gather(-1, targets.unsqueeze(-1)).double().sum())
+        self.tokens += targets.numel()
+
+    def record(self) -> dict:
+        """``tokens``, ``nll_per_token``, ``perplexity`` and ``seconds``."""
+        nll = self.nll / self.tokens
+        return {"tokens": self.tokens, "nll_per_token": nll,
+                "perplexity": finite_perplexity(nll), "seconds": self.seconds}
+
+
+def evaluate_head(
+    head: OutputHead,
+    cache: FeatureCache,
+    *,
+    block_tokens: int = 512,
+    matrix_path: str | os.PathLike | None = None,
+    matrix_rows: int | None = None,
+    reference: OutputHead | None = None,
+) -> dict:
+    """Perplexity ``exp(total NLL / N)`` of ``head`` over every token of ``cache`` (eval mode,
+    no autograd, float32). With ``matrix_path`` the log-probabilities of the first
+    ``matrix_rows`` tokens (all when None) are written there as a float32 ``(rows, V)``
+    ``.npy``, from the same forward pass, for the rank instruments. With a ``reference`` head
+    (e.g. the base model's own), ``kl_from_reference`` is the mean over the tokens of
+    KL(p_reference || p_head) in nats: how far ``head`` has moved from it."""
+    check_head_fits(head, cache)
+    check_positive_int("block_tokens", block_tokens)
+    rows = len(cache) if matrix_rows is None else matrix_rows
+    if matrix_path is not None and not 0 < rows <= len(cache):
+        raise ValueError(f"matrix_rows must lie in 1..{len(cache)}; got {matrix_rows!r}")
+    tally = Tally()
+    modes = [(module, module.training) for module in (head, reference) if module is not None]
+    for module, _ in modes:
+        module.eval()
+    try:
+        blocks = _cache_blocks(head, cache, block_tokens, tally, reference)
+        if matrix_path is not None:
+            write_matrix(matrix_path, _first_rows(blocks, rows), (rows, head.vocab_size))
+        for _ in blocks:  # every token counts (those after the matrix's rows too)
+            pass
+    finally:
+        for module, mode in modes:
+            module.train(mode)
+    record = tally.record()
+    seconds = record.pop("seconds")
+    return {**record, "kl_from_reference": tally.kl / tally.tokens if reference is not None
+            else None, "seconds": seconds,
+            "matrix_rows": rows if matrix_path is not None else None}
+
+
+def _first_rows(blocks: Iterator[tuple[int, torch.Tensor]], rows: int) -> Iterator[torch.Tensor]:
+    """The row blocks of ``blocks`` up to row ``rows``, leaving the rest to be drawn."""
+    for start, log_probs in blocks:
+        yield log_probs[: rows - start]
+        if start + log_probs.shape[0] >= rows:
+            return
+
+
+def _cache_blocks(head, cache, block_tokens, tally: Tally,
+                  reference=None) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(start, log_probs (b, V))`` per block of cached tokens, each added to ``tally``."""
+    for start in range(0, len(cache), block_tokens):
+        began = time.perf_counter()
+        stop = min(start + block_tokens, len(cache))
+        hidden = cache.rows(slice(start, stop)).to(next(head.parameters()).device)
+        with torch.no_grad():
+            log_probs = head.log_prob(hidden).float()
+            base = reference.log_prob(hidden).float() if reference is not None else None
+        tally.add(log_probs, cache.targets[start:stop].to(log_probs.device), base)
+        tally.seconds += time.perf_counter() - began
+        yield start, log_probs.cpu()
+
+
+@torch.no_grad()
+def score_windows(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *,
+                  base: bool = False, batch: int = 4, label: str = "",
+                  progress: bool = False) -> dict:
+    """Perplexity over every token of the windows ``inputs (W, L)`` with their ``targets``:
+    the ``log_softmax`` of a base model's logits (``base``), or a highrank model's
+    log-probabilities (its ``logits`` are already normalised)."""
+    model.eval()
+    tally, device = Tally(), next(model.parameters()).device
+    bar = progress_bar(total=inputs.shape[0], desc=f"score {label}", unit="window",
+                       disable=not progress)
+    for first in range(0, inputs.shape[0], batch):
+        began = time.perf_counter()
+        bar.update(min(batch, inputs.shape[0] - first))
+        logits = model(input_ids=inputs[first:first + batch].to(device)).logits.float()
+        log_probs = torch.log_softmax(logits, dim=-1) if base else logits
+        tally.add(log_probs, targets[first:first + batch].to(device))
+        tally.seconds += time.perf_counter() - began
+    bar.close()
+    return tally.record()
+
+
+__all__ = ["Tally", "evaluate_head", "finite_perplexity", "score_windows"]

@@ -1,0 +1,459 @@
+"""The one training loop of a retrofit, for every mode, with one budget and one state file.
+
+What is trained (a :class:`Trainee`) differs by mode; how it is trained does not:
+
+* ``frozen``: a head alone, on random batches of cached hidden states (:func:`train_head`);
+* ``lora`` / ``full``: the adapters (or every parameter) of the body and the head, on random
+  batches of whole windows of the text (:func:`train_windows`).
+
+:func:`train_loop` runs Adam for ``budget.steps`` steps on batches drawn without replacement
+(:func:`batch_indices`: a pure function of the seed and the step, so a resumed run draws the
+batches an uninterrupted one would), the learning rate warmed up linearly and decayed along a
+cosine (:meth:`TrainBudget.lr_factor`), the gradient norm clipped. The core's non-finite guard
+(:mod:`highrank.train.steps`) skips a step whose loss or gradient norm is not finite;
+more than :data:`MAX_NONFINITE_STEPS` in a row stop training with the last finite state kept
+(:class:`NonFiniteSteps`). With ``catch_signals`` a SIGINT or SIGTERM
+(:class:`highrank.train.interrupts.SignalCatcher`, as the training loop of the core) is acted
+on between two steps: the state is saved there and
+:class:`~highrank.train.state.Interrupted` raised, naming it.
+
+**The state file** (``state.pt``, written atomically, read weights-only) holds ``budget``,
+the trained weights, ``optimizer``, ``history`` (one record a step), ``rng`` and
+``python_rng``; a rerun continues from it bit for bit, a finished one is loaded and nothing is
+trained. The weights are a head's whole ``state_dict`` under ``head`` (frozen mode) or the
+trainable parameters of the model by name under ``trainable`` (lora / full): the keys states
+were written with before the loops were one, so every retrofit folder resumes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from highrank.heads import OutputHead
+from highrank.integrations.retrofit.cache import FeatureCache, SavedFileError, check_head_fits
+from highrank.train.interrupts import SignalCatcher
+from highrank.train.state import Interrupted, TrainingError
+from highrank.train.steps import backward_or_skip, clip_or_skip
+from highrank.util.atomic import atomic_file
+from highrank.util.checks import check_positive_int
+from highrank.util.progress import progress_bar
+
+# Consecutive non-finite steps a retrofit skips before it stops (the LM trainers' default of
+# train.max_nonfinite_skips).
+MAX_NONFINITE_STEPS = 10
+STATE_KEYS = ("budget", "optimizer", "history", "rng", "python_rng")  # and the weights' key
+RESTART_ADVICE = (
+    "Lower --lr (now {lr:g}) and run the same command again to continue, or add --restart to "
+    "train again from the warm start (the feature caches are kept)"
+)
+
+
+@dataclass(frozen=True)
+class TrainBudget:
+    """One budget for every head: ``steps`` Adam steps on batches of ``batch_tokens`` rows
+    (cached tokens; whole windows in lora / full mode) drawn without replacement (a new seeded
+    permutation each pass), learning rate ``lr`` with a linear warm-up over ``warmup_steps``
+    then a cosine decay, gradient-norm clip ``clip`` (None: none)."""
+
+    steps: int
+    batch_tokens: int
+    lr: float
+    warmup_steps: int = 0
+    clip: float | None = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_positive_int("steps", self.steps)
+        check_positive_int("batch_tokens", self.batch_tokens)
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number; got {self.lr!r}")
+        if not (isinstance(self.warmup_steps, int) and 0 <= self.warmup_steps <= self.steps):
+            raise ValueError(
+                f"warmup_steps must be an int in [0, steps]; got {self.warmup_steps!r}"
+            )
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip must be > 0 or None; got {self.clip!r}")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the base lr at ``step`` (0-based): ``(step + 1) / w`` during the
+        warm-up, then ``(1 + cos(pi (step - w) / (T - w))) / 2``.
+
+        This is not :func:`highrank.train.schedule.lr_factor` (the Transformer recipes'),
+        though both warm up linearly and decay along a cosine: the warm-up is the same, but
+        this curve holds the peak for two steps (``step = w - 1`` and ``w``) and ends above 0,
+        where the core's (1-based) reaches 0 at the last update; the cosine is also evaluated
+        in another order (``pi * a / b`` against ``pi * (a / b)``), so even the shifted curve
+        differs in the last bit in about one step in five. Every recorded retrofit and the
+        warm-start study trained on this one, and their states resume bit for bit only on it
+        (tests/integrations/test_retrofit.py holds the relation)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        decay_steps = max(1, self.steps - self.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * (step - self.warmup_steps) / decay_steps))
+
+
+def batch_indices(budget: TrainBudget, n_tokens: int, step: int) -> torch.Tensor:
+    """Rows (of the cache, or windows) that batch ``step`` uses: a pure function of (seed,
+    step), so a resumed run draws exactly the batches an uninterrupted one would."""
+    if budget.batch_tokens > n_tokens:
+        raise ValueError(
+            f"batch_tokens={budget.batch_tokens} exceeds the {n_tokens} tokens of the cache"
+        )
+    per_pass = n_tokens // budget.batch_tokens
+    epoch, offset = divmod(step, per_pass)
+    order = torch.randperm(n_tokens, generator=torch.Generator().manual_seed(budget.seed + epoch))
+    return order[offset * budget.batch_tokens : (offset + 1) * budget.batch_tokens]
+
+
+# ---- what is trained ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Trainee:
+    """What one loop trains: ``module`` (in train mode during the loop, eval after), the
+    optimizer's parameter ``groups`` (each with its base lr), the ``params`` whose gradient
+    norm is clipped (in the order the norm sums them), and how the weights go into
+    ``state.pt`` (``key``: ``head`` for a head's state_dict, ``trainable`` for a model's
+    trainable parameters)."""
+
+    module: nn.Module
+    groups: list[dict]
+    params: list[torch.Tensor]
+    key: str
+    what: str  # for messages: "a head's" training state
+
+    @classmethod
+    def head(cls, head: OutputHead, lr: float) -> Trainee:
+        return cls(head, head.parameter_groups(lr), list(head.parameters()), "head", "a head's")
+
+    @classmethod
+    def model(cls, model: nn.Module, lr: float) -> Trainee:
+        params = [p for p in model.parameters() if p.requires_grad]
+        return cls(model, [{"params": params, "lr": lr}], params, "trainable", "a model's")
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self.key == "head":
+            return self.module.state_dict()
+        return {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def load_weights(self, path: Path, saved: dict) -> None:
+        try:
+            if self.key == "head":
+                self.module.load_state_dict(saved)
+                return
+            parameters = dict(self.module.named_parameters())
+            with torch.no_grad():
+                for name, value in saved.items():
+                    parameters[name].copy_(value)
+        except (KeyError, RuntimeError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise SavedFileError(
+                f"{path} does not fit this {'head' if self.key == 'head' else 'model'} "
+                f"({type(error).__name__}: {reason}); add --restart to train again from the "
+                "warm start"
+            ) from None
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+
+def train_loop(
+    trainee: Trainee,
+    n_rows: int,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    budget: TrainBudget,
+    state_path: str | Path,
+    *,
+    checkpoint_every: int = 10,
+    stop_after: int | None = None,
+    progress: bool = False,
+    lr_may_change: bool = False,
+    catch_signals: bool = False,
+    desc: str = "train",
+) -> dict:
+    """Train ``trainee`` for ``budget``: step ``s`` draws ``batch_indices(budget, n_rows, s)``
+    and minimises ``loss_of(those rows)``. The state is saved to ``state_path`` every
+    ``checkpoint_every`` steps and at the end; an existing one is resumed. ``stop_after``
+    returns after that many steps of this call (the state saved), as an interruption would.
+    Returns :func:`training_summary`."""
+    check_positive_int("checkpoint_every", checkpoint_every)
+    state_path = Path(state_path)
+    optimizer = torch.optim.Adam(trainee.groups, lr=budget.lr)
+    base_lrs = [group["lr"] for group in optimizer.param_groups]
+    history: list[dict] = []
+    start = load_train_state(state_path, trainee, optimizer, budget, history, lr_may_change)
+    end = budget.steps if stop_after is None else min(budget.steps, start + stop_after)
+    guard = NonFiniteSteps(state_path, budget.lr)
+    save = functools.partial(save_train_state, state_path, trainee, optimizer, budget, history)
+    trainee.module.train()
+    with progress_bar(total=budget.steps, initial=start, desc=desc, unit="step",
+                      disable=not progress) as bar, SignalCatcher(catch_signals) as caught:
+        for step in range(start, end):
+            began = time.perf_counter()
+            factor = budget.lr_factor(step)
+            for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
+                group["lr"] = base * factor
+            rows = batch_indices(budget, n_rows, step)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(rows)
+            skipped = guard.backward_and_step(loss, optimizer, trainee.params, budget.clip)
+            history.append(step_record(step, loss, base_lrs[0] * factor, began, skipped))
+            bar.update(1)
+            bar.set_postfix(loss=_shown_loss(history[-1]))
+            if guard.exhausted:
+                guard.stop(step + 1, trainee.module, save)
+            if (step + 1) % checkpoint_every == 0 or step + 1 == end or caught.signal:
+                save()
+            if caught.signal:  # between two steps, the state just saved: as the core's loop
+                raise Interrupted(caught.name, 128 + caught.signal, state_path, step + 1)
+    trainee.module.eval()
+    return training_summary(history, budget)
+
+
+def train_head(
+    head: OutputHead,
+    cache: FeatureCache,
+    budget: TrainBudget,
+    state_path: str | Path,
+    *,
+    checkpoint_every: int = 25,
+    stop_after: int | None = None,
+    progress: bool = False,
+    lr_may_change: bool = False,
+    catch_signals: bool = False,
+) -> dict:
+    """Train ``head`` on ``cache`` for ``budget`` (frozen mode: batches of cached tokens),
+    saving its whole state to ``state_path`` every ``checkpoint_every`` steps and at the end;
+    an existing state is resumed (a finished one is loaded and nothing is trained).
+    ``stop_after`` returns after that many steps of this call (the state saved), as an
+    interruption would. Returns the summary: steps done, per-step history (loss, lr, seconds)
+    and the median seconds per step.
+
+    A step whose loss or gradient norm is not finite changes nothing (its history entry has
+    ``loss`` None and the reason under ``skipped``); more than :data:`MAX_NONFINITE_STEPS` in
+    a row raise :class:`~highrank.train.state.TrainingError`, with the last finite state saved
+    (:class:`NonFiniteSteps`). ``lr_may_change`` resumes a state saved with another ``lr``
+    (the one such a stop advised to lower).
+    """
+    check_head_fits(head, cache)
+
+    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+        device = next(head.parameters()).device  # the cache lives on the CPU; the head may not
+        return head.loss(cache.rows(rows).to(device), cache.targets[rows].to(device))
+
+    return train_loop(Trainee.head(head, budget.lr), len(cache), loss_of, budget, state_path,
+                      checkpoint_every=checkpoint_every, stop_after=stop_after,
+                      progress=progress, lr_may_change=lr_may_change,
+                      catch_signals=catch_signals, desc="train head")
+
+
+def train_windows(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    budget: TrainBudget,
+    state_path: str | Path,
+    *,
+    progress: bool = False,
+    lr_may_change: bool = False,
+    catch_signals: bool = False,
+) -> dict:
+    """Train the parameters of ``model`` (a causal LM) that require gradients end to end on
+    batches of whole windows ``inputs (W, L)`` with their ``targets`` (``budget.batch_tokens``
+    counts windows here), checkpointing every 10 steps; see :func:`train_loop`."""
+
+    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+        device = next(model.parameters()).device
+        return model(input_ids=inputs[rows].to(device), shift_labels=targets[rows].to(device)).loss
+
+    return train_loop(Trainee.model(model, budget.lr), inputs.shape[0], loss_of, budget,
+                      state_path, checkpoint_every=10, progress=progress,
+                      lr_may_change=lr_may_change, catch_signals=catch_signals, desc="retrofit")
+
+
+def step_record(step: int, loss: torch.Tensor, lr: float, started: float, skipped: str) -> dict:
+    """One step's history entry: ``loss`` None (and the reason under ``skipped``) for a step
+    the non-finite guard skipped, so that the history stays valid JSON."""
+    record = {"step": step + 1, "loss": None if skipped else float(loss.detach()), "lr": lr,
+              "seconds": time.perf_counter() - started}
+    if skipped:
+        record["skipped"] = skipped
+    return record
+
+
+def _shown_loss(record: dict) -> str:
+    return "skipped" if record["loss"] is None else f"{record['loss']:.4f}"
+
+
+def training_summary(history: list[dict], budget: TrainBudget) -> dict:
+    """Steps done, their history and the median seconds per step, with the budget."""
+    seconds = [h["seconds"] for h in history]
+    return {
+        "budget": asdict(budget),
+        "steps_done": len(history),
+        "complete": len(history) == budget.steps,
+        "median_step_seconds": float(np.median(seconds)) if seconds else None,
+        "history": history,
+    }
+
+
+# ---- the non-finite guard ------------------------------------------------------------------------
+
+
+class NonFiniteSteps:
+    """The LM trainers' non-finite guard (:mod:`highrank.train.steps`) for the retrofit loop:
+    a step whose loss or gradient norm is NaN/inf changes nothing (no optimizer step); more
+    than ``allowed`` in a row stop training with the last finite state kept, in one line
+    saying what to change."""
+
+    def __init__(self, state_path: Path, lr: float, allowed: int = MAX_NONFINITE_STEPS) -> None:
+        self.state_path, self.lr, self.allowed = state_path, lr, allowed
+        self.in_a_row, self.reason = 0, ""
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                          params: list[torch.Tensor], clip: float | None) -> str:
+        """Backward, clip (``None``: none, the norm still checked) and step; the reason the
+        step was skipped, or ``""``."""
+        reason = backward_or_skip(loss, optimizer) or clip_or_skip(optimizer, params, clip or 0)
+        if reason:
+            self.in_a_row, self.reason = self.in_a_row + 1, reason
+        else:
+            optimizer.step()
+            self.in_a_row = 0
+        return reason
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_a_row > self.allowed
+
+    def stop(self, step: int, model: nn.Module, save) -> None:
+        """Save the state (the skipped steps changed nothing, so it is the last finite one,
+        unless a finite step itself produced non-finite weights: then nothing is written)
+        and raise the one-line :class:`~highrank.train.state.TrainingError`."""
+        if all_finite_parameters(model):
+            save()
+        kept = (f"{self.state_path} holds the last finite state" if self.state_path.exists()
+                else "no training state was saved")
+        raise TrainingError(
+            f"retrofit step {step}: the {self.reason}; {self.in_a_row} consecutive steps were "
+            f"non-finite, more than {self.allowed}. Those steps changed nothing and {kept}. "
+            f"{RESTART_ADVICE.format(lr=self.lr)}"
+        )
+
+
+def all_finite_parameters(model: nn.Module) -> bool:
+    """Whether every parameter and buffer of ``model`` is finite."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+# ---- the state file ------------------------------------------------------------------------------
+
+
+def save_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudget,
+                     history: list[dict]) -> None:
+    """``state.pt`` (see the module docstring), replaced atomically."""
+    state = {
+        "budget": asdict(budget),
+        trainee.key: trainee.weights(),
+        "optimizer": optimizer.state_dict(),
+        "history": history,
+        "rng": torch.get_rng_state(),
+        "python_rng": random.getstate(),
+    }
+    with atomic_file(path) as handle:
+        torch.save(state, handle)
+
+
+def load_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudget,
+                     history: list, lr_may_change: bool = False) -> int:
+    """Steps already done (0 when there is no state); loads the weights, the optimizer and
+    the random generators, and fills ``history`` in place. A state of another budget (``lr``
+    aside when ``lr_may_change``), with non-finite weights, or not a state at all is one
+    :class:`~highrank.integrations.retrofit.cache.SavedFileError`."""
+    if not path.exists():
+        return 0
+    state = read_train_state(path, trainee.key, trainee.what)
+    check_saved_budget(path, state["budget"], budget, lr_may_change)
+    check_finite_tensors(path, state[trainee.key])
+    trainee.load_weights(path, state[trainee.key])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])  # dropout masks continue as they would have
+    random.setstate(state["python_rng"])
+    history.extend(state["history"])
+    return len(history)
+
+
+def read_train_state(path: Path, key: str = "head", what: str = "a head's") -> dict:
+    """The saved training state at ``path``, read with ``weights_only`` (tensors, numbers,
+    strings and containers only): a crafted file cannot run code when a run resumes."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling refused, truncated zip, bad CRC, ...
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise SavedFileError(
+            f"{path} cannot be read as {what} training state ({type(error).__name__}: "
+            f"{reason}); delete it to train again"
+        ) from None
+    missing = [k for k in (*STATE_KEYS, key) if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise SavedFileError(
+            f"{path} is not {what} training state (lacks {', '.join(missing)}); delete it to "
+            "train again"
+        )
+    return state
+
+
+def check_saved_budget(path: Path, saved: dict, budget: TrainBudget,
+                       lr_may_change: bool = False) -> None:
+    """Refuse a state trained with another budget (``lr`` aside when ``lr_may_change``)."""
+    ignored = {"lr"} if lr_may_change else set()
+    expected = {k: v for k, v in asdict(budget).items() if k not in ignored}
+    if not isinstance(saved, dict) or {k: v for k, v in saved.items()
+                                       if k not in ignored} != expected:
+        raise SavedFileError(
+            f"{path} was trained with budget {saved}, not {asdict(budget)}; delete it or add "
+            "--restart to train again"
+        )
+
+
+def check_finite_tensors(path: Path, tensors: dict) -> None:
+    """Refuse saved weights holding NaN/inf (resuming them gave a NaN model and exit 0)."""
+    for name, value in tensors.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(
+                torch.isfinite(value).all()):
+            raise SavedFileError(
+                f"{path} holds non-finite values in {name}; add --restart to train again from "
+                "the warm start (the feature caches are kept)"
+            )
+
+
+__all__ = [
+    "MAX_NONFINITE_STEPS",
+    "RESTART_ADVICE",
+    "NonFiniteSteps",
+    "TrainBudget",
+    "Trainee",
+    "all_finite_parameters",
+    "batch_indices",
+    "check_finite_tensors",
+    "check_saved_budget",
+    "load_train_state",
+    "read_train_state",
+    "save_train_state",
+    "step_record",
+    "train_head",
+    "train_loop",
+    "train_windows",
+    "training_summary",
+]
