@@ -74,6 +74,17 @@ def _config(arch: str, seed: int):
             max_position_embeddings=MAX_POSITIONS,
             bos_token_id=1,
         )
+    if arch == "gpt_neox":  # Pythia's family: fused query_key_value, dense_h_to_4h
+        return transformers.GPTNeoXConfig(
+            vocab_size=vocab_size,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=MAX_POSITIONS,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
     return transformers.GPT2Config(
         vocab_size=vocab_size, n_embd=16, n_layer=2, n_head=2, n_positions=MAX_POSITIONS
     )

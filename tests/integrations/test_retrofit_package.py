@@ -4,6 +4,7 @@ LoRA on the projections PEFT adapts in GPT-2, Llama and GPT-NeoX (issue 29 item 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -12,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="retrofit needs the hf extra")
 
+from highrank.cli import main  # noqa: E402
 from highrank.integrations.retrofit import (  # noqa: E402
     DEFAULT_LR,
     MODES,
@@ -23,6 +25,8 @@ from highrank.integrations.retrofit import (  # noqa: E402
     window_tokens,
 )
 from highrank.train.state import Interrupted  # noqa: E402
+from tests.analysis.test_hf_contexts import save_tiny_model, write_text  # noqa: E402
+from tests.integrations.test_retrofit_command import command, reloaded_perplexity  # noqa: E402
 
 
 def tiny_llama(vocab: int = 40):
@@ -134,3 +138,40 @@ def test_a_signal_saves_between_two_steps_and_the_run_resumes_exactly(tmp_path, 
     for (key, a), b in zip(straight.state_dict().items(), fresh.state_dict().values(),
                            strict=True):
         assert torch.equal(a, b), key
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    files = {split: write_text(root / f"{split}.txt", n_words=n, seed=i)
+             for i, (split, n) in enumerate((("train", 200), ("valid", 60), ("test", 60)))}
+    return root, files
+
+
+@pytest.mark.parametrize(
+    ("arch", "adapted"),
+    [
+        ("gpt2", "h.0.attn.c_attn"),  # transformers' Conv1D: refused before issue 29 item 2
+        ("llama", "layers.0.self_attn.q_proj"),
+        ("gpt_neox", "layers.0.mlp.dense_h_to_4h"),
+    ],
+)
+def test_lora_trains_gpt2_llama_and_gpt_neox(texts, tmp_path, arch, adapted):
+    pytest.importorskip("peft", reason="--mode lora needs peft")
+    root, files = texts
+    model = save_tiny_model(root / f"model-{arch}", arch)
+    out = tmp_path / "out"
+    assert main(command(model, files, out, "--head", "mos", "--knob", "n_components=2",
+                        "--mode", "lora", "--lr", "1e-2")) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["training"]["complete"]
+    saved = transformers.AutoModelForCausalLM.from_pretrained(out / "model")
+    base = transformers.AutoModelForCausalLM.from_pretrained(model)
+    head = sum(p.numel() for p in saved.head.parameters())
+    assert head < results["training"]["trainable_parameters"]  # adapters beside the head
+    # the adapters were trained and merged into the body's projection
+    weight = dict(saved.model.named_parameters())[f"{adapted}.weight"]
+    assert not torch.equal(weight, dict(base.base_model.named_parameters())[f"{adapted}.weight"])
+    for split in ("valid", "test"):
+        assert results["trained"][split]["perplexity"] == pytest.approx(
+            reloaded_perplexity(out / "model", files[split]), rel=1e-4)

@@ -10,8 +10,9 @@ Adam, linear warm-up then cosine decay, gradient-norm clip 1):
   (:func:`~highrank.integrations.retrofit.cache.cache_hidden_states`, ``OUT/cache-<split>``)
   and only the head is trained on them. The cheapest protocol: every head sees the same
   features.
-* ``lora``: PEFT LoRA adapters on the body's attention and MLP projections, plus the whole
-  head, trained on the text's windows end to end; merged into the body when saved.
+* ``lora``: PEFT LoRA adapters on the body's attention and MLP projections (``nn.Linear``, and
+  ``transformers``' ``Conv1D`` of GPT-2), plus the whole head, trained on the text's windows
+  end to end; merged into the body when saved.
 * ``full``: every parameter, at a small learning rate: the protocol of Softmax-CPR (Chang &
   McCallum; iesl/Softmax-CPR fine-tunes the whole GPT-2, lr 1e-5).
 
@@ -83,7 +84,8 @@ from highrank.util.machine import available_memory
 
 # The body's projections that LoRA adapts, by the names transformers' architectures use.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "fc1", "fc2", "Wqkv")
+                "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "fc1", "fc2", "Wqkv",
+                "out_proj", "dense_h_to_4h", "dense_4h_to_h", "fc_in", "fc_out")
 
 
 def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False) -> dict:
@@ -360,22 +362,35 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: 
 
 def make_trainable(hf_model, plan: RetrofitPlan):
     """``full``: every parameter of ``hf_model``; ``lora``: PEFT LoRA adapters of rank
-    ``plan.lora_rank`` on the body's ``nn.Linear`` projections named in :data:`LORA_TARGETS`,
-    plus the whole head."""
+    ``plan.lora_rank`` on the body's projections named in :data:`LORA_TARGETS` that PEFT can
+    adapt (``nn.Linear``, and ``transformers``' ``Conv1D``: GPT-2's ``c_attn``, ``c_proj``,
+    ``c_fc``), plus the whole head."""
     if plan.mode == "full":
         return hf_model.train().requires_grad_(True)
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise RetrofitError("--mode lora needs the peft package: pip install peft") from None
-    targets = sorted({name.rsplit(".", 1)[-1] for name, module in hf_model.model.named_modules()
-                      if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS})
-    if not targets:
+    adaptable = _adaptable_layers()
+    found = {name.rsplit(".", 1)[-1]: type(module)
+             for name, module in hf_model.model.named_modules()
+             if isinstance(module, adaptable) and name.rsplit(".", 1)[-1] in LORA_TARGETS}
+    if not found:
         raise RetrofitError("found no attention or MLP projection in the body to adapt with LoRA")
+    targets = sorted(found)
     config = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
                         target_modules=rf"^model\..*\.({'|'.join(targets)})$",
-                        modules_to_save=["head"])
+                        modules_to_save=["head"],
+                        # Conv1D keeps its weight as (in, out): PEFT's fan_in_fan_out says so
+                        fan_in_fan_out=all(kind is not nn.Linear for kind in found.values()))
     return get_peft_model(hf_model, config).train()
+
+
+def _adaptable_layers() -> tuple[type, ...]:
+    """The layer types LoRA adapts here: ``nn.Linear`` and ``transformers``' ``Conv1D``."""
+    from transformers.pytorch_utils import Conv1D  # the hf extra
+
+    return nn.Linear, Conv1D
 
 
 # ---- saving ------------------------------------------------------------------------------------
