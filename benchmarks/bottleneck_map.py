@@ -379,16 +379,216 @@ def summary_rows() -> list[dict]:
 
 
 def summarize() -> None:
+    """summary.json, summary.md (per-cell means and spreads, gains with paired t-tests) and the
+    figures, from the runs finished so far."""
     rows = summary_rows()
     write_json(OUT / "summary.json", rows)
-    print(f"{len(rows)} finished run(s) in {OUT / 'summary.json'}")
+    cells = cell_table(rows)
+    gains = gain_table(rows)
+    write_json(OUT / "cells.json", {"cells": cells, "gains": gains})
+    (OUT / "summary.md").write_text(summary_markdown(cells, gains))
+    figures(rows, cells)
+    print(f"{len(rows)} finished run(s): {OUT / 'summary.json'}, {OUT / 'summary.md'}")
+
+
+def _tested(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["test_ppl"] is not None and not r["arm"].startswith("long-")]
+
+
+def cell_table(rows: list[dict]) -> list[dict]:
+    """Per (arm, d): test perplexity's mean and sample standard deviation over the seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in _tested(rows):
+        groups.setdefault((row["arm"], row["d"]), []).append(row)
+    table = []
+    for (arm, d), group in sorted(groups.items(), key=lambda item: (item[0][1],
+                                                                      ARMS.index(item[0][0]))):
+        ppl = [r["test_ppl"] for r in group]
+        ranks = [r["press_rank"] for r in group if r["press_rank"] is not None]
+        table.append({"arm": arm, "d": d, "seeds": sorted(r["seed"] for r in group),
+                      "test_ppl_mean": statistics.fmean(ppl),
+                      "test_ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else None,
+                      "press_rank_mean": statistics.fmean(ranks) if ranks else None,
+                      "params": group[0]["params"], "lr": group[0]["lr"],
+                      "epochs": [r["epochs"] for r in group]})
+    return table
+
+
+def gain_table(rows: list[dict]) -> list[dict]:
+    """Each high-rank head against the softmax and each control at every d: the per-seed
+    differences of test log-perplexity (paired by seed: a positive gain is the head lower) and
+    the paired t-test's two-sided p (None below 2 pairs)."""
+    from scipy import stats
+
+    by_cell = {(r["arm"], r["d"], r["seed"]): r for r in _tested(rows)}
+    table = []
+    for d in D_VALUES:
+        for head in HEADS[1:]:
+            for other in ("softmax", *CONTROLS):
+                seeds = sorted(seed for arm, dd, seed in by_cell
+                               if arm == head and dd == d and (other, d, seed) in by_cell)
+                if not seeds:
+                    continue
+                gains = [math.log(by_cell[(other, d, s)]["test_ppl"])
+                         - math.log(by_cell[(head, d, s)]["test_ppl"]) for s in seeds]
+                p = None
+                if len(gains) > 1 and statistics.stdev(gains) > 0:
+                    p = float(stats.ttest_rel([math.log(by_cell[(other, d, s)]["test_ppl"])
+                                               for s in seeds],
+                                              [math.log(by_cell[(head, d, s)]["test_ppl"])
+                                               for s in seeds]).pvalue)
+                table.append({"d": d, "head": head, "against": other, "seeds": seeds,
+                              "gain_percent": [100 * (math.exp(g) - 1) for g in gains],
+                              "mean_gain_percent": 100 * (math.exp(statistics.fmean(gains)) - 1),
+                              "paired_p": p})
+    return table
+
+
+def summary_markdown(cells: list[dict], gains: list[dict]) -> str:
+    lines = ["# Bottleneck map: summary (written by `python -m benchmarks.bottleneck_map "
+             "--summarize`)", "", "Test perplexity (whole PTB test split) per cell, mean ± sd "
+             "over seeds; Press rank of the first 2,000 test contexts' log-prob matrix.", "",
+             "| d | arm | seeds | lr | params | epochs | test ppl | Press rank |",
+             "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: |"]
+    for c in cells:
+        sd = f" ± {c['test_ppl_sd']:.2f}" if c["test_ppl_sd"] is not None else ""
+        rank = f"{c['press_rank_mean']:.0f}" if c["press_rank_mean"] is not None else "-"
+        lines.append(f"| {c['d']} | {c['arm']} | {c['seeds']} | {c['lr']:g} | "
+                     f"{c['params']:,} | {c['epochs']} | {c['test_ppl_mean']:.2f}{sd} | {rank} |")
+    lines += ["", "Gain of a head over the softmax and the controls: 100 (exp(log ppl_other - "
+              "log ppl_head) - 1) per seed (positive: the head is better); paired t-test over "
+              "the seeds.", "", "| d | head | against | per seed (%) | mean (%) | paired p |",
+              "| ---: | --- | --- | --- | ---: | ---: |"]
+    for g in gains:
+        per_seed = ", ".join(f"{x:+.2f}" for x in g["gain_percent"])
+        p = f"{g['paired_p']:.3f}" if g["paired_p"] is not None else "-"
+        lines.append(f"| {g['d']} | {g['head']} | {g['against']} | {per_seed} | "
+                     f"{g['mean_gain_percent']:+.2f} | {p} |")
+    return "\n".join(lines) + "\n"
+
+
+def figures(rows: list[dict], cells: list[dict]) -> None:
+    """test-ppl-vs-d.png, press-rank-vs-d.png, curves.png and long-curves.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    for key, name, label in (("test_ppl_mean", "test-ppl-vs-d.png", "test perplexity"),
+                             ("press_rank_mean", "press-rank-vs-d.png", "Press rank")):
+        figure, axis = plt.subplots(figsize=(6.4, 4.2))
+        for arm in ARMS:
+            points = [c for c in cells if c["arm"] == arm and c[key] is not None]
+            if not points:
+                continue
+            errors = [c["test_ppl_sd"] or 0 for c in points] if key == "test_ppl_mean" else None
+            axis.errorbar([c["d"] for c in points], [c[key] for c in points], yerr=errors,
+                          marker="o", capsize=3, label=arm, color=colours[arm])
+        if key == "press_rank_mean":
+            axis.plot(D_VALUES, [d + 1 for d in D_VALUES], "k:", label="d + 1")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("output width d")
+        axis.set_ylabel(label)
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        figure.savefig(OUT / name, dpi=110)
+        plt.close(figure)
+    _curves(plt, [r for r in rows if not r["arm"].startswith("long-")], "curves.png", colours)
+    _curves(plt, [r for r in rows if r["arm"].startswith("long-")], "long-curves.png",
+            {"long-softmax": "C0", "long-mos": "C1"})
+
+
+def _curves(plt, rows: list[dict], name: str, colours: dict) -> None:
+    """Validation perplexity per epoch of every finished run (one panel per d)."""
+    if not rows:
+        return
+    ds = sorted({r["d"] for r in rows})
+    figure, axes = plt.subplots(1, len(ds), figsize=(3.2 * len(ds), 3.2), squeeze=False)
+    for axis, d in zip(axes[0], ds, strict=True):
+        for row in (r for r in rows if r["d"] == d):
+            record = json.loads((OUT / "records" / _train_record_name(row)).read_text())
+            curve = [c for c in record["curve"] if c["valid_loss"] is not None]
+            axis.plot([c["epoch"] for c in curve], [math.exp(c["valid_loss"]) for c in curve],
+                      color=colours[row["arm"]], linestyle="-" if row["seed"] == 1 else "--",
+                      label=f"{row['arm']} s{row['seed']}")
+        axis.set_title(f"d = {d}")
+        axis.set_yscale("log")
+        axis.set_xlabel("epoch")
+    axes[0][0].set_ylabel("validation perplexity")
+    axes[0][-1].legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(OUT / name, dpi=110)
+    plt.close(figure)
+
+
+def _train_record_name(row: dict) -> str:
+    if row["arm"].startswith("long-"):
+        return f"{row['arm']}-seed{row['seed']}.json"
+    return f"train-{row['arm']}-d{row['d']}-seed{row['seed']}.json"
+
+
+PTB_TRAIN_TOKENS = 929_589
+PRIOR_EPOCHS = 12  # epochs a map run is assumed to take before any has finished
+PRIOR_TOKENS_PER_S = {"softmax": 3000.0, "mos": 1000.0}  # the 15-epoch runs, before measured
 
 
 def plan(study: Study) -> None:
+    """The stages left and their estimated process-hours, from the rates measured so far:
+    each (arm, d)'s pilot tokens/s (its nearest measured d until then), the median epochs of
+    the finished map runs (:data:`PRIOR_EPOCHS` before), and 10% more for validation."""
     pending = study.pending()
-    print(f"{len(pending)} of {len(study.stages)} stages left")
-    for name in pending[:40]:
-        print(f"  {name}")
+    records = {p.stem: json.loads(p.read_text()) for p in (OUT / "records").glob("*.json")}
+    epochs = [r["epochs"] for name, r in records.items() if name.startswith("train-")]
+    per_run = statistics.median(epochs) if epochs else PRIOR_EPOCHS
+    rates = _pilot_rates()
+    hours: dict[str, float] = {}
+    for name in pending:
+        kind = name.split("-", 1)[0]
+        if kind == "train":
+            arm, d, _ = _cell(name.removeprefix("train-"))
+            seconds = per_run * PTB_TRAIN_TOKENS / _rate(rates, arm, d) * 1.1
+        elif kind == "long":
+            head = name.removeprefix("long-").rsplit("-seed", 1)[0]
+            seconds = LONG_EPOCHS * PTB_TRAIN_TOKENS / PRIOR_TOKENS_PER_S[head] * 1.1
+        elif kind == "lr":
+            arm, d = name.removeprefix("lr-").rsplit("-d", 1)
+            seconds = len(PILOT_LRS) * PILOT_STEPS * 1120 / _rate(rates, arm, int(d)) + 60
+        else:
+            seconds = 300
+        hours[kind] = hours.get(kind, 0.0) + seconds / 3600
+    print(f"{len(pending)} of {len(study.stages)} stages left; a map run takes {per_run} epochs "
+          f"({'median of ' + str(len(epochs)) + ' finished' if epochs else 'assumed'})")
+    for kind, value in sorted(hours.items()):
+        print(f"  {kind}: about {value:.1f} process-hours")
+    print(f"  in all about {sum(hours.values()):.1f} process-hours "
+          f"({sum(hours.values()) / 2:.1f} h with two processes)")
+    for name in pending[:6]:
+        print(f"  next: {name}")
+
+
+def _pilot_rates() -> dict[tuple[str, int], float]:
+    rates: dict[tuple[str, int], list[float]] = {}
+    for path in (OUT / "pilots").glob("*.json"):
+        record = json.loads(path.read_text())
+        if record.get("tokens_per_s"):
+            rates.setdefault((record["arm"], record["d"]), []).append(record["tokens_per_s"])
+    return {key: statistics.median(values) for key, values in rates.items()}
+
+
+def _rate(rates: dict, arm: str, d: int) -> float:
+    """The pilot rate of (arm, d), else of the arm's nearest measured d (scaled by the output
+    layer's width, the cost that grows with d), else 3,000 tokens/s."""
+    if (arm, d) in rates:
+        return rates[(arm, d)]
+    known = [dd for a, dd in rates if a == arm] or [dd for a, dd in rates if a == "softmax"]
+    if not known:
+        return 3000.0
+    nearest = min(known, key=lambda dd: abs(math.log(dd / d)))
+    rate = rates.get((arm, nearest), rates.get(("softmax", nearest)))
+    factor = {"mos": 5.0, "mixtape": 1.5}.get(arm, 1.0)  # output-layer cost per unit of d
+    return rate * (1 + factor * nearest / 256) / (1 + factor * d / 256)
 
 
 def main(argv: list[str] | None = None) -> int:

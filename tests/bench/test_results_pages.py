@@ -12,7 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 FOLDERS = sorted(p for p in RESULTS.iterdir() if p.is_dir())
 # Studies whose results are being made now: their page comes with them.
-IN_PROGRESS = {"bottleneck-map": "issue 30"}
+IN_PROGRESS: dict[str, str] = {}
 
 SCRIPT = re.compile(r"python -m benchmarks\.([a-z0-9_]+)")  # NAME: a placeholder
 SHELL = re.compile(r"bash benchmarks/([a-z0-9_.-]+\.sh)")
