@@ -469,6 +469,8 @@ def summary_markdown(cells: list[dict], gains: list[dict]) -> str:
 
 def figures(rows: list[dict], cells: list[dict]) -> None:
     """test-ppl-vs-d.png, press-rank-vs-d.png, curves.png and long-curves.png."""
+    if not rows:
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -477,6 +479,8 @@ def figures(rows: list[dict], cells: list[dict]) -> None:
     colours = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
     for key, name, label in (("test_ppl_mean", "test-ppl-vs-d.png", "test perplexity"),
                              ("press_rank_mean", "press-rank-vs-d.png", "Press rank")):
+        if not cells:
+            break
         figure, axis = plt.subplots(figsize=(6.4, 4.2))
         for arm in ARMS:
             points = [c for c in cells if c["arm"] == arm and c[key] is not None]
