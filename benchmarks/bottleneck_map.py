@@ -13,6 +13,8 @@ Every number comes from highrank's own commands, run as subprocesses as a user w
     highrank eval RUN --split valid --which last          # a pilot's score
     highrank eval RUN --split test --batch-size 10        # the whole test split
     highrank analyze rank RUN --split test --max-contexts 2000 --batch-size 10
+    highrank analyze gradient-bottleneck RUN --split test --max-contexts 2000
+    highrank analyze saturation RUN --which best --split test --max-contexts 2000
 
 **The body** (every cell; :data:`BODY`): the small PTB recipe's AWD-LSTM cut to one LSTM layer of
 400 units over a 200-wide input embedding, its output projected linearly to width d
@@ -340,13 +342,27 @@ def test_record(directory: Path) -> dict:
     run("analyze", "rank", str(directory), "--split", "test", "--max-contexts",
         str(RANK_CONTEXTS), "--batch-size", "10", "--no-progress")
     rank = _rank_record(directory)
+    run("analyze", "gradient-bottleneck", str(directory), "--split", "test", "--max-contexts",
+        str(RANK_CONTEXTS), "--no-progress")
+    gradient = _analysis(directory, "gradient-bottleneck-test-best*.json")
+    run("analyze", "saturation", str(directory), "--which", "best", "--split", "test",
+        "--max-contexts", str(RANK_CONTEXTS), "--no-progress")
+    saturation = _analysis(directory, "saturation-test*.json").get("checkpoints", [{}])[0]
     return {"test_ppl": score["perplexity"], "test_loss": score["loss"],
             "press_rank": rank.get("press_rank"), "effective_rank": rank.get("effective_rank"),
-            "rank_contexts": RANK_CONTEXTS}
+            "rank_contexts": RANK_CONTEXTS,
+            "gradient_share": gradient.get("share", {}).get("mean"),
+            "decoder_top10_energy": saturation.get("top_mass", {}).get("10"),
+            "decoder_entropy_rank": saturation.get("entropy_effective_rank"),
+            "anisotropy": saturation.get("anisotropy", {}).get("mean_cosine")}
 
 
 def _rank_record(directory: Path) -> dict:
-    found = sorted((directory / "analysis").glob("rank-test-best*.json"))
+    return _analysis(directory, "rank-test-best*.json")
+
+
+def _analysis(directory: Path, pattern: str) -> dict:
+    found = sorted((directory / "analysis").glob(pattern))
     return json.loads(found[-1].read_text()) if found else {}
 
 
@@ -373,6 +389,9 @@ def summary_rows() -> list[dict]:
             "epochs": train["epochs"],
             "valid_ppl": math.exp(min(curve)) if curve else None,
             "test_ppl": test.get("test_ppl"), "press_rank": test.get("press_rank"),
+            "gradient_share": test.get("gradient_share"),
+            "decoder_top10_energy": test.get("decoder_top10_energy"),
+            "anisotropy": test.get("anisotropy"),
             "control": arm if arm in CONTROLS else None,
         })
     return rows

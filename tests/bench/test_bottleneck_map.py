@@ -1,0 +1,105 @@
+"""benchmarks.bottleneck_map: the cells differ by their output layer alone, the controls reach
+MoS's parameter count, the learning-rate pilot's grid grows past a winning end, and the summary
+pairs seeds (issue 30)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import benchmarks.bottleneck_map as bm
+
+
+def body(overrides) -> set[str]:
+    """The overrides that are not about the output layer."""
+    return {o for o in overrides if not o.startswith(("model.d_project", "head."))}
+
+
+@pytest.mark.parametrize("d", [8, 64])
+def test_every_arm_shares_the_body_and_the_controls_reach_the_mos_count(d):
+    arms = {arm: bm.arm_overrides(arm, d) for arm in bm.ARMS}
+    assert len({frozenset(body(o)) for o in arms.values()}) == 1
+    assert all(f"model.d_project={d}" in o for arm, o in arms.items() if arm != "wide_softmax")
+    counts = {arm: bm.parameter_count(bm.RECIPE[arm][0], o) for arm, o in arms.items()}
+    for control in bm.CONTROLS:
+        assert counts[control] >= counts["mos"] > counts["softmax"]
+    # the smallest such: one unit less falls short
+    wide = int(next(o for o in arms["wide_softmax"] if "d_project" in o).split("=")[1])
+    narrower = [*arms["wide_softmax"][:-1], f"model.d_project={wide - 1}"]
+    assert bm.parameter_count("softmax", tuple(narrower)) < counts["mos"]
+
+
+def test_smallest_finds_the_first_width_that_reaches_a_target():
+    assert bm._smallest(lambda w: 3 * w, 30, start=1) == 10
+    assert bm._smallest(lambda w: 3 * w, 31, start=1) == 11
+    assert bm._smallest(lambda w: w * w, 50, start=5) == 8
+
+
+def test_the_pilot_grid_grows_past_a_winning_end(monkeypatch):
+    losses = {5.0: 6.0, 10.0: 5.5, 20.0: 5.2, 40.0: 5.1, 80.0: 5.05, 160.0: math.nan}
+    asked = []
+
+    def fake_pilot(arm, d, lr):
+        asked.append(lr)
+        return {"valid_loss": losses[lr], "valid_ppl": math.exp(losses[lr]),
+                "tokens_per_s": 1000.0}
+
+    monkeypatch.setattr(bm, "pilot", fake_pilot)
+    choice = bm.choose_lr("softmax", 8)
+    assert choice["grid"] == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
+    assert choice["lr"] == 80.0  # the NaN at 160 loses
+    assert asked == [5.0, 10.0, 20.0, 40.0, 80.0, 160.0]
+
+
+def test_an_interior_best_keeps_the_grid(monkeypatch):
+    monkeypatch.setattr(bm, "pilot", lambda arm, d, lr: {
+        "valid_loss": abs(math.log(lr / 10)), "valid_ppl": 1.0, "tokens_per_s": 1.0})
+    choice = bm.choose_lr("mos", 16)
+    assert choice["grid"] == list(bm.PILOT_LRS) and choice["lr"] == 10.0
+
+
+def test_stages_run_d_by_d_and_each_training_needs_its_pilot():
+    stages = bm.map_stages()
+    names = [s.name for s in stages]
+    first_16 = names.index("lr-softmax-d16")
+    assert all(n.endswith(("-d8", "-d8-seed1", "-d8-seed2")) for n in names[:first_16])
+    train = next(s for s in stages if s.name == "train-mos-d32-seed2")
+    assert train.needs == ("lr-mos-d32",)
+    assert bm.stages("long")[0].name.startswith("long-")
+
+
+def write_cell(out, arm, d, seed, test_ppl, lr=10.0):
+    records = out / "records"
+    records.mkdir(parents=True, exist_ok=True)
+    train = {"arm": arm, "d": d, "seed": seed, "lr": lr, "params": 1000, "output_width": d,
+             "curve": [{"epoch": 1, "valid_loss": 6.0}, {"epoch": 2, "valid_loss": 5.5}],
+             "epochs": 2}
+    (records / f"train-{arm}-d{d}-seed{seed}.json").write_text(json.dumps(train))
+    (records / f"test-{arm}-d{d}-seed{seed}.json").write_text(json.dumps(
+        {"test_ppl": test_ppl, "press_rank": d + 1}))
+
+
+def test_the_summary_pairs_seeds_and_tests_the_differences(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    for seed, (soft, mos, control) in enumerate([(200, 180, 195), (210, 185, 204)], start=1):
+        write_cell(tmp_path, "softmax", 8, seed, soft)
+        write_cell(tmp_path, "mos", 8, seed, mos)
+        write_cell(tmp_path, "mlp_softmax", 8, seed, control)
+    rows = bm.summary_rows()
+    assert {r["arm"] for r in rows} == {"softmax", "mos", "mlp_softmax"}
+    assert next(r for r in rows if r["arm"] == "mlp_softmax")["control"] == "mlp_softmax"
+    assert next(r for r in rows if r["arm"] == "mos")["valid_ppl"] == pytest.approx(
+        math.exp(5.5))
+    gains = {(g["head"], g["against"]): g for g in bm.gain_table(rows)}
+    over_softmax = gains[("mos", "softmax")]
+    assert over_softmax["gain_percent"] == pytest.approx([100 * (200 / 180 - 1),
+                                                          100 * (210 / 185 - 1)])
+    assert 0 < over_softmax["paired_p"] < 1
+    cells = bm.cell_table(rows)
+    mos = next(c for c in cells if c["arm"] == "mos")
+    assert mos["test_ppl_mean"] == pytest.approx(182.5) and mos["seeds"] == [1, 2]
+    bm.summarize()  # writes the files and the figures without error
+    assert json.loads((tmp_path / "summary.json").read_text()) == rows
+    assert (tmp_path / "test-ppl-vs-d.png").is_file()
