@@ -26,6 +26,7 @@ import torch
 from highrank.config import Config
 from highrank.data import Vocab, iter_batches
 from highrank.data.streaming import batch_view, split_stream
+from highrank.evaluate.perplexity import default_bptt
 from highrank.model import LanguageModel, load_run_corpus
 from highrank.util.progress import progress_bar
 
@@ -66,8 +67,6 @@ class RunSplit:
     def bptt(self) -> int:
         """The run's segment length (:func:`highrank.evaluate.default_bptt`: a Transformer's
         training window, 70 for AWD-LSTM)."""
-        from highrank.evaluate.perplexity import default_bptt
-
         return default_bptt(self.config)
 
 

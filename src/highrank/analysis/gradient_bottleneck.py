@@ -74,7 +74,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from highrank.analysis.contexts import count_contexts, load_run_split
+from highrank.analysis.head_inputs import (
+    highrank_head,
+    iter_causal_lm_head_inputs,
+    iter_run_head_inputs,
+    output_linear,
+)
+from highrank.analysis.hf_contexts import count_text_contexts, hf_tag, load_text_contexts
 from highrank.analysis.rank import press_threshold
+from highrank.heads.mos import MixtureOfSoftmaxes
+from highrank.heads.softmax import Softmax
 from highrank.util.progress import progress_bar
 
 DEFAULT_MAX_TOKENS = 2048
@@ -192,8 +202,6 @@ def head_jacobians(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _closed_form_mos(head: nn.Module) -> bool:
-    from highrank.heads.mos import MixtureOfSoftmaxes
-
     return type(head) is MixtureOfSoftmaxes and head.residual_branch is None and not head.training
 
 
@@ -278,8 +286,6 @@ def head_shares(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) ->
 def linear_decoder(head: nn.Module) -> torch.Tensor | None:
     """The matrix a plain softmax head's logits are linear in (``E``, or ``E P`` with its
     projection), or None for any other head (those go through the Jacobian)."""
-    from highrank.heads.softmax import Softmax
-
     if type(head) is not Softmax:
         return None
     weight = head.weight.detach()
@@ -373,9 +379,6 @@ def analyze_gradient_bottleneck_run(
 ) -> dict[str, Any]:
     """The gradient bottleneck of a run's checkpoint ``which`` on the first ``max_tokens``
     contexts of ``split``: closed form for a plain softmax head, the Jacobian otherwise."""
-    from highrank.analysis.contexts import count_contexts, load_run_split
-    from highrank.analysis.head_inputs import iter_run_head_inputs
-
     began = time.perf_counter()
     loaded = load_run_split(run_dir, split, which=which, data_dir=data_dir, device=device)
     head = loaded.model.head.eval()
@@ -421,13 +424,6 @@ def analyze_gradient_bottleneck_hf(
     """The gradient bottleneck of a Hugging Face causal LM on the first ``max_tokens``
     contexts of a text: its linear lm_head in closed form, or the highrank head attached to
     it (``integrations.hf``) as a run's head (closed form for a softmax, else the Jacobian)."""
-    from highrank.analysis.head_inputs import (
-        highrank_head,
-        iter_causal_lm_head_inputs,
-        output_linear,
-    )
-    from highrank.analysis.hf_contexts import count_text_contexts, hf_tag, load_text_contexts
-
     began = time.perf_counter()
     loaded = load_text_contexts(
         model_path, text_path, window=window, bos=bos, device=device, progress=progress

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from highrank.analysis.logprob_matrix import npy_layout
 from highrank.analysis.output import read_json
 from highrank.analysis.rank import (
     analyze_rank,
@@ -194,8 +195,6 @@ def estimate_hidden_size_file(
     streamed through :func:`~highrank.analysis.rank.streamed_singular_values` (its
     ``gram_options``: block_rows, backend, device, state_dir, progress), never held whole; a
     float64 one is read into memory (:func:`estimate_hidden_size`)."""
-    from highrank.analysis.logprob_matrix import npy_layout
-
     try:
         shape, dtype, _ = npy_layout(path)
     except (FileNotFoundError, ValueError) as error:

@@ -64,6 +64,7 @@ from highrank.analysis.contexts import RunSplit
 from highrank.analysis.logprob_matrix import matrix_record, npy_layout
 from highrank.analysis.rows import RowSource, RunRows, TextRows
 from highrank.model import LanguageModel
+from highrank.runs.run_dir import RunDir
 
 DEFAULT_PAIRS = 10_000
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
@@ -386,8 +387,6 @@ def analyze_kl_matrix(
     """The KL record of ``run_dir`` from the log-prob matrix ``.npy`` at ``path`` (rows read
     through a memory map), after checking the matrix is the run's log-probabilities of
     ``split`` in stream order (``batch_size`` 1) and has the run's vocabulary."""
-    from highrank.runs.run_dir import RunDir
-
     run = RunDir.open(run_dir)
     vocab_size = len(run.load_vocab())
     matrix = open_matrix(path)

@@ -57,7 +57,7 @@ def read_json(path: str | os.PathLike) -> dict[str, Any]:
 def read_npy(path: str | os.PathLike, mmap_mode: str | None = None) -> np.ndarray:
     """An array saved beside a record (singular values, a log-prob matrix), read without
     pickling; a missing, truncated or pickled file is one RunDirError naming it."""
-    from highrank.runs.run_dir import RunDirError
+    from highrank.runs.run_dir import RunDirError  # torch (config -> heads): output is numpy only
 
     path = Path(path)
     try:

@@ -28,8 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from highrank.analysis import logprob_matrix  # iter_row_blocks looked up per call: tests wrap it
 from highrank.analysis.contexts import count_contexts
-from highrank.analysis.logprob_matrix import check_disk_space, contexts_path, matrix_record
+from highrank.analysis.logprob_matrix import (
+    check_disk_space,
+    contexts_path,
+    matrix_record,
+    npy_layout,
+)
 from highrank.analysis.output import ANALYSIS_DIR, read_npy, record_tag, text_table, write_json
 from highrank.analysis.rows import RowSource
 from highrank.analysis.spectrum import plot_spectrum
@@ -188,8 +194,6 @@ def streamed_singular_values(
     1e-6 * s_max, enough for float32's Press threshold but not for float64's (~1e-14 *
     s_max); use :func:`rank_report` on a float64 matrix in memory.
     """
-    from highrank.analysis.logprob_matrix import npy_layout
-
     shape, dtype, _ = npy_layout(path)
     if len(shape) != 2 or min(shape) == 0:
         raise ValueError(f"{path} holds an array of shape {shape}; expected a non-empty matrix")
@@ -226,8 +230,6 @@ def rank_report_file(
     :func:`streamed_singular_values` (``options`` go there); the Press threshold uses
     float32's eps, exactly as for the matrix in memory. Adds the Gram matrix's side,
     backend, memory plan and the seconds of its two steps."""
-    from highrank.analysis.logprob_matrix import npy_layout
-
     shape, dtype, _ = npy_layout(path)
     details: dict[str, Any] = {}
     values = streamed_singular_values(path, details=details, **options)
@@ -376,8 +378,6 @@ def _accumulate_column_gram(
 ):
     """G = A^T A (n x n, float64) over row blocks, resuming from ``state_dir`` if it holds
     a checkpoint of the same file."""
-    from highrank.analysis.logprob_matrix import iter_row_blocks
-
     rows, cols = shape
     checkpoint = _GramCheckpoint(state_dir, path, "columns") if state_dir is not None else None
     start, saved = checkpoint.load() if checkpoint else (0, None)
@@ -393,7 +393,7 @@ def _accumulate_column_gram(
         disable=not progress,
     )
     with bar:
-        for first, block in iter_row_blocks(path, block_rows, start):
+        for first, block in logprob_matrix.iter_row_blocks(path, block_rows, start):
             _check_finite_block(block, path, first)
             gram.add(block)
             bar.update(block.shape[0])
@@ -476,8 +476,6 @@ def _accumulate_row_gram(
     and every block J after it (the upper triangle), so panel I reads the m - start(I) rows
     from it on. The checkpoint (rows of G done) is taken at panel ends only, so the rows of
     G after it are still zero and a resumed run recomputes them whole."""
-    from highrank.analysis.logprob_matrix import iter_row_blocks
-
     rows = shape[0]
     checkpoint = _GramCheckpoint(state_dir, path, "rows") if state_dir is not None else None
     start, saved = checkpoint.load() if checkpoint else (0, None)
@@ -487,12 +485,12 @@ def _accumulate_row_gram(
     work = sum(rows - first for first in range(start, rows, block_rows))  # rows paired
     bar = progress_bar(total=work, desc="Gram matrix A A^T", unit="row", disable=not progress)
     with bar:
-        for first, panel in iter_row_blocks(path, block_rows, start):
+        for first, panel in logprob_matrix.iter_row_blocks(path, block_rows, start):
             _check_finite_block(panel, path, first)
             gram.start_panel(first, panel)
             gram.add(first, panel)  # the diagonal block
             done = first + panel.shape[0]
-            for other, block in iter_row_blocks(path, block_rows, done):
+            for other, block in logprob_matrix.iter_row_blocks(path, block_rows, done):
                 _check_finite_block(block, path, other)
                 gram.add(other, block)
                 bar.update(block.shape[0])

@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from highrank.analysis.output import ANALYSIS_DIR, format_cell, is_number, read_json, write_json
-from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS
+from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS, write_spectrum
+from highrank.config import load_config
+from highrank.data import Vocab
+from highrank.evaluate.records import describe
+from highrank.model import build_model, count_parameters
+from highrank.runs.run_dir import RunDirError, read_metrics
 from highrank.util.atomic import write_text_atomic
 
 _STYLE = """
@@ -46,12 +51,7 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
     """Everything :func:`write_report` shows about one run, read from its directory."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
-        from highrank.runs.run_dir import RunDirError
-
         raise RunDirError(f"{run_dir} is not a run directory of `highrank train` (no config.toml)")
-    from highrank.config import load_config
-    from highrank.runs.run_dir import read_metrics
-
     config = load_config(run_dir / "config.toml")
     metrics = (
         read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
@@ -82,9 +82,6 @@ def _found_in(record: dict[str, Any], run_dir: Path) -> dict[str, Any]:
 def _parameter_count(run_dir: Path, config) -> int | None:
     """Trainable parameters of the model the run's config and vocabulary describe."""
     import torch
-
-    from highrank.data import Vocab
-    from highrank.model import build_model, count_parameters
 
     vocab_file = run_dir / "vocab.json"
     if not vocab_file.is_file():
@@ -172,8 +169,6 @@ def _eval_value(run: dict[str, Any], prefix: str) -> float | None:
 
 def _sources(runs: list[dict[str, Any]]) -> str:
     """One line per figure shown: which checkpoint and data it came from."""
-    from highrank.evaluate.records import describe
-
     lines = []
     for run in runs:
         for prefix, label in (("eval-test", "test"), ("dynamic-eval-test", "dynamic-eval test")):
@@ -215,8 +210,6 @@ def _plot_curves(curves: dict[str, list[tuple[int, float]]], path: Path) -> Path
 
 
 def _rank_section(runs: list[dict[str, Any]], out: Path) -> str:
-    from highrank.analysis.rank import write_spectrum
-
     records = [record for r in runs for record in r["rank"].values()]
     if not records:
         return "<h2>Rank</h2>\n" + _hint([r["name"] for r in runs], "highrank analyze rank RUN_DIR")

@@ -52,7 +52,11 @@ from highrank.analysis.hf_contexts import (
 )
 from highrank.analysis.logprob_matrix import head_rows, write_log_prob_matrix
 from highrank.analysis.output import ANALYSIS_DIR, record_tag
-from highrank.evaluate.perplexity import check_segment_length
+from highrank.config import load_config
+from highrank.data.streaming import streams_equal
+from highrank.evaluate.perplexity import check_segment_length, default_bptt
+from highrank.runs.checkpoint import CheckpointError, checkpoint_path, missing_best_hint
+from highrank.runs.run_dir import RunDir, RunDirError
 
 # (positions (b,) int64, targets (b,) int64, rows (b, V) float32 on the CPU), ascending.
 RowBlock = tuple[np.ndarray, np.ndarray, torch.Tensor]
@@ -390,8 +394,6 @@ class RunRows(RowSource):
         }
 
     def differs_from(self, first, names) -> str | None:
-        from highrank.data.streaming import streams_equal
-
         problem = vocabulary_difference(names, first.vocab, self.vocab)
         if problem is not None:
             return problem
@@ -409,8 +411,6 @@ class RunRows(RowSource):
         return self.run_dir / ANALYSIS_DIR
 
     def matrix_settings(self, *, kind, batch_size, bptt, max_contexts) -> dict[str, Any]:
-        from highrank.runs.checkpoint import checkpoint_path
-
         if bptt is not None:
             self._bptt = bptt
         return {
@@ -433,8 +433,6 @@ class RunRows(RowSource):
 
     def configured_d_embed(self) -> int:
         """The hidden size the run's config gives its head (read without the model)."""
-        from highrank.runs.run_dir import RunDir
-
         return RunDir.open(self.run_dir).load_config().model.d_embed
 
     def write_matrix(self, path, settings, *, progress=False) -> dict[str, Any]:
@@ -486,10 +484,6 @@ def vocabulary_difference(names: Sequence[str], first: Any, other: Any) -> str |
 
 def _run_bptt(run_dir: Path) -> int:
     """The segment length the run's saved config implies (read without loading the model)."""
-    from highrank.config import load_config
-    from highrank.evaluate.perplexity import default_bptt
-    from highrank.runs.run_dir import RunDirError
-
     path = run_dir / "config.toml"
     if not path.is_file():
         raise RunDirError(
@@ -501,8 +495,6 @@ def _run_bptt(run_dir: Path) -> int:
 def file_fingerprint(path: Path) -> dict[str, Any]:
     """Name, size and modification time: a rewritten checkpoint no longer matches."""
     if not path.is_file():
-        from highrank.runs.checkpoint import CheckpointError, missing_best_hint
-
         if path.name == "best.pt":  # the same hint as every verb
             raise CheckpointError(missing_best_hint(path.parent.parent))
         raise CheckpointError(f"checkpoint {path} does not exist")

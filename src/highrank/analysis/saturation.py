@@ -49,12 +49,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from highrank.analysis.contexts import load_run_split
+from highrank.analysis.head_inputs import (
+    highrank_head,
+    iter_causal_lm_head_inputs,
+    iter_run_head_inputs,
+    output_layer,
+)
+from highrank.analysis.hf_contexts import hf_tag, load_text_contexts
 from highrank.analysis.rank import (
     EFFECTIVE_RANK_EPSILONS,
     effective_rank,
     press_rank_from_singular_values,
     singular_values,
 )
+from highrank.runs.checkpoint import CHECKPOINT_DIR, CheckpointError, read_run
 from highrank.util.progress import progress_note
 
 DEFAULT_TOP_K = (1, 10, 100)
@@ -181,8 +190,6 @@ def anisotropy_of_blocks(blocks: Iterator[tuple[torch.Tensor, Any]]) -> dict[str
 
 def run_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     """Every ``.pt`` file in ``RUN_DIR/checkpoints`` (last.pt, last.prev.pt, best.pt, ...)."""
-    from highrank.runs.checkpoint import CHECKPOINT_DIR, CheckpointError
-
     folder = Path(run_dir) / CHECKPOINT_DIR
     files = sorted(folder.glob("*.pt")) if folder.is_dir() else []
     if not files:
@@ -211,10 +218,6 @@ def analyze_saturation_run(
     """The saturation of every checkpoint of ``run_dir`` (or of ``checkpoints``: .pt paths),
     ordered by training step (a curve): the spectrum of E and the anisotropy of the head's
     inputs over the first ``max_contexts`` contexts of ``split``."""
-    from highrank.analysis.contexts import load_run_split
-    from highrank.analysis.head_inputs import iter_run_head_inputs
-    from highrank.runs.checkpoint import read_run
-
     files = [Path(c) for c in checkpoints] if checkpoints else run_checkpoints(run_dir)
     points = []
     for path in files:
@@ -263,13 +266,6 @@ def analyze_saturation_hf(
 ) -> dict[str, Any]:
     """The saturation of a Hugging Face causal LM: the spectrum of its lm_head weight and the
     anisotropy of the lm_head's inputs over the first ``max_contexts`` contexts of the text."""
-    from highrank.analysis.head_inputs import (
-        highrank_head,
-        iter_causal_lm_head_inputs,
-        output_layer,
-    )
-    from highrank.analysis.hf_contexts import hf_tag, load_text_contexts
-
     began = time.perf_counter()
     loaded = load_text_contexts(
         model_path, text_path, window=window, bos=bos, device=device, progress=progress

@@ -179,7 +179,7 @@ def read_perplexity(run_dir: str | Path, split: str, which: str) -> float:
 def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
     """A run's eval record (full split of its own corpus) with its perplexity checked and
     ``"source"`` saying which checkpoint and data it came from."""
-    from highrank.evaluate.records import describe
+    from highrank.evaluate.records import describe  # torch: `compare` of records needs none
 
     which = resolve_which(run_dir, split, which)
     path = eval_path(run_dir, split, which)

@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from scipy import stats
 
+from highrank.model import load_run
+
 MIN_PAIRS = 3  # Spearman of fewer pairs is meaningless (two points always give +-1)
 DEFAULT_DATA_DIR = Path("..") / "shared" / "data" / "word-sim"  # relative to the cwd
 EMBEDDINGS = {"input": "model.backbone.embedding.weight", "output": "model.head.weight"}
@@ -255,8 +257,6 @@ def analyze_similarity(
     """The record of a trained run (checkpoint ``which``) on word-similarity ``benchmarks``
     (read :class:`Benchmark` s or their files): :func:`similarity_record` of its input and
     output embeddings."""
-    from highrank.model import load_run
-
     benchmarks = [b if isinstance(b, Benchmark) else read_benchmark(b) for b in benchmarks]
     model, _, vocab = load_run(run_dir, which)
     record = {"run_dir": str(run_dir), "checkpoint": which}

@@ -90,6 +90,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from highrank.causal_lm import load_causal_lm
+from highrank.model import load_run
+
 DEFAULT_RADIUS = 100.0
 DEFAULT_PATIENCE = 10  # braid reflections per token before the LP
 LP_RADIUS_TOLERANCE = 1e-6  # r* at or below this: unargmaxable (module docstring, step 4)
@@ -633,8 +636,6 @@ def analyze_unargmaxable_run(
 ) -> dict[str, Any]:
     """The record of :func:`find_unargmaxable` on the output layer of a trained run's head
     (:func:`head_layer` says what is analysed; ``radius`` None: all of R^d)."""
-    from highrank.model import load_run
-
     model, config, vocab = load_run(run_dir, which)
     weight, bias, domain, meaning = head_layer(model.head, config.head.name)
     record = _analyse(
@@ -659,8 +660,6 @@ def analyze_unargmaxable_hf(
     """The record of :func:`find_unargmaxable` on the output layer of a Hugging Face causal
     LM (a model folder or a ``.gguf`` file): its ``lm_head`` weight and bias, or the highrank
     head attached to it (:mod:`highrank.integrations.hf`)."""
-    from highrank.analysis.hf_contexts import load_causal_lm
-
     began = time.perf_counter()
     model, tokenizer = load_causal_lm(model_path, progress=progress)
     load_seconds = time.perf_counter() - began
