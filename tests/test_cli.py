@@ -73,6 +73,36 @@ def test_the_lazy_parser_of_main_parses_as_the_whole_one(argv):
     assert whole == lazy
 
 
+def test_the_torch_free_copies_the_options_are_declared_from_equal_the_library():
+    """cli/choices.py copies the names and defaults the verbs' options show (heads, bench
+    cases, the analyses' defaults), so --help imports no torch; each copy must stay equal."""
+    import dataclasses
+    import importlib
+
+    from highrank.cli import choices
+    from highrank.demo import DemoSettings
+
+    for name, module, original in choices.ORIGINALS:
+        value = getattr(importlib.import_module(module), original)
+        expected = tuple(value) if isinstance(value, dict) else value
+        assert getattr(choices, name) == expected, f"cli.choices.{name} != {module}.{original}"
+    settings = dataclasses.asdict(DemoSettings())
+    assert {k: settings[k] for k in choices.DEMO_DEFAULTS} == choices.DEMO_DEFAULTS
+
+
+def test_demo_help_says_which_heads_run_by_default(capsys):
+    """Issue 29: `demo --help` listed mlp_softmax among the default heads; seven run."""
+    from highrank.demo import DemoSettings
+    from highrank.heads import PAPER_HEADS
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"default: the seven papers' heads, {','.join(PAPER_HEADS)};" in text
+    assert "mlp_softmax, the capacity control, only when named" in text
+    assert DemoSettings().heads == PAPER_HEADS and len(PAPER_HEADS) == 7
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
@@ -167,6 +197,16 @@ def test_data_stats_on_a_missing_folder_is_a_clear_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_data_stats_on_a_file_says_a_folder_is_expected(tmp_path, capsys):
+    """Issue 29: `data stats FILE` said the file "does not exist"."""
+    (tmp_path / "train.txt").write_text("a b\n")
+    assert main(["data", "stats", str(tmp_path / "train.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"corpus directory {tmp_path / 'train.txt'} is a file, not a folder" in err
+    assert "expected a folder holding train.txt, valid.txt and test.txt" in err
+    assert "does not exist" not in err
+
+
 def test_bench_heads_writes_json_and_markdown(tmp_path, capsys):
     out = tmp_path / "bench"
     argv = ["bench", "heads", "--vocab", "300", "--cases", "softmax,mixtape", "--tokens", "70"]
@@ -197,6 +237,16 @@ def test_missing_run_dir_and_missing_best_checkpoint_say_what_to_do(tmp_path, ca
     (tmp_path / "run" / "checkpoints" / "last.pt").write_bytes(b"")
     assert main(["eval", str(tmp_path / "run")]) == 2
     assert "stopped before one (e.g. --max-steps); pass --which last" in capsys.readouterr().err
+
+
+def test_eval_of_a_file_says_it_is_a_file_not_that_it_does_not_exist(tmp_path, capsys):
+    """Issue 29: `eval FILE` said "does not exist" for an existing file."""
+    (tmp_path / "best.pt").write_bytes(b"")
+    for verb in ("eval", "dynamic-eval"):
+        assert main([verb, str(tmp_path / "best.pt")]) == 2
+        err = capsys.readouterr().err
+        assert f"run directory {tmp_path / 'best.pt'} is a file, not a folder" in err, err
+        assert "does not exist" not in err
 
 
 OPENMP_PROBE = """

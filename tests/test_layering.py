@@ -14,6 +14,7 @@ whoever imports the submodule).
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from functools import cache
@@ -322,6 +323,83 @@ def test_highrank_help_imports_no_torch_numpy_or_scipy(argv):
     assert "highrank.cli" in imported  # the listing is what we think it is
     heavy = sorted(m for m in imported if m.split(".")[0] in HEAVY)
     assert not heavy, f"`highrank {' '.join(argv)}` imported {heavy[:10]}"
+
+
+# Run in a fresh process: every verb's --help, every sub-verb's (analyze KIND, data ACTION,
+# config ACTION) found by walking the lazy parser, then ARGUMENT_ERRORS; after each, the heavy
+# modules it brought into sys.modules.
+EVERY_HELP_PROBE = """
+import argparse, contextlib, io, json, sys
+from highrank.cli import build_parser, main
+
+heavy = {heavy!r}
+parser = build_parser(lazy=True)
+argvs = []
+for verb_action in parser._subparsers._group_actions:
+    for verb, sub in verb_action.choices.items():
+        argvs.append([verb, "--help"])
+        sub.declare_now([])  # its options and sub-verbs: torch-free too (checked below)
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                argvs += [[verb, name, "--help"] for name in action.choices]
+argvs += json.loads(sys.argv[1])
+found = []
+for argv in argvs:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            status = main(argv)
+        except SystemExit as stop:
+            status = stop.code
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
+    found.append([argv, status, loaded[:5]])
+    if loaded:
+        break
+print(json.dumps(found))
+"""
+# Argument errors and paths that are wrong on their face: answered before the library loads.
+ARGUMENT_ERRORS = [
+    ["analyze", "rank", "--max-contexts", "-5"],
+    ["analyze", "kl", "RUN", "--pairs", "0"],
+    ["analyze", "saturation", "--top-k", "0"],
+    ["analyze", "rank", "NOWHERE"],
+    ["analyze", "hidden-size", "NOWHERE.npy"],
+    ["analyze", "kl", "--hf", "m", "--text", "NOWHERE", "--out", "o"],
+    ["demo", "--heads", "softmax,foo"],
+    ["demo", "--rank", "0"],
+    ["bench", "heads", "--cases", "softmax,moz"],
+    ["compare", "a1", "a2", "--", "b1", "b2", "--alpha", "2"],
+    ["compare", "NOWHERE", "a2", "--", "b1", "b2"],
+    ["report", "NOWHERE", "--out", "o"],
+    ["eval", "NOWHERE"],
+    ["dynamic-eval", "NOWHERE"],
+    ["data", "stats", "NOWHERE"],
+    ["retrofit", "--steps", "0"],
+]
+
+
+def test_every_verbs_help_and_argument_errors_import_no_torch_numpy_or_scipy(tmp_path):
+    """Issue 29: `analyze --help`, `demo`, `bench`, `report`, `compare` imported torch and the
+    analyses (45-136 s under load against 3 s), and `analyze rank --max-contexts -5` answered
+    after those imports. Every verb and sub-verb's --help, and these errors, import none."""
+    errors = [[str(tmp_path / a) if a.startswith("NOWHERE") else a for a in argv]
+              for argv in ARGUMENT_ERRORS]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", EVERY_HELP_PROBE.format(heavy=HEAVY), json.dumps(errors)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout)
+    ran = [argv for argv, _, _ in found]
+    assert ["analyze", "gradient-bottleneck", "--help"] in ran and ["data", "get", "--help"] in ran
+    assert len(ran) == len(found)
+    heavy = [(argv, loaded) for argv, _, loaded in found if loaded]
+    assert not heavy, f"`highrank {' '.join(heavy[0][0])}` imported {heavy[0][1]}"
+    assert ran[-len(errors):] == errors  # every error ran, each refused: status 2
+    assert all(status == 2 for _, status, _ in found[-len(errors):]), found[-len(errors):]
+    assert all(status == 0 for _, status, _ in found[: -len(errors)]), found
 
 
 def test_analysis_is_a_library_without_argparse_or_print():

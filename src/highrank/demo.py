@@ -55,7 +55,7 @@ from torch import nn
 
 from highrank.analysis.rank import press_rank
 from highrank.heads import HEADS, PAPER_HEADS, OutputHead, build_head
-from highrank.util.checks import check_positive_int
+from highrank.util.checks import check_names, check_positive_int
 from highrank.util.machine import describe_machine
 
 RESULTS_FILE = "results.json"
@@ -143,16 +143,7 @@ class HeadResult:
 
 def check_head_names(names: tuple[str, ...] | list[str]) -> None:
     """Reject an empty list, duplicates and unknown names, listing the valid ones."""
-    if not names:
-        raise ValueError(f"heads is empty; choose from: {', '.join(HEADS)}")
-    unknown = [n for n in names if n not in HEADS]
-    if unknown:
-        raise ValueError(
-            f"unknown head(s) {', '.join(map(repr, unknown))}; choose from: {', '.join(HEADS)}"
-        )
-    repeated = sorted({n for n in names if list(names).count(n) > 1})
-    if repeated:
-        raise ValueError(f"head(s) listed twice: {', '.join(repeated)}")
+    check_names("head", names, HEADS)
 
 
 # ---- the true language ---------------------------------------------------------------------

@@ -78,3 +78,15 @@ def test_a_pickled_singular_values_file_is_one_line_and_runs_nothing(runs, tmp_p
     assert main(["report", str(first), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be read as a plain array" in err[0]
+
+
+def test_an_out_that_is_an_existing_file_is_one_line(runs, tmp_path, capsys):
+    """Issue 29: `report --out EXISTING_FILE` was a FileExistsError traceback."""
+    (tmp_path / "taken").write_text("x")
+    assert main(["report", str(runs[0]), "--out", str(tmp_path / "taken")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    taken = tmp_path / "taken"
+    assert f"--out {taken}: {taken} is a file; expected a folder" in err[0]
+    assert main(["report", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+    assert f"run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err

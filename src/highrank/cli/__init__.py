@@ -5,11 +5,13 @@ its options on its subparser and ``run(args) -> int`` that does it and returns t
 Each lives in ``highrank/cli/<verb>.py`` (shared option types, config overrides and the error
 guard in :mod:`highrank.cli.common`); :data:`VERBS` lists them in the order ``highrank --help``
 shows, so adding a verb is one module and one entry. Verb modules import the library inside
-their functions, and :func:`main` declares a verb's options only when that verb is used (the
-config keys only when a ``--section.key`` is given), so ``highrank --help``, the top level's
-errors and most verbs' ``--help`` and option errors import neither torch nor any optional extra
-(tests/test_layering.py checks ``--help``); ``demo``, ``bench`` and the analysis verbs need
-the library to declare their options.
+their functions and declare their options from torch-free constants (head names, bench cases,
+the analyses' defaults: :mod:`highrank.cli.choices`, each held equal to the library's by
+tests/test_cli.py); :func:`main` declares a verb's options only when that verb is used (the
+config keys only when a ``--section.key`` is given). So ``highrank --help``, every verb's and
+sub-verb's ``--help`` and argparse's errors import no torch, numpy, scipy or optional extra,
+and the verbs check the paths they are given (missing, a file for a folder) before they import
+the library (tests/test_layering.py runs them all).
 
     highrank demo --rank 32 --dim 8 --out demo-out
 """

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from highrank.cli.common import int_list, non_negative_int, positive_int
+from highrank.cli.choices import BENCH_CASES, BENCH_DEFAULT_CASES
+from highrank.cli.common import int_list, name_list, non_negative_int, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from highrank.bench.heads import CASES, DEFAULT_CASES
-
+    """The options, from the torch-free copies of the cases (:mod:`highrank.cli.choices`)."""
     parser.add_argument("what", choices=["heads"], help="heads: output-layer time and memory")
     parser.add_argument(
         "--vocab",
@@ -20,9 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cases",
-        type=lambda text: [c.strip() for c in text.split(",") if c.strip()],
-        default=list(DEFAULT_CASES),
-        help=f"comma-separated cases from: {', '.join(CASES)}",
+        type=lambda text: list(name_list(text, "bench case", BENCH_CASES)),
+        default=list(BENCH_DEFAULT_CASES),
+        help=f"comma-separated cases from: {', '.join(BENCH_CASES)} (default "
+        f"{','.join(BENCH_DEFAULT_CASES)})",
     )
     parser.add_argument("--tokens", type=positive_int, default=1400, help="tokens per step")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs (median)")

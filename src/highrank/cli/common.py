@@ -11,7 +11,9 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from highrank.cli.choices import HEAD_NAMES
 from highrank.util.argtypes import int_list, non_negative_int, positive_int
+from highrank.util.checks import check_names
 
 # ---- argument types: a bad value is an argparse error naming the option --------------------
 # (positive_int, non_negative_int and int_list live in highrank.util.argtypes: the analyses
@@ -19,12 +21,16 @@ from highrank.util.argtypes import int_list, non_negative_int, positive_int
 
 
 def head_list(text: str) -> tuple[str, ...]:
-    """Comma-separated head names from ``highrank.heads.HEADS``."""
-    from highrank.demo import check_head_names
+    """Comma-separated head names from ``highrank.heads.HEADS`` (checked against its
+    torch-free copy, :data:`highrank.cli.choices.HEAD_NAMES`)."""
+    return name_list(text, "head", HEAD_NAMES)
 
+
+def name_list(text: str, what: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """Comma-separated names from ``known``: none unknown, none twice, at least one."""
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     try:
-        check_head_names(names)
+        check_names(what, names, known)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return names
@@ -37,10 +43,11 @@ class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` some of whose arguments are declared when it is first used.
 
     ``highrank --help`` and the errors argparse itself reports must not import torch (seconds
-    on a busy machine), yet declaring some verbs' options does (``demo``: the heads' names;
-    ``analyze``: the analyses; every config key: the heads' knobs). So :func:`highrank.cli.
-    build_parser` hands each verb's ``add_arguments`` to :meth:`declare_later`, and argparse
-    only ever parses with, or prints the help of, the verb on the command line. A declaration
+    on a busy machine), yet declaring the config keys does (the heads' knobs), and declaring
+    every verb's options would import each verb's module. So :func:`highrank.cli.
+    build_parser` hands each verb's ``add_arguments`` to :meth:`declare_later` (``analyze``
+    each KIND's too), and argparse only ever parses with, or prints the help of, the verb on
+    the command line. A declaration
     with ``needed`` runs at a parse only when ``needed(argument strings)`` says so, and at
     :meth:`declare_now` always. Subparsers are of this class too (argparse makes them of their
     parent's class).
@@ -182,32 +189,55 @@ AFTER_INTERRUPT = {
 
 def guarded(verb: str, job: Callable[[], int]) -> int:
     """Run ``job``; input errors print one line (status 2), divergence status 1, Ctrl-C 130
-    (SIGTERM 143 when training stopped on it), naming what was saved."""
+    (SIGTERM 143 when training stopped on it), naming what was saved. The error classes are
+    imported only once ``job`` raises, so what ``job`` checks before it imports the library
+    (torch) is answered without it."""
+    try:
+        return job()
+    except (Exception, KeyboardInterrupt) as error:
+        status = _reported(verb, error)
+        if status is None:
+            raise
+        return status
+
+
+def _reported(verb: str, error: BaseException) -> int | None:
+    """Print ``error`` as :func:`guarded` says and return the exit status; None: not ours."""
     from highrank.runs.checkpoint import NonFiniteCheckpointError
     from highrank.train import Interrupted, TrainingError, distributed
 
-    try:
-        return job()
-    except (TrainingError, NonFiniteCheckpointError) as error:
+    if isinstance(error, TrainingError | NonFiniteCheckpointError):
         print(f"highrank {verb}: stopped: {error}", file=sys.stderr)
         return 1
-    except input_errors() as error:
+    if isinstance(error, input_errors()):
         print(f"highrank {verb}: error: {error}", file=sys.stderr)
         return 2
-    except Interrupted as stop:  # training saved its state between two steps
-        run_dir = stop.saved.parent.parent  # RUN_DIR/checkpoints/<name>.pt
+    if isinstance(error, Interrupted):  # training saved its state between two steps
+        run_dir = error.saved.parent.parent  # RUN_DIR/checkpoints/<name>.pt
         hint = AFTER_INTERRUPT[verb].replace("from the last checkpoint", "from it")
         if distributed.launched_rank() not in (None, 0):
-            return stop.exit_status  # under torchrun process 0 saved and says so: once
+            return error.exit_status  # under torchrun process 0 saved and says so: once
         print(
-            f"highrank {verb}: interrupted by {stop.signal_name} at step {stop.step}; saved "
-            f"{stop.saved}; {hint.replace('RUN_DIR', str(run_dir))}",
+            f"highrank {verb}: interrupted by {error.signal_name} at step {error.step}; saved "
+            f"{error.saved}; {hint.replace('RUN_DIR', str(run_dir))}",
             file=sys.stderr,
         )
-        return stop.exit_status
-    except KeyboardInterrupt:
+        return error.exit_status
+    if isinstance(error, KeyboardInterrupt):
         print(f"highrank {verb}: interrupted; {_unsaved(verb)}", file=sys.stderr)
         return 130
+    return None
+
+
+def refuse(verb: str, *problems: str | None) -> int | None:
+    """The first of ``problems`` (from :mod:`highrank.util.paths`) that is not None, printed as
+    the verb's one-line error: exit status 2; None when there is none. Verbs call it before
+    they import the library, so a path typo is answered at once."""
+    for problem in problems:
+        if problem:
+            print(f"highrank {verb}: error: {problem}", file=sys.stderr)
+            return 2
+    return None
 
 
 # After an interrupt that saved nothing (a second Ctrl-C, or outside the training steps).
@@ -235,6 +265,8 @@ __all__ = [
     "head_list",
     "input_errors",
     "int_list",
+    "name_list",
     "non_negative_int",
     "positive_int",
+    "refuse",
 ]

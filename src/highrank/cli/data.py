@@ -77,6 +77,12 @@ def _get(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     import json
 
+    from highrank.cli.common import refuse
+    from highrank.util.paths import corpus_dir_problem
+
+    status = refuse("data stats", corpus_dir_problem(args.directory))  # before torch
+    if status:
+        return status
     from highrank.data import CorpusError, corpus_stats, format_stats
 
     try:

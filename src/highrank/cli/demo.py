@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from highrank.cli.choices import DEMO_DEFAULTS, HEAD_NAMES, PAPER_HEAD_NAMES
 from highrank.cli.common import head_list, non_negative_int, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from highrank.demo import DemoSettings
-    from highrank.heads import HEADS
-
-    d = DemoSettings()
+    """The options, from torch-free defaults (``DEMO_DEFAULTS``, equal to ``DemoSettings()``:
+    tests/test_cli.py), so ``highrank demo --help`` and its errors import no torch."""
+    d = argparse.Namespace(**DEMO_DEFAULTS)
     parser.add_argument(
         "--rank", type=positive_int, default=d.rank, help="true rank r (default %(default)s)"
     )
@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--heads",
         type=head_list,
         default=d.heads,
-        help=f"comma-separated heads (default all: {','.join(HEADS)})",
+        help=f"comma-separated heads, from {','.join(HEAD_NAMES)} (default: the seven "
+        f"papers' heads, {','.join(PAPER_HEAD_NAMES)}; mlp_softmax, the capacity control, only "
+        "when named)",
     )
     parser.add_argument(
         "--steps",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from highrank.cli.common import guarded, positive_int
+from highrank.cli.common import guarded, positive_int, refuse
 from highrank.cli.evaluate import add_eval_options, report_eval
+from highrank.util.paths import run_dir_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    status = refuse("dynamic-eval", run_dir_problem(args.run_dir))  # before torch is imported
+    if status:
+        return status
     from highrank.data.streaming import split_stream
     from highrank.evaluate.dynamic import (
         dynamic_evaluate,

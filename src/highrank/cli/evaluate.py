@@ -11,8 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from highrank.cli.common import guarded, positive_int
+from highrank.cli.common import guarded, positive_int, refuse
 from highrank.cli.translate import add_search_options, translate
+from highrank.util.paths import run_dir_problem
 
 
 def add_eval_options(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    status = refuse("eval", run_dir_problem(args.run_dir))  # before torch is imported
+    if status:
+        return status
     from highrank.train import distributed
 
     if distributed.only_process_zero("evaluation"):  # one evaluation, not one per process

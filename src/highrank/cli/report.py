@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from highrank.cli.common import guarded
+from highrank.cli.analyze.common import check_paths
+from highrank.cli.common import guarded, refuse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,4 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from highrank.cli.analyze.report import run as run_report
 
-    return guarded("report", lambda: run_report(args))
+    # the paths first, one line each, before the library (torch) is imported
+    status = refuse("report", check_paths(args, "report.html and its files"))
+    return status or guarded("report", lambda: run_report(args))

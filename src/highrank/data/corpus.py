@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from highrank.util.atomic import atomic_file, write_text_atomic
+from highrank.util.paths import corpus_dir_problem
 
 EOS = "<eos>"
 UNK = "<unk>"
@@ -290,13 +291,10 @@ def _corpus_from_arrays(
 
 
 def check_directory(directory: str | os.PathLike) -> Path:
-    directory = Path(directory).expanduser()
-    if not directory.is_dir():
-        raise CorpusError(
-            f"corpus directory {directory} does not exist or is not a directory; expected a "
-            "folder holding train.txt, valid.txt and test.txt"
-        )
-    return directory
+    problem = corpus_dir_problem(directory)  # missing, or a file: each says which
+    if problem:
+        raise CorpusError(problem)
+    return Path(directory).expanduser()
 
 
 def check_mode(mode: str) -> None:

@@ -69,6 +69,7 @@ import torch
 from highrank.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from highrank.data import Vocab
 from highrank.util.atomic import fsync_directory, sync, temporary_beside
+from highrank.util.paths import run_dir_problem
 
 FORMAT = "highrank-checkpoint"
 VERSION = 1
@@ -403,8 +404,9 @@ def read_run(
     A missing run, checkpoint or vocabulary, or a vocabulary of another run, is a
     :class:`CheckpointError` saying what to do.
     """
-    if not Path(run_dir).is_dir():
-        raise CheckpointError(f"run directory {run_dir} does not exist")
+    problem = run_dir_problem(run_dir)  # missing, or a file: each says which
+    if problem:
+        raise CheckpointError(problem)
     path = checkpoint_path(run_dir, which)
     if which == "best" and not path.is_file():
         raise CheckpointError(missing_best_hint(run_dir))

@@ -49,3 +49,18 @@ def check_dropout_time_dim(value: object) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
         raise ValueError(f"dropout_time_dim must be an integer axis or None; got {value!r}")
     return value
+
+
+def check_names(what: str, names: tuple[str, ...] | list[str], known) -> None:
+    """A list of names chosen from ``known`` (``what``: "head" for the heads): refuses an empty
+    list, unknown names and duplicates, listing the valid ones."""
+    if not names:
+        raise ValueError(f"{what}s is empty; choose from: {', '.join(known)}")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown {what}(s) {', '.join(map(repr, unknown))}; choose from: {', '.join(known)}"
+        )
+    repeated = sorted({n for n in names if list(names).count(n) > 1})
+    if repeated:
+        raise ValueError(f"{what}(s) listed twice: {', '.join(repeated)}")

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from highrank.cli.common import guarded
+from highrank.cli.analyze.common import check_paths
+from highrank.cli.common import Parser, guarded, refuse
 
 # kind -> (module under highrank.cli.analyze, one-line help)
 ANALYSES: dict[str, tuple[str, str]] = {
@@ -38,15 +39,28 @@ def _module(name: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``highrank analyze KIND ...``: one sub-subcommand per entry of :data:`ANALYSES`."""
+    """``highrank analyze KIND ...``: one sub-subcommand per entry of :data:`ANALYSES`, whose
+    options are declared when that KIND is used (its module imports no torch either way)."""
     kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
     for kind, (module, help_text) in ANALYSES.items():
         sub = kinds.add_parser(kind, help=help_text, description=help_text, allow_abbrev=False)
-        _module(module).add_arguments(sub)
+        declare = _declaration(module)
+        if isinstance(sub, Parser):
+            sub.declare_later(declare)
+        else:
+            declare(sub)
         sub.set_defaults(analysis_module=module)
 
 
+def _declaration(module: str):
+    return lambda parser: _module(module).add_arguments(parser)
+
+
 def run(args: argparse.Namespace) -> int:
+    kind = next(k for k, (module, _) in ANALYSES.items() if module == args.analysis_module)
+    status = refuse(f"analyze {kind}", check_paths(args))  # a path typo: before torch
+    if status:
+        return status
     if getattr(args, "hf", None):
         if not getattr(args, "no_progress", False):  # transformers' import alone takes seconds
             print(f"loading {', '.join(map(str, args.hf))} (transformers)", flush=True)

@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from highrank.analysis.hf_contexts import BATCH_ELEMENTS, HFInputError
-from highrank.analysis.output import write_json
-from highrank.analysis.rows import RowSource
+from highrank.cli.choices import BATCH_ELEMENTS
 from highrank.util.argtypes import positive_int
+from highrank.util.paths import file_problem, out_folder_problem, run_dir_problem
+
+if TYPE_CHECKING:
+    from highrank.analysis.rows import RowSource
+
+# The options are declared from torch-free constants (highrank.cli.choices) and the library is
+# imported inside the functions that use it: `highrank analyze KIND --help` and argparse's
+# errors import no torch, numpy or scipy (tests/test_layering.py).
 
 
 def add_run_arguments(
@@ -75,6 +82,8 @@ def add_hf_arguments(parser: argparse.ArgumentParser) -> None:
 def hf_mode(args: argparse.Namespace) -> bool:
     """Whether ``args`` ask for Hugging Face models (``--hf``) or runs; refuses a mixture
     or a missing ``--text`` / ``--out`` in one line."""
+    from highrank.causal_lm import HFInputError
+
     models, runs = getattr(args, "hf", None), getattr(args, "run_dirs", [])
     if models and runs:
         raise HFInputError("give RUN_DIRs or --hf MODEL, not both")
@@ -107,6 +116,8 @@ def check_runs_or_hf(args: argparse.Namespace, error: type[Exception]) -> None:
 def record_each(args: argparse.Namespace, analyse_run, analyse_hf) -> list[dict]:
     """Each RUN_DIR's (or ``--hf`` model's) record, written where ``analyse_*(source, args)
     -> (record, path)`` says, the path printed."""
+    from highrank.analysis.output import write_json
+
     records = []
     for source in args.hf or args.run_dirs:
         record, path = (analyse_hf if args.hf else analyse_run)(source, args)
@@ -119,6 +130,7 @@ def record_each(args: argparse.Namespace, analyse_run, analyse_hf) -> list[dict]
 def write_summary(out: str, stem: str, payload: dict, markdown: str) -> None:
     """The verb's summary of every input in ``--out``: ``<stem>.json`` (``payload``) and
     ``<stem>.md`` (``markdown``), each written atomically, both paths printed."""
+    from highrank.analysis.output import write_json
     from highrank.util.atomic import write_text_atomic
 
     folder = Path(out)
@@ -129,16 +141,41 @@ def write_summary(out: str, stem: str, payload: dict, markdown: str) -> None:
 
 def check_out_folder(out: str, error: type[Exception]) -> None:
     """``--out`` must be (or be makeable as) a folder: ``error`` names the file in the way."""
-    for place in (Path(out), *Path(out).parents):
-        if place.exists() and not place.is_dir():
-            raise error(f"--out {out}: {place} is a file; expected a folder for the records "
-                        "(new or existing)")
+    problem = out_folder_problem(out)
+    if problem:
+        raise error(f"--out {out}: {problem}")
+
+
+def check_paths(args: argparse.Namespace, out_purpose: str = "the records") -> str | None:
+    """The first problem, in one line, of the paths ``args`` name (RUN_DIRs, other inputs,
+    ``--text``, ``--out``), or None; torch-free, so a typo is answered
+    before the library is imported (a ``--hf`` model is checked by its loader, after what
+    the analysis asks of the other options)."""
+    for run_dir in getattr(args, "run_dirs", None) or ():
+        problem = run_dir_problem(run_dir)
+        if problem:
+            return problem
+    for path in getattr(args, "inputs", None) or ():  # hidden-size: runs, matrices, records
+        if not Path(path).exists():
+            return (
+                f"{path} does not exist; expected a run directory, a .npy log-prob matrix or "
+                "a rank record .json"
+            )
+    text = getattr(args, "text", None)
+    problem = text and file_problem(text, "--text")
+    if problem:
+        return problem
+    out = getattr(args, "out", None)
+    problem = out and out_folder_problem(out, out_purpose)
+    return f"--out {out}: {problem}" if problem else None
 
 
 def row_sources(args: argparse.Namespace) -> list[RowSource]:
     """The row sources ``args`` name: one per RUN_DIR (``--split --which --data-dir``) or one
     per ``--hf MODEL`` on ``--text`` (``--window --bos --batch-windows``); nothing is loaded
     yet. Refuses a mixture, or ``--hf`` without ``--text`` / ``--out``, in one line."""
+    from highrank.analysis.rows import RowSource
+
     device = getattr(args, "device", "cpu")
     if hf_mode(args):
         return [

@@ -9,9 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.output import text_table, write_json
-from highrank.analysis.significance import SEPARATOR, CompareError, compare_runs
+from highrank.cli.choices import GROUP_SEPARATOR as SEPARATOR
 from highrank.util.atomic import write_text_atomic
+from highrank.util.paths import run_dir_problem
+
+# The options are declared without the library (numpy, scipy), which the functions import.
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +63,7 @@ def split_groups(
     among them are parsed into ``namespace`` (argparse errors exit with status 2)."""
     tokens = list(tokens)
     if tokens.count(SEPARATOR) != 1:
-        raise CompareError(
+        raise _compare_error(
             f"found {tokens.count(SEPARATOR)} '--' among the runs; expected two groups of run "
             "directories separated by one --: highrank compare RUN_A1 RUN_A2 ... -- RUN_B1 ..."
         )
@@ -77,14 +79,30 @@ def split_groups(
         groups.append(runs)
     for name, runs in zip("AB", groups, strict=True):
         if len(runs) < 2:
-            raise CompareError(f"group {name} has {len(runs)} run(s); expected at least 2")
+            raise _compare_error(f"group {name} has {len(runs)} run(s); expected at least 2")
     return groups[0], groups[1]
+
+
+def _compare_error(message: str) -> Exception:
+    from highrank.analysis.significance import CompareError
+
+    return CompareError(message)
 
 
 def run(args: argparse.Namespace) -> int:
     """``highrank compare``: the t-test of the two groups' perplexities, printed and saved."""
-    try:
+    try:  # the options after the runs, and the runs, before the library is imported
         runs_a, runs_b = split_groups(args.runs, args)
+        problem = next(filter(None, map(run_dir_problem, runs_a + runs_b)), None)
+    except ValueError as error:  # CompareError
+        problem = str(error)
+    if problem:
+        print(f"highrank compare: error: {problem}", file=sys.stderr)
+        return 2
+    from highrank.analysis.output import write_json
+    from highrank.analysis.significance import CompareError, compare_runs
+
+    try:
         name_a, name_b = args.names
         knobs = {
             "split": args.split,
@@ -109,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
 
 def report(record: dict[str, Any], *, markdown: bool = False) -> str:
     """The groups' table and one line each for the t-test and the rank correlation."""
+    from highrank.analysis.output import text_table
+
     rows = [
         [name, record[f"n_{side}"], record[f"mean_{side}"], record[f"std_{side}"]]
         for name, side in zip(record["groups"], "ab", strict=True)

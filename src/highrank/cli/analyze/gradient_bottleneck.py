@@ -9,19 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.gradient_bottleneck import (
-    DEFAULT_MAX_TOKENS,
-    GradientBottleneckError,
-    analyze_gradient_bottleneck_hf,
-    analyze_gradient_bottleneck_run,
-)
-from highrank.analysis.output import record_tag, run_record_path, text_table
 from highrank.cli.analyze.common import (
     add_run_arguments,
     check_runs_or_hf,
     record_each,
     write_summary,
 )
+from highrank.cli.choices import GRADIENT_MAX_CONTEXTS
 from highrank.util.argtypes import positive_int
 
 
@@ -30,9 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-contexts",
         type=positive_int,
-        default=DEFAULT_MAX_TOKENS,
+        default=GRADIENT_MAX_CONTEXTS,
         metavar="N",
-        help=f"the first N contexts (tokens) of the split or text ({DEFAULT_MAX_TOKENS}); a "
+        help=f"the first N contexts (tokens) of the split or text ({GRADIENT_MAX_CONTEXTS}); a "
         "high-rank head costs a Jacobian (d_in forward passes of the head) per token",
     )
     parser.add_argument(  # the old spelling, kept for scripts (one vocabulary: issue 31)
@@ -58,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_all(args: argparse.Namespace) -> int:
+    from highrank.analysis.gradient_bottleneck import GradientBottleneckError
+
     check_runs_or_hf(args, GradientBottleneckError)
     records = record_each(args, _run, _hf)
     print(summary_table(records), end="")
@@ -68,6 +64,9 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    from highrank.analysis.gradient_bottleneck import analyze_gradient_bottleneck_run
+    from highrank.analysis.output import record_tag, run_record_path
+
     record = analyze_gradient_bottleneck_run(
         run_dir,
         split=args.split,
@@ -82,6 +81,8 @@ def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
 
 def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    from highrank.analysis.gradient_bottleneck import analyze_gradient_bottleneck_hf
+
     record = analyze_gradient_bottleneck_hf(
         model,
         args.text,
@@ -110,6 +111,8 @@ HEADERS = [
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    from highrank.analysis.output import text_table
+
     rows = []
     for r in records:
         share, literal = r["share"], r.get("share_w")

@@ -8,20 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.hidden_size import (
-    DEFAULT_MIN_GAP,
-    SPECTRUM,
-    HiddenSizeError,
-    analyze_hidden_size,
-    analyze_run,
-    estimate_from_rank_record,
-    estimate_hidden_size_file,
-    matches_hidden_size,
-)
-from highrank.analysis.output import text_table, write_json
-from highrank.analysis.rank import GRAM_BACKENDS
-from highrank.analysis.rows import RowSource
 from highrank.cli.analyze.common import add_hf_arguments, check_out_folder, write_summary
+from highrank.cli.choices import GRAM_BACKENDS, MIN_GAP
 from highrank.util.argtypes import positive_int
 
 
@@ -36,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-gap",
         type=float,
-        default=DEFAULT_MIN_GAP,
-        help=f"smallest gap s_k/s_(k+1) that counts as a knee ({DEFAULT_MIN_GAP:g})",
+        default=MIN_GAP,
+        help=f"smallest gap s_k/s_(k+1) that counts as a knee ({MIN_GAP:g})",
     )
     parser.add_argument(
         "--expect", type=positive_int, help="a hidden size to check the knee against"
@@ -61,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from highrank.analysis.hidden_size import SPECTRUM, matches_hidden_size
+    from highrank.analysis.output import write_json
+
     records = []
     try:
         _check_sources(args)
@@ -90,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_sources(args: argparse.Namespace) -> None:
+    from highrank.analysis.hidden_size import HiddenSizeError
+
     if bool(args.hf) == bool(args.inputs):
         raise HiddenSizeError("give RUN_DIR|MATRIX.npy|RANK.json... or --hf MODEL, not both")
     if args.hf and not (args.text and args.out):
@@ -103,6 +96,9 @@ def _check_sources(args: argparse.Namespace) -> None:
 def _estimate_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """`highrank analyze rank --hf MODEL` (its record and singular values go to --out), then
     the knee of those singular values."""
+    from highrank.analysis.hidden_size import analyze_hidden_size
+    from highrank.analysis.rows import RowSource
+
     source = RowSource.from_causal_lm(
         model,
         args.text,
@@ -124,6 +120,13 @@ def _estimate_hf(model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _estimate(source: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from highrank.analysis.hidden_size import (
+        HiddenSizeError,
+        analyze_run,
+        estimate_from_rank_record,
+        estimate_hidden_size_file,
+    )
+
     gram = {"backend": args.backend, "device": args.device, "block_rows": args.block_rows}
     if source.is_dir():
         record = analyze_run(
@@ -161,6 +164,8 @@ def _record_path(source: Path, record: dict[str, Any], args: argparse.Namespace)
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    from highrank.analysis.output import text_table
+
     headers = ["input", "matrix", "knee", "gap", "low-rank", "d (bias)", "d (no bias)", "Press"]
     rows = []
     for r in records:

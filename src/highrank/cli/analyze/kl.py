@@ -10,10 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.hf_contexts import HFInputError
-from highrank.analysis.kl import DEFAULT_PAIRS, KLError, analyze_kl, analyze_kl_matrix
-from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
 from highrank.cli.analyze.common import add_run_arguments, row_sources
+from highrank.cli.choices import KL_PAIRS
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
 
@@ -22,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``highrank analyze kl``."""
     add_run_arguments(parser, hf=True)
     parser.add_argument(
-        "--pairs", type=positive_int, default=DEFAULT_PAIRS, help="context pairs (10000)"
+        "--pairs", type=positive_int, default=KL_PAIRS, help=f"context pairs ({KL_PAIRS})"
     )
     parser.add_argument(
         "--max-contexts", type=positive_int, help="pair among the first N contexts only"
@@ -54,6 +52,10 @@ def table_rows(records: Sequence[dict[str, Any]]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze kl``: one record per run, a table, and a summary with ``--out``."""
+    from highrank.analysis.kl import KLError
+    from highrank.analysis.output import record_tag, run_record_path, text_table, write_json
+    from highrank.causal_lm import HFInputError
+
     try:
         records = _records(args)
     except (KLError, HFInputError) as error:
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
 def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One record per RUN_DIR (its model run, or the ``--matrix`` given for it) or per
     ``--hf`` model on ``--text``, each model loaded in turn."""
+    from highrank.analysis.kl import KLError, analyze_kl, analyze_kl_matrix
+
     sources = row_sources(args)
     matrices = args.matrix or []
     if matrices and args.hf:
@@ -101,6 +105,8 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _write_summary(out: Path, records: list[dict[str, Any]]) -> list[Path]:
+    from highrank.analysis.output import text_table, write_json
+
     title = "# Expected pairwise KL divergence E[KL(P(.|c) || P(.|c'))]\n\n"
     first = records[0]
     note = (

@@ -8,18 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from highrank.analysis.hf_contexts import HFInputError
-from highrank.analysis.logprob_matrix import MATRIX_KINDS, DiskSpaceError
-from highrank.analysis.output import write_json
-from highrank.analysis.rank import (
-    GRAM_BACKENDS,
-    GramMemoryError,
-    analyze_rank,
-    summary_table,
-    write_spectrum,
-)
 from highrank.cli.analyze.common import add_run_arguments, row_sources
-from highrank.runs.locks import LockedError
+from highrank.cli.choices import GRAM_BACKENDS, MATRIX_KINDS
 from highrank.util.argtypes import positive_int
 
 
@@ -75,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from highrank.analysis.logprob_matrix import DiskSpaceError
+    from highrank.analysis.output import write_json
+    from highrank.analysis.rank import GramMemoryError, analyze_rank, summary_table, write_spectrum
+    from highrank.causal_lm import HFInputError
+    from highrank.runs.locks import LockedError
+
     try:
         sources = row_sources(args)
         if args.kind != "log_prob" and args.hf:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 
-from highrank.analysis.report import write_report
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runs of `highrank train`")
@@ -14,6 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from highrank.analysis.report import write_report
+
     path = write_report(args.run_dirs, args.out)
     print(f"wrote {path}")
     return 0

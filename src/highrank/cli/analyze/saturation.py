@@ -9,23 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.output import run_record_path, text_table
-from highrank.analysis.saturation import (
-    DEFAULT_MAX_CONTEXTS,
-    DEFAULT_TOP_K,
-    SaturationError,
-    analyze_saturation_hf,
-    analyze_saturation_run,
-    curve_headers,
-    curve_rows,
-)
 from highrank.cli.analyze.common import (
     add_hf_arguments,
     check_runs_or_hf,
     record_each,
     write_summary,
 )
-from highrank.runs.checkpoint import CHECKPOINT_FILES, checkpoint_path
+from highrank.cli.choices import SATURATION_MAX_CONTEXTS, SATURATION_TOP_K
 from highrank.util.argtypes import positive_int
 
 
@@ -49,14 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-contexts",
         type=positive_int,
-        default=DEFAULT_MAX_CONTEXTS,
-        help=f"hidden states for the anisotropy: the first N contexts ({DEFAULT_MAX_CONTEXTS})",
+        default=SATURATION_MAX_CONTEXTS,
+        help="hidden states for the anisotropy: the first N contexts "
+        f"({SATURATION_MAX_CONTEXTS})",
     )
     parser.add_argument(
         "--top-k",
         type=_sizes,
-        default=DEFAULT_TOP_K,
-        help="k of the top-k energy shares, comma-separated (1,10,100)",
+        default=SATURATION_TOP_K,
+        help="k of the top-k energy shares, comma-separated "
+        f"({','.join(map(str, SATURATION_TOP_K))})",
     )
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu)")
     add_hf_arguments(parser)
@@ -96,6 +88,9 @@ def _run_all(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> None:
+    from highrank.analysis.saturation import SaturationError
+    from highrank.runs.checkpoint import CHECKPOINT_FILES
+
     check_runs_or_hf(args, SaturationError)
     for which in args.which or ():
         if which not in CHECKPOINT_FILES and not which.endswith(".pt"):
@@ -111,6 +106,10 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    from highrank.analysis.output import run_record_path
+    from highrank.analysis.saturation import analyze_saturation_run
+    from highrank.runs.checkpoint import checkpoint_path
+
     record = analyze_saturation_run(
         run_dir,
         split=args.split,
@@ -126,6 +125,8 @@ def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
 
 def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
+    from highrank.analysis.saturation import analyze_saturation_hf
+
     record = analyze_saturation_hf(
         model,
         args.text,
@@ -140,6 +141,9 @@ def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
 
 def summary_table(record: dict[str, Any], *, markdown: bool = False) -> str:
+    from highrank.analysis.output import text_table
+    from highrank.analysis.saturation import curve_headers, curve_rows
+
     title = record.get("run_dir") or record.get("model_name")
     table = text_table(curve_headers(record), curve_rows(record), markdown=markdown)
     return f"{'### ' if markdown else ''}{title}\n{table}"

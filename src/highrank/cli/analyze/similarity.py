@@ -10,15 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.output import run_record_path, text_table, write_json
-from highrank.analysis.similarity import (
-    DEFAULT_DATA_DIR,
-    WordSimError,
-    analyze_similarity,
-    benchmark_paths,
-    read_benchmark,
-)
 from highrank.cli.analyze.common import add_run_arguments
+from highrank.cli.choices import WORD_SIM_DIR
 from highrank.util.atomic import write_text_atomic
 
 
@@ -27,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_arguments(parser, corpus=False)
     parser.add_argument(
         "--data-dir",
-        help=f"folder of the benchmark files (default {DEFAULT_DATA_DIR} if it exists)",
+        help=f"folder of the benchmark files (default {WORD_SIM_DIR} if it exists)",
     )
     parser.add_argument(
         "--benchmarks",
@@ -38,13 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_data_dir(data_dir: str | None) -> Path:
-    """``--data-dir``, or :data:`DEFAULT_DATA_DIR` when it exists."""
+    """``--data-dir``, or :data:`~highrank.analysis.similarity.DEFAULT_DATA_DIR` (its copy
+    :data:`~highrank.cli.choices.WORD_SIM_DIR`) when it exists."""
+    from highrank.analysis.similarity import WordSimError
+
     if data_dir is not None:
         return Path(data_dir)
-    if DEFAULT_DATA_DIR.is_dir():
-        return DEFAULT_DATA_DIR
+    if WORD_SIM_DIR.is_dir():
+        return WORD_SIM_DIR
     raise WordSimError(
-        f"no --data-dir given and the default {DEFAULT_DATA_DIR} does not exist (relative to "
+        f"no --data-dir given and the default {WORD_SIM_DIR} does not exist (relative to "
         f"{Path.cwd()}); pass --data-dir DIR, the folder holding EN-WS-353-ALL.txt and the "
         "other word-sim files"
     )
@@ -66,6 +62,14 @@ def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze similarity``: score each run, write its record, print the table."""
+    from highrank.analysis.output import run_record_path, text_table, write_json
+    from highrank.analysis.similarity import (
+        WordSimError,
+        analyze_similarity,
+        benchmark_paths,
+        read_benchmark,
+    )
+
     try:
         paths = benchmark_paths(resolve_data_dir(args.data_dir), args.benchmarks)
         benchmarks = [read_benchmark(path) for path in paths]
@@ -93,6 +97,8 @@ def _tag(args: argparse.Namespace) -> str:
 
 
 def _write_summary(out: Path, records: list[dict]) -> list[Path]:
+    from highrank.analysis.output import text_table, write_json
+
     title = "# Word similarity: Spearman of embedding cosines vs human scores\n\n"
     table = text_table(HEADERS, table_rows(records), markdown=True)
     return [

@@ -8,9 +8,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.hf_contexts import HFInputError
-from highrank.analysis.output import record_tag, run_record_path, write_json
-from highrank.analysis.topk import TopKError, analyze_topk, format_report
 from highrank.cli.analyze.common import add_run_arguments, row_sources
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
@@ -58,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze topk``: print the side-by-side blocks; write JSON and text."""
+    from highrank.analysis.output import record_tag, run_record_path, write_json
+    from highrank.analysis.topk import TopKError, analyze_topk, format_report
+    from highrank.causal_lm import HFInputError
+
     if args.random and args.max_contexts is None and not getattr(args, "hf", None):
         print("note: --random draws its contexts from the whole split, and the model reads "
               "every context up to the last one drawn (its state is carried); --max-contexts N "

@@ -8,17 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from highrank.analysis.hf_contexts import model_name
-from highrank.analysis.output import run_record_path, text_table, write_json
-from highrank.analysis.unargmaxable import (
-    DEFAULT_PATIENCE,
-    DEFAULT_RADIUS,
-    UnargmaxableError,
-    analyze_unargmaxable_hf,
-    analyze_unargmaxable_run,
-    radius_tag,
-)
 from highrank.cli.analyze.common import write_summary
+from highrank.cli.choices import PATIENCE, RADIUS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     domain.add_argument(
         "--radius",
         type=float,
-        default=DEFAULT_RADIUS,
-        help=f"hidden states in the box |h_k| <= R ({DEFAULT_RADIUS:g}, Grivas et al.)",
+        default=RADIUS,
+        help=f"hidden states in the box |h_k| <= R ({RADIUS:g}, Grivas et al.)",
     )
     domain.add_argument(
         "--unbounded", action="store_true", help="any hidden state in R^d instead of a box"
@@ -46,14 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--patience",
         type=int,
-        default=DEFAULT_PATIENCE,
-        help=f"braid reflections per token before its LP ({DEFAULT_PATIENCE})",
+        default=PATIENCE,
+        help=f"braid reflections per token before its LP ({PATIENCE})",
     )
     parser.add_argument("--out", help="also write unargmaxable.json and unargmaxable.md here")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
+    from highrank.analysis.output import write_json
+    from highrank.analysis.unargmaxable import UnargmaxableError
+
     try:
         if bool(args.hf) == bool(args.run_dirs):
             raise UnargmaxableError("give RUN_DIR... or --hf MODEL (with --out DIR), not both")
@@ -77,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_record(run_dir: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
+    from highrank.analysis.output import run_record_path
+    from highrank.analysis.unargmaxable import analyze_unargmaxable_run, radius_tag
+
     options = {"radius": radius, "patience": args.patience, "progress": not args.no_progress}
     record = analyze_unargmaxable_run(run_dir, which=args.which, **options)
     tag = f"{Path(args.which).stem}-{radius_tag(record['radius'])}"
@@ -84,6 +81,9 @@ def _run_record(run_dir: str, radius: float | None, args) -> tuple[dict[str, Any
 
 
 def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
+    from highrank.analysis.hf_contexts import model_name
+    from highrank.analysis.unargmaxable import analyze_unargmaxable_hf, radius_tag
+
     options = {"radius": radius, "patience": args.patience, "progress": not args.no_progress}
     record = analyze_unargmaxable_hf(model_path, **options)
     name = f"unargmaxable-{model_name(model_path)}-{radius_tag(record['radius'])}.json"
@@ -91,6 +91,8 @@ def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, A
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
+    from highrank.analysis.output import text_table
+
     headers = ["input", "head", "V", "domain", "unargmaxable", "undecided", "LP tokens", "seconds"]
     rows = [
         [

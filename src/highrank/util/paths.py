@@ -1,0 +1,59 @@
+"""What is wrong with a path a user named, in one line, without importing anything numerical.
+
+The command line runs these before it imports the library (torch takes seconds, a minute on a
+busy machine), and the library raises the same lines in its own errors, so a missing folder,
+a file given for a folder or a file in the way of an output folder reads the same whichever
+catches it. Each function returns the problem, or None when there is none.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CORPUS_FILES = "train.txt, valid.txt and test.txt"
+
+
+def corpus_dir_problem(directory: str | os.PathLike) -> str | None:
+    """A corpus folder: it must exist and be a folder (of train/valid/test.txt)."""
+    directory = Path(directory).expanduser()
+    if directory.is_dir():
+        return None
+    if directory.exists():
+        return (
+            f"corpus directory {directory} is a file, not a folder; expected a folder holding "
+            f"{CORPUS_FILES}"
+        )
+    return f"corpus directory {directory} does not exist; expected a folder holding {CORPUS_FILES}"
+
+
+def run_dir_problem(run_dir: str | os.PathLike) -> str | None:
+    """A run directory of ``highrank train``: it must exist and be a folder."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        return None
+    if run_dir.exists():
+        return (
+            f"run directory {run_dir} is a file, not a folder; expected the folder `highrank "
+            "train` wrote (config.toml, checkpoints/, vocab.txt)"
+        )
+    return f"run directory {run_dir} does not exist"
+
+
+def out_folder_problem(out: str | os.PathLike, purpose: str = "the records") -> str | None:
+    """An output folder for ``purpose``, new or existing: neither it nor a folder above it may
+    be a file."""
+    for place in (Path(out), *Path(out).parents):
+        if place.exists() and not place.is_dir():
+            return f"{place} is a file; expected a folder for {purpose} (new or existing)"
+    return None
+
+
+def file_problem(path: str | os.PathLike, what: str) -> str | None:
+    """An input file (``what`` names it: "--text"): it must exist and not be a folder."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return f"{what} {path} is a folder; expected a file"
+    return f"{what} {path} does not exist"
