@@ -38,7 +38,7 @@ from highrank.config.schema import (
 )
 from highrank.config.toml_writer import toml_value
 from highrank.data import MODES
-from highrank.heads import HEADS, head_knobs
+from highrank.heads import HEADS, build_head, head_knobs
 from highrank.util.checks import is_number
 
 # ---- loading --------------------------------------------------------------------------------
@@ -411,8 +411,6 @@ def _head_error(name: str, knobs: Mapping[str, Any], d_embed: int) -> str | None
     knobs are type-checked already and left at False: weight normalisation's first use costs
     seconds of imports."""
     import torch
-
-    from highrank.heads import build_head
 
     knobs = {k: (False if isinstance(v, bool) else v) for k, v in knobs.items()}
     try:
