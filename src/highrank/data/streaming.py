@@ -57,6 +57,7 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
+from highrank.data import corpus as in_memory  # load_corpus read per call: tests patch it
 from highrank.data.corpus import (
     EOS,
     SPLITS,
@@ -693,11 +694,9 @@ def open_corpus(data, seed: int = 0, *, directory: str | os.PathLike | None = No
     """The corpus a ``[data]`` config (:class:`highrank.config.DataConfig`) names: memory-mapped
     (:func:`load_stream_corpus`) when ``data.memmap``, else :func:`highrank.data.load_corpus`;
     ``directory`` overrides ``data.dir``; ``seed`` (train.seed) seeds sentence shuffling."""
-    from highrank.data.corpus import load_corpus
-
     directory = directory or data.dir
     if not getattr(data, "memmap", False):
-        return load_corpus(directory, mode=data.mode, cache_dir=data.cache_dir)
+        return in_memory.load_corpus(directory, mode=data.mode, cache_dir=data.cache_dir)
     return load_stream_corpus(
         directory,
         mode=data.mode,
