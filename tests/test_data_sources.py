@@ -136,7 +136,35 @@ def test_without_a_network_one_line_says_what_to_fetch_and_where(tmp_path, capsy
     first = DATASETS["multi30k"].files[0]  # train.en, gzipped at the source
     assert "\n" not in err and "cannot reach it" in err
     assert sources.source_url(first, mirror) in err
-    assert f"put it, gunzipped, at {tmp_path / 'multi30k' / 'train.en'}" in err
+    assert f", gunzipped, at {tmp_path / 'multi30k' / 'train.en'}" in err
+
+
+def test_offline_the_one_line_names_every_missing_file(tmp_path, capsys):
+    """Issue 29: offline, the message named only the first of PTB's three missing files."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mirror = f"http://127.0.0.1:{port}"
+    (tmp_path / "ptb").mkdir()
+    assert main(["data", "get", "ptb", "--to", str(tmp_path), "--mirror", mirror]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "download these 3 files" in err
+    for file in DATASETS["ptb"].files:
+        assert f"{sources.source_url(file, mirror)} at {tmp_path / 'ptb' / file.name}" in err
+    # a file already there is not asked for (it is checked when its turn comes)
+    (tmp_path / "ptb" / "valid.txt").write_bytes(b"")
+    assert main(["data", "get", "ptb", "--to", str(tmp_path), "--mirror", mirror]) == 2
+    err = capsys.readouterr().err
+    assert "download these 2 files" in err and "valid.txt" not in err
+
+
+def test_a_mirror_that_is_not_a_url_is_one_line(tmp_path, capsys):
+    """Issue 29: `data get --mirror notaurl` was a ValueError traceback from urllib."""
+    assert main(["data", "get", "ptb", "--to", str(tmp_path), "--mirror", "notaurl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("highrank data get: error: --mirror 'notaurl' is not a file:// or")
+    assert "\n" not in err
+    assert not list((tmp_path).rglob("*.part"))
 
 
 class RangeHandler(http.server.BaseHTTPRequestHandler):

