@@ -32,6 +32,7 @@ from highrank.evaluate.scoring import (
     segments,
 )
 from highrank.model import LanguageModel
+from highrank.runs.run_dir import RunDirError
 from highrank.util.checks import check_positive_int
 
 # Krause et al. (2017) hyperparameters as used for AWD-LSTM-MoS (Yang et al., 2018, Sec. 3);
@@ -45,8 +46,6 @@ DYNAMIC_EVAL_DEFAULTS: dict[str, dict[str, float]] = {
 def refuse_transformer_dynamic_eval(config) -> None:
     """Dynamic evaluation (segments of 5, state carried) is defined for recurrent models: a
     Transformer window would see only its own 5 tokens, so the figure would mean nothing."""
-    from highrank.runs.run_dir import RunDirError
-
     if config.model.backbone != "awd-lstm":
         raise RunDirError(
             f'dynamic evaluation needs a recurrent run (model.backbone = "awd-lstm"); this run '

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from highrank.config import ConfigError
 from highrank.data import Vocab
 from highrank.evaluate.scoring import (
     EvalResult,
@@ -51,8 +52,6 @@ def default_bptt(config) -> int:
 def check_segment_length(config, bptt: int) -> int:
     """``bptt``, or a ConfigError when a Transformer run's learned position table is shorter
     (its windows cannot be longer than the positions it learned)."""
-    from highrank.config import ConfigError
-
     if config is None:  # rows built from a bare model (tests, notebooks): nothing to check
         return bptt
     model = config.model

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from highrank.config import Config, load_config
+from highrank.data.streaming import split_files
 from highrank.runs.checkpoint import CONFIG_FILE, checkpoint_path
 
 
@@ -35,8 +36,6 @@ def split_sha256(path: str | os.PathLike) -> str:
     path = Path(path)
     if not path.is_dir():
         return file_sha256(path)
-    from highrank.data.streaming import split_files
-
     digest = hashlib.sha256()
     for shard in split_files(path.parent, path.name):
         digest.update(f"{shard.name}\0{file_sha256(shard)}\0".encode())
