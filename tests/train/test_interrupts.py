@@ -235,3 +235,30 @@ def test_under_torchrun_only_process_zero_says_what_an_interrupt_saved(
 
     assert guarded("train", job) == 143
     assert ("interrupted by SIGTERM at step 40" in capsys.readouterr().err) == says
+
+
+def test_a_caught_signal_is_announced_at_once(capsys, monkeypatch):
+    """Issue 29: a Ctrl-C waiting for the step boundary said nothing until the step ended
+    (minutes under load); the handler now says at once that the run stops after this step."""
+    from highrank.train import distributed
+    from highrank.train.interrupts import SignalCatcher
+
+    with SignalCatcher() as caught:
+        signal.raise_signal(signal.SIGINT)
+        err = capsys.readouterr().err  # still inside the "step"
+        assert caught.name == "SIGINT"
+    assert err == (
+        "highrank: SIGINT received: stopping after the current step (Ctrl-C again stops at "
+        "once, saving nothing)\n"
+    )
+    with SignalCatcher(once=False) as caught:  # torchrun: every signal caught, said once
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+    assert capsys.readouterr().err == (
+        "highrank: SIGTERM received: stopping after the current step\n"
+    )
+    for key in distributed.ENV_KEYS:  # process 1 of a torchrun job: process 0 says it
+        monkeypatch.setenv(key, "1")
+    with SignalCatcher(once=False) as caught:
+        signal.raise_signal(signal.SIGINT)
+    assert caught.name == "SIGINT" and capsys.readouterr().err == ""

@@ -95,3 +95,16 @@ def test_a_max_steps_run_counts_its_bar_in_steps_to_the_limit(tmp_path, capsys, 
     assert main(argv) == 0
     lines = capsys.readouterr().err.splitlines()
     assert any(line.startswith("train to --max-steps 3: 3/3 step (100%)") for line in lines)
+
+
+def test_below_a_tenth_per_second_a_line_shows_seconds_per_step(monkeypatch):
+    """Issue 29: under load the training line showed `0.0 step/s`."""
+    clock = iter(range(0, 10_000, 10))  # every call to monotonic advances 10 s
+    monkeypatch.setattr("highrank.util.progress.time.monotonic", lambda: next(clock))
+    out = io.StringIO()
+    bar = LineProgress(20, "train to --max-steps 20", "step", file=out, seconds=0)  # 0 s
+    bar.update(1)  # read at 20 s: 0.05 step/s
+    line = out.getvalue().splitlines()[-1]
+    assert "1/20 step (5%), 20 s/step, about 6 min left" in line and "0.0 step/s" not in line
+    bar.update(9)  # read at 40 s: 0.25 step/s, as before
+    assert "10/20 step (50%), 0.2 step/s" in out.getvalue().splitlines()[-1]

@@ -10,13 +10,20 @@ validation) without saving: the last periodic checkpoint is then what remains. U
 and from torchrun), and the processes agree on the step to stop at
 (:mod:`highrank.train.distributed`). Handlers can
 only be set in the main thread; elsewhere signals keep their usual effect.
+
+A step may take minutes on a loaded machine, so the handler says at once, in one line on
+stderr (process 0 only under torchrun), that the signal arrived and the run stops after the
+current step.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType, TracebackType
+
+from highrank.train.distributed import launched_rank
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -42,9 +49,12 @@ class SignalCatcher:
         return self
 
     def _catch(self, number: int, frame: FrameType | None) -> None:
+        first = self.signal is None
         self.signal = number
         if self.once:
             self._restore()  # a second signal acts as usual
+        if first and launched_rank() in (None, 0):
+            _say(received_line(number, once=self.once))
 
     def _restore(self) -> None:
         for number, handler in self._previous.items():
@@ -60,4 +70,21 @@ class SignalCatcher:
         self._restore()
 
 
-__all__ = ["SIGNALS", "SignalCatcher"]
+def received_line(number: int, *, once: bool = True) -> str:
+    """What the handler prints when the first signal arrives."""
+    line = f"highrank: {signal.Signals(number).name} received: stopping after the current step"
+    if once and number == signal.SIGINT:
+        line += " (Ctrl-C again stops at once, saving nothing)"
+    return line
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr from a signal handler: a handler that interrupted another write to
+    stderr must not fail (a reentrant write), so the line is then dropped."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (RuntimeError, OSError, ValueError):
+        pass
+
+
+__all__ = ["SIGNALS", "SignalCatcher", "received_line"]

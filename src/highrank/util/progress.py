@@ -5,7 +5,9 @@ A tqdm bar redraws itself many times a second with carriage returns; written to 
 gives a tqdm bar when its stream is a terminal and otherwise a :class:`LineProgress`, which
 prints one line every ``HIGHRANK_PROGRESS_SECONDS`` seconds (default 60) and one at the end:
 
-    train epoch 1: 412,160/929,589 tok (44%), 2,315 tok/s, loss=5.123 ppl=167.8
+    train epoch 1: 412,160/929,589 tok (44%), 2,315.0 tok/s, loss=5.123 ppl=167.8
+
+(below 0.1 per second the rate is the seconds each takes: ``3/20 step (15%), 14 s/step``).
 
 Both have what the loops use of tqdm: ``update``, ``set_postfix``, ``close``, ``disable`` and
 use as a context manager. Every progress display of highrank is made here.
@@ -109,7 +111,7 @@ class LineProgress:
         left = ""
         if self.total and rate > 0 and self.n < self.total:
             left = f", about {_duration((self.total - self.n) / rate)} left"
-        return f"{self.desc}: {done} {self.unit}{share}, {rate:,.1f} {self.unit}/s{left}{tail}"
+        return f"{self.desc}: {done} {self.unit}{share}, {_speed(rate, self.unit)}{left}{tail}"
 
     def _print(self) -> None:
         print(self.line(), file=self.file, flush=True)
@@ -126,6 +128,14 @@ def progress_note(message: str, *, file: TextIO | None = None) -> None:
     """One plain progress line (what a long step is about to do), to ``file`` (stderr): the
     library modules (analysis/) show progress through here and never print themselves."""
     print(message, file=file if file is not None else sys.stderr, flush=True)
+
+
+def _speed(rate: float, unit: str) -> str:
+    """``2,315.0 tok/s``; below 0.1 per second the seconds each takes (``14 s/step``, as tqdm
+    does), which ``0.0 step/s`` would hide on a loaded machine."""
+    if 0 < rate < 0.1:
+        return f"{1 / rate:,.0f} s/{unit}"
+    return f"{rate:,.1f} {unit}/s"
 
 
 def _duration(seconds: float) -> str:
