@@ -85,3 +85,13 @@ def test_train_without_arguments_says_what_is_missing(capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "nothing to train: give a config file" in err and "--resume RUN_DIR" in err
+
+
+@pytest.mark.parametrize("verb", [["train"], ["config", "show"]])
+def test_a_mistyped_config_path_says_did_you_mean_in_one_line(verb, capsys):
+    """Issue 29: `highrank train configs/ptb/small-softmx.toml` named no close file."""
+    assert main([*verb, "configs/ptb/small-softmx.toml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert "config file 'configs/ptb/small-softmx.toml' not found; did you mean " in err[0]
+    assert "configs/ptb/small-softmax.toml" in err[0]

@@ -279,6 +279,21 @@ def test_invalid_toml_and_missing_file(tmp_path):
     assert "not found" in error_of(tmp_path / "nope.toml")
 
 
+def test_a_mistyped_config_path_names_the_closest_files(tmp_path):
+    """Issue 29: a config path typo got no "did you mean" (keys do), in the file's name or
+    in its folder's."""
+    (tmp_path / "ptb").mkdir()
+    for name in ("small-softmax.toml", "small-mos.toml", "awd-lstm-mixtape.toml"):
+        (tmp_path / "ptb" / name).write_text("# defaults\n")
+    message = error_of(tmp_path / "ptb" / "small-softmx.toml")
+    assert f"did you mean {tmp_path / 'ptb' / 'small-softmax.toml'}" in message
+    assert "awd-lstm-mixtape" not in message
+    message = error_of(tmp_path / "pbt" / "small-mos.tml")  # the folder and the suffix too
+    assert f"did you mean {tmp_path / 'ptb' / 'small-mos.toml'}" in message
+    assert "did you mean" not in error_of(tmp_path / "ptb" / "transformer-plif.toml")
+    assert "is a folder; expected a TOML file" in error_of(tmp_path / "ptb")
+
+
 def test_validate_config_checks_a_config_built_in_code():
     config = Config()
     config.head = HeadConfig(name="mos", knobs={"n_mixtures": 3})

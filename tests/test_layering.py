@@ -373,6 +373,8 @@ ARGUMENT_ERRORS = [
     ["eval", "NOWHERE"],
     ["dynamic-eval", "NOWHERE"],
     ["data", "stats", "NOWHERE"],
+    ["train", "NOWHERE.toml"],
+    ["config", "show", "NOWHERE.toml"],
     ["retrofit", "--steps", "0"],
 ]
 
@@ -380,7 +382,7 @@ ARGUMENT_ERRORS = [
 def test_every_verbs_help_and_argument_errors_import_no_torch_numpy_or_scipy(tmp_path):
     """Issue 29: `analyze --help`, `demo`, `bench`, `report`, `compare` imported torch and the
     analyses (45-136 s under load against 3 s), and `analyze rank --max-contexts -5` answered
-    after those imports. Every verb and sub-verb's --help, and these errors, import none."""
+    after those imports. Every verb's and sub-verb's --help, and these errors, import none."""
     errors = [[str(tmp_path / a) if a.startswith("NOWHERE") else a for a in argv]
               for argv in ARGUMENT_ERRORS]  # fmt: skip
     done = subprocess.run(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from highrank.cli.common import add_overrides, guarded, positive_int
+from highrank.cli.common import add_overrides, guarded, positive_int, refuse
+from highrank.util.paths import config_file_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    status = args.config and refuse("config show", config_file_problem(args.config))
+    if status:  # a mistyped path, answered before torch is imported
+        return status
     from pathlib import Path
 
     from highrank.config import ConfigError, dump_toml, load_config

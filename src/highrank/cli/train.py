@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from highrank.cli.common import Alias, add_overrides, guarded, positive_int
+from highrank.cli.common import Alias, add_overrides, guarded, positive_int, refuse
+from highrank.util.paths import config_file_problem
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.config is not None and args.resume is not None:
         args.parser.error("give either CONFIG (a new run) or --resume RUN_DIR, not both")
+    status = args.config and refuse("train", config_file_problem(args.config))  # before torch
+    if status:
+        return status
     command = ["highrank", "train", *([args.config] if args.config else [])]
     command += [*(["--resume", args.resume] if args.resume else []), *flags(args)]
     if args.init_from is not None:

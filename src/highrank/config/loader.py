@@ -40,6 +40,7 @@ from highrank.config.toml_writer import toml_value
 from highrank.data import MODES
 from highrank.heads import HEADS, build_head, head_knobs
 from highrank.util.checks import is_number
+from highrank.util.paths import config_file_problem
 
 # ---- loading --------------------------------------------------------------------------------
 
@@ -86,8 +87,9 @@ def _resolve(
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except (FileNotFoundError, IsADirectoryError):  # the closest names, or "a folder"
+        problem = config_file_problem(path) or f"config file {str(path)!r} not found"
+        raise ConfigError(problem) from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"cannot read config file {str(path)!r}: {error}") from None
 

@@ -8,6 +8,7 @@ catches it. Each function returns the problem, or None when there is none.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -57,3 +58,39 @@ def file_problem(path: str | os.PathLike, what: str) -> str | None:
     if path.is_dir():
         return f"{what} {path} is a folder; expected a file"
     return f"{what} {path} does not exist"
+
+
+def config_file_problem(path: str | os.PathLike) -> str | None:
+    """A TOML config file: it must exist (else the closest ``.toml`` files are named, as a
+    mistyped key is) and be a file."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return f"config file {str(path)!r} is a folder; expected a TOML file"
+    close = close_files(path, suffix=".toml")
+    hint = f"; did you mean {', '.join(map(str, close))}?" if close else ""
+    return f"config file {str(path)!r} not found{hint}"
+
+
+def close_files(
+    path: Path, *, suffix: str | None = None, n: int = 3, most: int = 5000
+) -> list[Path]:
+    """Existing files like the missing ``path`` (ending in ``suffix``, by default its own; at
+    the same depth below the nearest folder that exists, so a typo in a folder's name is found
+    too), closest first."""
+    suffix = suffix or path.suffix
+    anchor = next((p for p in path.parents if p.is_dir()), None)
+    if anchor is None or not suffix:
+        return []
+    relative = path.relative_to(anchor)
+    if len(relative.parts) > 3:  # a typo that deep is not worth a search of the tree
+        return []
+    pattern = "/".join(["*"] * (len(relative.parts) - 1) + [f"*{suffix}"])
+    candidates = []
+    for found in anchor.glob(pattern):
+        candidates.append(str(found.relative_to(anchor)))
+        if len(candidates) >= most:
+            break
+    close = difflib.get_close_matches(str(relative), candidates, n=n, cutoff=0.6)
+    return [anchor / name for name in close]
