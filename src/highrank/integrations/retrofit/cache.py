@@ -6,8 +6,13 @@ targets the same positions shifted by one, so every token but the first is predi
 once, from the ``t + 1`` tokens of its own window). The hidden states go to ``features.npy``
 (``(N, d)``; bfloat16 stored as its raw 16-bit pattern, or float32) and the targets to
 ``targets.npy``, both memory mapped; ``meta.json`` holds the settings and ``progress.json`` the
-windows done, so a killed run continues from the last finished batch of windows.
-:func:`load_cache` opens a finished cache (:class:`FeatureCache`).
+windows done, so a killed run continues from the last finished batch of windows. A finished
+cache's ``progress.json`` also holds the crc32 of its contents (``features.npy``'s rows and
+``targets.npy``'s ids, as the token-id caches of :mod:`highrank.data.streaming` keep theirs).
+:func:`load_cache` opens a finished cache (:class:`FeatureCache`), verifying in one pass that
+every row is finite and the contents have those checksums: a zero-filled ``features.npy`` or
+changed targets are refused (they trained and scored silently before). A cache whose records
+are damaged, missing or of another shape is one :class:`SavedFileError` naming the file.
 
 :func:`head_from_lm_head` builds any highrank head whose decoder E starts as a copy of the
 model's ``lm_head`` (an untied copy: the model's embedding is never changed). A softmax head
@@ -24,6 +29,7 @@ import hashlib
 import json
 import os
 import warnings
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from highrank.causal_lm import window_tokens
+from highrank.causal_lm import first_line, window_tokens
 from highrank.heads import OutputHead, build_head
 from highrank.train.state import TrainingError
 from highrank.util.atomic import write_json
@@ -49,6 +55,20 @@ CACHE_DTYPES = {"bfloat16": np.uint16, "float32": np.float32}  # bf16 kept as it
 class SavedFileError(ValueError):
     """A file a retrofit saved (a feature cache, the training state) cannot be read: damaged,
     or crafted (pickled objects are refused). The message names it and how to start again."""
+
+
+class CacheSettingsError(SavedFileError):
+    """A cache folder made with other settings than asked now: ``changed`` maps each setting
+    that differs to ``(cached, asked)`` (``token_ids_sha256``: the tokens themselves)."""
+
+    def __init__(self, meta_path: Path, changed: dict[str, tuple]) -> None:
+        self.meta_path, self.changed = meta_path, changed
+        old = {k: v[0] for k, v in changed.items()}
+        new = {k: v[1] for k, v in changed.items()}
+        super().__init__(
+            f"{meta_path} was written with other settings ({', '.join(changed)} differ: "
+            f"{old} vs {new}); delete that folder to cache again"
+        )
 
 
 @dataclass(frozen=True)
@@ -106,14 +126,14 @@ def cache_hidden_states(
         "hidden_size": hidden_size,
         "dtype": dtype,
         "source": source,
-        "token_ids_sha256": _sha256(inputs, targets),
+        "token_ids_sha256": tokens_sha256(inputs, targets),
         "rows": "window-major: row i*window + t is position t of window i",
         "context": "position t of a window sees the t + 1 tokens of its window (1..window)",
     }
     done = _start_or_resume(directory, meta, targets)
     if done is None:
         return load_cache(directory)
-    features = np.lib.format.open_memmap(directory / FEATURES_FILE, mode="r+")
+    features = _open_array(directory, FEATURES_FILE, meta, "r+")
     was_training = model.training
     model.eval()
     try:
@@ -122,8 +142,14 @@ def cache_hidden_states(
         model.train(was_training)
     features.flush()
     del features
-    write_json(directory / PROGRESS_FILE, {"windows_done": meta["n_windows"], "complete": True})
-    return load_cache(directory)
+    cache = _open_cache(directory, meta)
+    sums = _verify_contents(cache)  # one pass: the checksums of what is on disk now
+    expected = _crc32(np.ascontiguousarray(targets.reshape(-1).numpy().astype("<i4")))
+    if sums["targets_crc32"] != expected:  # targets.npy changed while the windows were cached
+        raise _changed(directory / TARGETS_FILE, sums["targets_crc32"], expected)
+    write_json(directory / PROGRESS_FILE,
+               {"windows_done": meta["n_windows"], "complete": True, **sums})
+    return cache
 
 
 def _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress):
@@ -155,16 +181,15 @@ def _start_or_resume(directory: Path, meta: dict, targets: torch.Tensor) -> int 
     """Windows already cached (0 for a new cache), or None when the cache is complete."""
     meta_path = directory / META_FILE
     if meta_path.exists():
-        old = json.loads(meta_path.read_text())
+        old = read_record(meta_path, directory)
         changed = sorted(k for k in meta if old.get(k) != meta[k])
         if changed:
-            raise ValueError(
-                f"{meta_path} was written with other settings ({', '.join(changed)} differ: "
-                f"{ {k: old.get(k) for k in changed} } vs { {k: meta[k] for k in changed} }); "
-                "delete that folder to cache again"
-            )
-        state = json.loads((directory / PROGRESS_FILE).read_text())
-        return None if state["complete"] else int(state["windows_done"])
+            raise CacheSettingsError(meta_path, {k: (old.get(k), meta[k]) for k in changed})
+        state = _read_progress(directory, meta)
+        if state["complete"]:
+            return None
+        _open_array(directory, FEATURES_FILE, meta, "r")  # there, of its shape: refused if not
+        return state["windows_done"]
     directory.mkdir(parents=True, exist_ok=True)
     shape = (meta["n_tokens"], meta["hidden_size"])
     np.lib.format.open_memmap(
@@ -177,47 +202,155 @@ def _start_or_resume(directory: Path, meta: dict, targets: torch.Tensor) -> int 
 
 
 def load_cache(directory: str | os.PathLike) -> FeatureCache:
-    """Open a finished cache written by :func:`cache_hidden_states` (features memory mapped)."""
+    """Open a finished cache written by :func:`cache_hidden_states` (features memory mapped),
+    verified in one pass: every row finite, the contents those the cache was finished with
+    (its checksums; a cache finished before they were kept is checked for finite rows only)."""
     directory = Path(directory)
     meta_path = directory / META_FILE
     if not meta_path.exists():
         raise FileNotFoundError(f"{meta_path} not found: {directory} is not a feature cache")
-    meta = json.loads(meta_path.read_text())
-    state = json.loads((directory / PROGRESS_FILE).read_text())
-    if not state.get("complete"):
-        raise ValueError(
+    meta = _check_meta(read_record(meta_path, directory), directory)
+    state = _read_progress(directory, meta)
+    if not state["complete"]:
+        raise SavedFileError(
             f"{directory} is an unfinished cache ({state['windows_done']} of "
             f"{meta['n_windows']} windows): run cache_hidden_states again to finish it"
         )
+    cache = _open_cache(directory, meta)
+    sums = _verify_contents(cache)
+    for key, name in (("features_crc32", FEATURES_FILE), ("targets_crc32", TARGETS_FILE)):
+        if key in state and sums[key] != state[key]:
+            raise _changed(directory / name, sums[key], state[key])
+    return cache
+
+
+def read_record(path: Path, directory: Path) -> dict:
+    """The JSON object in ``path`` (a cache's ``meta.json`` or ``progress.json``); missing,
+    not JSON, or not an object is one :class:`SavedFileError`."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SavedFileError(
+            f"{path} is missing: the feature cache {directory} is damaged; delete that folder "
+            "to cache again"
+        ) from None
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise SavedFileError(
+            f"{path} is not JSON ({first_line(error)}): the feature cache {directory} is "
+            "damaged; delete that folder to cache again"
+        ) from None
+    if not isinstance(value, dict):
+        raise SavedFileError(
+            f"{path} holds a JSON {type(value).__name__}, not an object: the feature cache "
+            f"{directory} is damaged; delete that folder to cache again"
+        )
+    return value
+
+
+def _check_meta(meta: dict, directory: Path) -> dict:
+    """``meta`` with the sizes and dtype a cache is opened by (its own file, unchecked by a
+    comparison when the cache is opened directly)."""
+    sizes = [meta.get(k) for k in ("n_windows", "n_tokens", "hidden_size")]
+    if not (all(_count(v) for v in sizes) and meta.get("dtype") in CACHE_DTYPES):
+        raise SavedFileError(
+            f"{directory / META_FILE} does not give the cache's sizes and dtype (n_windows, "
+            "n_tokens, hidden_size, dtype): damaged; delete that folder to cache again"
+        )
+    return meta
+
+
+def _read_progress(directory: Path, meta: dict) -> dict:
+    """``progress.json``, checked: ``windows_done`` in ``0..n_windows``, ``complete`` a bool
+    (true only with every window done)."""
+    path = directory / PROGRESS_FILE
+    state = read_record(path, directory)
+    done, complete, total = state.get("windows_done"), state.get("complete"), meta["n_windows"]
+    if not (isinstance(complete, bool) and _count(done, zero=True) and done <= total
+            and (done == total or not complete)):
+        raise SavedFileError(
+            f"{path} does not say how many of the {total} windows are cached (windows_done "
+            f"{done!r}, complete {complete!r}): damaged; delete {directory} to cache again"
+        )
+    return state
+
+
+def _count(value, zero: bool = False) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (0 if zero else 1)
+
+
+def _open_array(directory: Path, name: str, meta: dict, mode: str | None) -> np.ndarray:
+    """``features.npy`` (memory mapped, ``mode``) or ``targets.npy`` (read whole), of the
+    shape and dtype ``meta`` gives; anything else is one :class:`SavedFileError`."""
+    path = directory / name
+    features = name == FEATURES_FILE
     try:  # allow_pickle stays False: an object array is refused, not unpickled
-        raw = np.load(directory / FEATURES_FILE, mmap_mode="r")
-        targets = torch.from_numpy(np.load(directory / TARGETS_FILE).astype(np.int64))
+        if features and mode == "r+":
+            array = np.lib.format.open_memmap(path, mode="r+")
+        else:
+            array = np.load(path, mmap_mode=mode if features else None)
     except (OSError, ValueError, EOFError) as error:
         raise SavedFileError(
             f"{directory} holds a feature cache that cannot be read ({type(error).__name__}: "
-            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); delete that "
-            "folder to cache again"
+            f"{first_line(error) if str(error).strip() else ''}); delete that folder to cache "
+            "again"
         ) from None
+    shape = (meta["n_tokens"], meta["hidden_size"]) if features else (meta["n_tokens"],)
+    dtype = np.dtype(CACHE_DTYPES[meta["dtype"]]) if features else np.dtype(np.int32)
+    if array.shape != shape or array.dtype != dtype:
+        raise SavedFileError(
+            f"{path} holds {array.dtype} {array.shape}, not the {dtype} {shape} its "
+            f"{META_FILE} gives: damaged; delete {directory} to cache again"
+        )
+    return array
+
+
+def _open_cache(directory: Path, meta: dict) -> FeatureCache:
+    raw = _open_array(directory, FEATURES_FILE, meta, "r")
+    targets = torch.from_numpy(_open_array(directory, TARGETS_FILE, meta, None).astype(np.int64))
     with warnings.catch_warnings():  # torch: a read-only memory map is not writable (only read)
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         features = torch.from_numpy(raw)
     if meta["dtype"] == "bfloat16":
         features = features.view(torch.bfloat16)
-    _check_finite_rows(directory, features)
     return FeatureCache(directory, features, targets, meta)
 
 
-def _check_finite_rows(directory: Path, features: torch.Tensor, block: int = 65536) -> None:
-    """Refuse a cache with a NaN/inf hidden state (it trained a NaN head silently), naming
-    the first such row; one pass over the memory map, a block of rows at a time."""
+def _verify_contents(cache: FeatureCache, block: int = 65536) -> dict[str, str]:
+    """``{"features_crc32", "targets_crc32"}`` of the cache as stored (the features' raw
+    bytes, the targets as int32), in one pass over the memory map, a block of rows at a time,
+    refusing a NaN/inf hidden state (it trained a NaN head silently) and a negative target."""
+    directory, features = cache.directory, cache.features
+    raw = features.view(torch.int16) if features.dtype == torch.bfloat16 else features
+    crc = 0
     for start in range(0, features.shape[0], block):
-        finite = torch.isfinite(features[start : start + block].float()).all(dim=1)
+        rows = features[start : start + block]
+        finite = torch.isfinite(rows.float()).all(dim=1)
         if not bool(finite.all()):
             row = start + int((~finite).nonzero()[0])
             raise SavedFileError(
                 f"{directory / FEATURES_FILE} holds a non-finite hidden state at row {row}: "
                 "damaged; delete that folder to cache again"
             )
+        crc = zlib.crc32(raw[start : start + block].numpy(), crc)
+    if len(cache) and int(cache.targets.min()) < 0:
+        raise SavedFileError(
+            f"{directory / TARGETS_FILE} holds the target id {int(cache.targets.min())}: "
+            "damaged; delete that folder to cache again"
+        )
+    targets = np.ascontiguousarray(cache.targets.numpy().astype("<i4"))
+    return {"features_crc32": f"{crc:08x}", "targets_crc32": _crc32(targets)}
+
+
+def _crc32(array: np.ndarray) -> str:
+    return f"{zlib.crc32(array):08x}"
+
+
+def _changed(path: Path, got: str, expected: str) -> SavedFileError:
+    return SavedFileError(
+        f"{path} does not match the checksum written when its cache was finished (crc32 "
+        f"{got}, expected {expected}): it was changed or damaged since; delete "
+        f"{path.parent} to cache again"
+    )
 
 
 def check_head_fits(head: OutputHead, cache: FeatureCache) -> None:
@@ -228,10 +361,10 @@ def check_head_fits(head: OutputHead, cache: FeatureCache) -> None:
             f"size {cache.hidden_size}"
         )
     top = int(cache.targets.max())
-    if top >= head.vocab_size:
-        raise ValueError(
+    if top >= head.vocab_size:  # a damaged targets.npy (or another model's cache)
+        raise SavedFileError(
             f"{cache.directory} has target id {top}, outside the head's vocabulary of "
-            f"{head.vocab_size}"
+            f"{head.vocab_size}: delete that folder to cache again"
         )
 
 
@@ -284,7 +417,9 @@ def _to_storage(rows: torch.Tensor, dtype: str) -> np.ndarray:
     return rows.float().numpy()
 
 
-def _sha256(*tensors: torch.Tensor) -> str:
+def tokens_sha256(*tensors: torch.Tensor) -> str:
+    """sha256 of token-id tensors as int64 (a cache's ``token_ids_sha256``, a training state's
+    ``data``: the same digest of the same windows)."""
     digest = hashlib.sha256()
     for tensor in tensors:
         digest.update(tensor.numpy().astype(np.int64).tobytes())
@@ -297,6 +432,7 @@ __all__ = [
     "META_FILE",
     "PROGRESS_FILE",
     "TARGETS_FILE",
+    "CacheSettingsError",
     "FeatureCache",
     "SavedFileError",
     "cache_hidden_states",
@@ -304,5 +440,7 @@ __all__ = [
     "head_from_lm_head",
     "load_cache",
     "output_layer",
+    "read_record",
+    "tokens_sha256",
     "window_tokens",
 ]

@@ -20,6 +20,10 @@ DEFAULT_LR = {"frozen": 3e-4, "lora": 2e-4, "full": 1e-5}
 # A run may resume on another device, and from a folder that was moved or copied; after the
 # non-finite guard stopped it, with another --lr.
 MAY_CHANGE = ("device", "out")
+RESTART_DAMAGED_PLAN = (
+    "the run's plan is damaged; add --restart to train again with this command's plan (the "
+    "feature caches are kept: they check what they were made from), or delete the folder"
+)
 
 
 class RetrofitError(ValueError):
@@ -97,7 +101,7 @@ def check_out(out: Path, plan: RetrofitPlan) -> None:
         raise RetrofitError(f"--out {out} is a file; expected a folder (new or of this run)")
     saved = out / "plan.json"
     if saved.exists():
-        old = json.loads(saved.read_text())
+        old = read_plan(saved)
         may_change = MAY_CHANGE + (("lr",) if "stopped" in old else ())
         changed = sorted(k for k, v in asdict(plan).items()
                          if k not in may_change and old.get(k) != v)
@@ -107,6 +111,23 @@ def check_out(out: Path, plan: RetrofitPlan) -> None:
                 "another --out, add --restart to train again with these (the caches are "
                 "kept), or delete it"
             )
+
+
+def read_plan(path: Path) -> dict:
+    """The plan kept in ``path`` (``OUT/plan.json``); not JSON, or not a JSON object, is one
+    :class:`RetrofitError` saying how to go on (``--restart`` writes it again)."""
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise RetrofitError(
+            f"{path} is not JSON ({type(error).__name__}: {reason}): {RESTART_DAMAGED_PLAN}"
+        ) from None
+    if not isinstance(plan, dict):
+        raise RetrofitError(
+            f"{path} holds a JSON {type(plan).__name__}, not a plan: {RESTART_DAMAGED_PLAN}"
+        )
+    return plan
 
 
 def _positive(name: str, value) -> None:
@@ -125,4 +146,4 @@ def _finite(value) -> bool:
 
 
 __all__ = ["DEFAULT_LR", "MAY_CHANGE", "MODES", "RetrofitError", "RetrofitPlan", "check_out",
-           "resolve_device"]
+           "read_plan", "resolve_device"]

@@ -35,7 +35,9 @@ the device and the folder's place may change), caches continue from their last b
 windows, training from its last checkpoint (``OUT/state.pt``, weights-only), and finished
 steps are skipped; a finished run is reported at once, without loading the model. A SIGINT or
 SIGTERM during training saves the state between two steps
-(:class:`~highrank.train.state.Interrupted`).
+(:class:`~highrank.train.state.Interrupted`). What a rerun reads from ``OUT`` is checked: a
+damaged ``plan.json``, cache or ``state.pt``, a cache of changed contents (its checksums) or
+of another text, a state of another run: each one line naming the file and how to go on.
 
 Nothing non-finite is saved: the training loop skips a step whose loss or gradient norm is
 not finite and stops after :data:`~highrank.integrations.retrofit.train.MAX_NONFINITE_STEPS`
@@ -62,7 +64,11 @@ from torch import nn
 
 from highrank import causal_lm
 from highrank.heads import base_init_knobs, build_head
-from highrank.integrations.retrofit.cache import cache_hidden_states, head_from_lm_head
+from highrank.integrations.retrofit.cache import (
+    CacheSettingsError,
+    cache_hidden_states,
+    head_from_lm_head,
+)
 from highrank.integrations.retrofit.plan import (
     RetrofitError,
     RetrofitPlan,
@@ -305,12 +311,7 @@ def _budget(plan: RetrofitPlan, train_tokens: int) -> TrainBudget:
 def _run_frozen(plan, model, ids, out: Path, progress: bool, lr_may_change: bool):
     from highrank.integrations.hf import attach_head  # the hf extra (transformers)
 
-    caches = {
-        split: cache_hidden_states(model, ids[split], out / f"cache-{split}", window=plan.window,
-                                   dtype=plan.cache_dtype, source=str(plan.model),
-                                   progress=progress)
-        for split in ids
-    }
+    caches = {split: _cache(plan, model, ids[split], out, split, progress) for split in ids}
     base_head = head_from_lm_head(model, "softmax").to(model.get_output_embeddings().weight.device)
     base_head.eval()  # the base model's own output layer: its exact distribution
     torch.manual_seed(plan.seed)
@@ -358,6 +359,32 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: 
     scores = {split: score_windows(trained, *windows[split], label=split, progress=progress)
               for split in ("valid", "test") if split in windows}
     return trained, summary, scores, base_scores
+
+
+def _cache(plan: RetrofitPlan, model, ids: torch.Tensor, out: Path, split: str,
+           progress: bool):
+    """The feature cache of ``split`` (made, continued or loaded); one made from other
+    tokens or with other settings is one line saying how to go on."""
+    folder = out / f"cache-{split}"
+    try:
+        return cache_hidden_states(model, ids, folder, window=plan.window, dtype=plan.cache_dtype,
+                                   source=str(plan.model), progress=progress)
+    except CacheSettingsError as error:
+        again = " and add --restart (to train again on them)" if split == "train" else ""
+        if set(error.changed) <= {"token_ids_sha256", "n_tokens", "n_windows"}:
+            limit = "--max-train-tokens" if split == "train" else "--max-eval-tokens"
+            raise RetrofitError(
+                f"--{split} {getattr(plan, split)}: its tokens changed since {folder} was cached "
+                f"from them (the text was edited, or {limit} changed); delete {folder}{again}, "
+                "or give another --out (--restart alone keeps the caches, and they refuse "
+                "tokens they were not made from)"
+            ) from None
+        differ = ", ".join(f"{k} {old!r}, now {new!r}" for k, (old, new) in error.changed.items()
+                           if k != "token_ids_sha256")
+        raise RetrofitError(
+            f"{folder} was cached with other settings ({differ}); delete it{again}, or give "
+            "another --out"
+        ) from None
 
 
 def make_trainable(hf_model, plan: RetrofitPlan):

@@ -19,10 +19,17 @@ on between two steps: the state is saved there and
 
 **The state file** (``state.pt``, written atomically, read weights-only) holds ``budget``,
 the trained weights, ``optimizer``, ``history`` (one record a step), ``rng`` and
-``python_rng``; a rerun continues from it bit for bit, a finished one is loaded and nothing is
-trained. The weights are a head's whole ``state_dict`` under ``head`` (frozen mode) or the
-trainable parameters of the model by name under ``trainable`` (lora / full): the keys states
-were written with before the loops were one, so every retrofit folder resumes.
+``python_rng``, and ``data`` (the sha256 of the token ids trained on; states written before
+it was kept lack it); a rerun continues from it bit for bit, a finished one is loaded and
+nothing is trained. Everything in it is checked before it is used (:func:`load_train_state`:
+the budget, the data, a history of records no longer than the budget, weights of the
+trainee's names and shapes, the optimizer's moments of their parameters' shapes, the random
+generators' states): a damaged or foreign state is one
+:class:`~highrank.integrations.retrofit.cache.SavedFileError` line, never a traceback, and
+never taken as finished. The weights are a head's whole ``state_dict`` under ``head``
+(frozen mode) or the trainable parameters of the model by name under ``trainable`` (lora /
+full): the keys states were written with before the loops were one, so every retrofit folder
+resumes.
 """
 
 from __future__ import annotations
@@ -40,7 +47,12 @@ import torch
 from torch import nn
 
 from highrank.heads import OutputHead
-from highrank.integrations.retrofit.cache import FeatureCache, SavedFileError, check_head_fits
+from highrank.integrations.retrofit.cache import (
+    FeatureCache,
+    SavedFileError,
+    check_head_fits,
+    tokens_sha256,
+)
 from highrank.train.interrupts import SignalCatcher
 from highrank.train.state import Interrupted, TrainingError
 from highrank.train.steps import backward_or_skip, clip_or_skip
@@ -56,6 +68,9 @@ RESTART_ADVICE = (
     "Lower --lr (now {lr:g}) and run the same command again to continue, or add --restart to "
     "train again from the warm start (the feature caches are kept)"
 )
+# How a state that cannot be resumed is left behind (the caches check themselves).
+TRAIN_AGAIN = "add --restart to train again from the warm start (the feature caches are kept)"
+HISTORY_KEYS = ("step", "loss", "lr", "seconds")
 
 
 @dataclass(frozen=True)
@@ -148,13 +163,14 @@ class Trainee:
 
     def load_weights(self, path: Path, saved: dict) -> None:
         try:
+            expected = self.weights()
+            _same_tensors(saved, expected)
             if self.key == "head":
                 self.module.load_state_dict(saved)
                 return
-            parameters = dict(self.module.named_parameters())
             with torch.no_grad():
-                for name, value in saved.items():
-                    parameters[name].copy_(value)
+                for name, value in expected.items():
+                    value.copy_(saved[name])  # a detached view of the parameter
         except (KeyError, RuntimeError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise SavedFileError(
@@ -180,21 +196,25 @@ def train_loop(
     lr_may_change: bool = False,
     catch_signals: bool = False,
     desc: str = "train",
+    data: str | None = None,
 ) -> dict:
     """Train ``trainee`` for ``budget``: step ``s`` draws ``batch_indices(budget, n_rows, s)``
     and minimises ``loss_of(those rows)``. The state is saved to ``state_path`` every
-    ``checkpoint_every`` steps and at the end; an existing one is resumed. ``stop_after``
-    returns after that many steps of this call (the state saved), as an interruption would.
-    Returns :func:`training_summary`."""
+    ``checkpoint_every`` steps and at the end; an existing one is resumed (one trained on
+    other ``data``, a digest of the rows, is refused). ``stop_after`` returns after that many
+    steps of this call (the state saved), as an interruption would. Returns
+    :func:`training_summary`."""
     check_positive_int("checkpoint_every", checkpoint_every)
     state_path = Path(state_path)
     optimizer = torch.optim.Adam(trainee.groups, lr=budget.lr)
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     history: list[dict] = []
-    start = load_train_state(state_path, trainee, optimizer, budget, history, lr_may_change)
+    start = load_train_state(state_path, trainee, optimizer, budget, history, lr_may_change,
+                             data=data)
     end = budget.steps if stop_after is None else min(budget.steps, start + stop_after)
     guard = NonFiniteSteps(state_path, budget.lr)
-    save = functools.partial(save_train_state, state_path, trainee, optimizer, budget, history)
+    save = functools.partial(save_train_state, state_path, trainee, optimizer, budget, history,
+                             data=data)
     trainee.module.train()
     with progress_bar(total=budget.steps, initial=start, desc=desc, unit="step",
                       disable=not progress) as bar, SignalCatcher(catch_signals) as caught:
@@ -254,7 +274,8 @@ def train_head(
     return train_loop(Trainee.head(head, budget.lr), len(cache), loss_of, budget, state_path,
                       checkpoint_every=checkpoint_every, stop_after=stop_after,
                       progress=progress, lr_may_change=lr_may_change,
-                      catch_signals=catch_signals, desc="train head")
+                      catch_signals=catch_signals, desc="train head",
+                      data=cache.meta.get("token_ids_sha256"))
 
 
 def train_windows(
@@ -278,7 +299,8 @@ def train_windows(
 
     return train_loop(Trainee.model(model, budget.lr), inputs.shape[0], loss_of, budget,
                       state_path, checkpoint_every=10, progress=progress,
-                      lr_may_change=lr_may_change, catch_signals=catch_signals, desc="retrofit")
+                      lr_may_change=lr_may_change, catch_signals=catch_signals, desc="retrofit",
+                      data=tokens_sha256(inputs, targets))
 
 
 def step_record(step: int, loss: torch.Tensor, lr: float, started: float, skipped: str) -> dict:
@@ -361,7 +383,7 @@ def all_finite_parameters(model: nn.Module) -> bool:
 
 
 def save_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudget,
-                     history: list[dict]) -> None:
+                     history: list[dict], data: str | None = None) -> None:
     """``state.pt`` (see the module docstring), replaced atomically."""
     state = {
         "budget": asdict(budget),
@@ -370,28 +392,113 @@ def save_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudge
         "history": history,
         "rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
+        **({} if data is None else {"data": data}),
     }
     with atomic_file(path) as handle:
         torch.save(state, handle)
 
 
 def load_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudget,
-                     history: list, lr_may_change: bool = False) -> int:
+                     history: list, lr_may_change: bool = False, *,
+                     data: str | None = None) -> int:
     """Steps already done (0 when there is no state); loads the weights, the optimizer and
     the random generators, and fills ``history`` in place. A state of another budget (``lr``
-    aside when ``lr_may_change``), with non-finite weights, or not a state at all is one
-    :class:`~highrank.integrations.retrofit.cache.SavedFileError`."""
+    aside when ``lr_may_change``) or other ``data``, with non-finite weights, or damaged in
+    any part (see the module docstring) is one
+    :class:`~highrank.integrations.retrofit.cache.SavedFileError`, before anything is loaded."""
     if not path.exists():
         return 0
     state = read_train_state(path, trainee.key, trainee.what)
     check_saved_budget(path, state["budget"], budget, lr_may_change)
-    check_finite_tensors(path, state[trainee.key])
-    trainee.load_weights(path, state[trainee.key])
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])  # dropout masks continue as they would have
-    random.setstate(state["python_rng"])
+    if data is not None and state.get("data", data) != data:
+        raise SavedFileError(
+            f"{path} was trained on other tokens than the training text gives now (the text "
+            f"was edited, or --max-train-tokens changed); {TRAIN_AGAIN}, or give another --out"
+        )
+    check_history(path, state["history"], budget)
+    weights = state[trainee.key]
+    if not (isinstance(weights, dict) and all(torch.is_tensor(v) for v in weights.values())):
+        raise SavedFileError(f"{path} holds no weights under {trainee.key!r}; {TRAIN_AGAIN}")
+    check_finite_tensors(path, weights)
+    rng = state["rng"]
+    if not (torch.is_tensor(rng) and rng.dtype == torch.uint8 and rng.ndim == 1):
+        raise SavedFileError(f"{path} holds no random generator state (rng); {TRAIN_AGAIN}")
+    trainee.load_weights(path, weights)
+    _load_optimizer(path, optimizer, state["optimizer"])
+    try:
+        torch.set_rng_state(rng)  # dropout masks continue as they would have
+        random.setstate(state["python_rng"])
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise SavedFileError(
+            f"{path} holds a random generator state that cannot be restored ("
+            f"{type(error).__name__}: {_first_line(error)}); {TRAIN_AGAIN}"
+        ) from None
     history.extend(state["history"])
     return len(history)
+
+
+def check_history(path: Path, history, budget: TrainBudget) -> None:
+    """A state's ``history``: a list of step records (:func:`step_record`) no longer than
+    the budget (a longer one was taken as finished)."""
+    if not isinstance(history, list):
+        raise SavedFileError(
+            f"{path} holds a history of type {type(history).__name__}, not a list of steps; "
+            f"{TRAIN_AGAIN}"
+        )
+    if len(history) > budget.steps:
+        raise SavedFileError(
+            f"{path} holds {len(history)} steps of history, more than the budget's "
+            f"{budget.steps}: it is not this run's state; {TRAIN_AGAIN}"
+        )
+    for i, record in enumerate(history):
+        if not (isinstance(record, dict) and all(k in record for k in HISTORY_KEYS)
+                and (record["loss"] is None or _number(record["loss"]))
+                and _number(record["seconds"])):
+            raise SavedFileError(
+                f"{path} holds a damaged history: step record {i} is not "
+                f"{{{', '.join(HISTORY_KEYS)}}}; {TRAIN_AGAIN}"
+            )
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _same_tensors(saved: dict, expected: dict[str, torch.Tensor]) -> None:
+    """``saved`` has exactly the names of ``expected`` with their shapes (a RuntimeError
+    naming the first that differs)."""
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    if missing or unexpected:
+        name = (missing or unexpected)[0]
+        raise RuntimeError(f"{'lacks' if missing else 'has an unknown'} {name}")
+    for name, value in expected.items():
+        if tuple(saved[name].shape) != tuple(value.shape):
+            raise RuntimeError(f"{name} is {tuple(saved[name].shape)}, not {tuple(value.shape)}")
+
+
+def _load_optimizer(path: Path, optimizer, saved) -> None:
+    """The optimizer's saved state, its Adam moments of their parameters' shapes."""
+    try:
+        optimizer.load_state_dict(saved)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                for key, value in optimizer.state.get(param, {}).items():
+                    if key != "step" and torch.is_tensor(value) and value.shape != param.shape:
+                        raise ValueError(
+                            f"its {key} is {tuple(value.shape)}, its parameter "
+                            f"{tuple(param.shape)}"
+                        )
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError, AttributeError) as error:
+        raise SavedFileError(
+            f"{path} holds an optimizer state that does not fit ({type(error).__name__}: "
+            f"{_first_line(error)}); {TRAIN_AGAIN}"
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else ""
 
 
 def read_train_state(path: Path, key: str = "head", what: str = "a head's") -> dict:
@@ -419,11 +526,18 @@ def check_saved_budget(path: Path, saved: dict, budget: TrainBudget,
     """Refuse a state trained with another budget (``lr`` aside when ``lr_may_change``)."""
     ignored = {"lr"} if lr_may_change else set()
     expected = {k: v for k, v in asdict(budget).items() if k not in ignored}
-    if not isinstance(saved, dict) or {k: v for k, v in saved.items()
-                                       if k not in ignored} != expected:
+    if not isinstance(saved, dict):
         raise SavedFileError(
-            f"{path} was trained with budget {saved}, not {asdict(budget)}; delete it or add "
-            "--restart to train again"
+            f"{path} holds a budget of type {type(saved).__name__}, not {asdict(budget)}; "
+            f"{TRAIN_AGAIN}"
+        )
+    if {k: v for k, v in saved.items() if k not in ignored} != expected:
+        changed = sorted(k for k in {*expected, *saved} - ignored
+                         if saved.get(k) != expected.get(k))
+        differ = ", ".join(f"{k} {saved.get(k)!r}, not {expected.get(k)!r}" for k in changed)
+        raise SavedFileError(
+            f"{path} was trained with budget {saved}, not {asdict(budget)} ({differ}); "
+            f"{TRAIN_AGAIN}"
         )
 
 
@@ -447,6 +561,7 @@ __all__ = [
     "all_finite_parameters",
     "batch_indices",
     "check_finite_tensors",
+    "check_history",
     "check_saved_budget",
     "load_train_state",
     "read_train_state",
