@@ -125,7 +125,7 @@ def build_seq2seq(config: Config, vocab_size: int | tuple[int, int]) -> Transfor
     """The translation model of a ``seq2seq`` config: an encoder-decoder Transformer whose
     decoder ends in the head of ``[head]``. ``vocab_size``: the joint vocabulary's size, or
     ``(source, target)`` sizes; padding is the subword vocabularies' ``<pad>`` id."""
-    from highrank.mt.subwords import PAD_ID  # numpy only; sentencepiece is imported when used
+    from highrank.mt.subwords import PAD_ID  # translation modules load on use (test_bitext)
 
     src_size, tgt_size = (vocab_size, vocab_size) if isinstance(vocab_size, int) else vocab_size
     m = config.model
