@@ -46,6 +46,7 @@ from highrank.mt.bitext import (
     encode_pairs,
     load_bitext,
 )
+from highrank.mt.bleu import corpus_bleu  # sacrebleu is imported when used
 from highrank.mt.decoding import beam_search, greedy_search
 from highrank.mt.subwords import SubwordError, Subwords, SubwordSettings, learn_subwords
 from highrank.runs.checkpoint import (
@@ -56,6 +57,7 @@ from highrank.runs.checkpoint import (
     load_weights,
 )
 from highrank.util.atomic import write_text_atomic
+from highrank.util.progress import progress_bar
 
 
 def subword_settings(config: Config) -> SubwordSettings:
@@ -221,8 +223,6 @@ def translate_split(
 ) -> list[str]:
     """Detokenised translations of the sources of ``split``, in file order (a progress bar
     counts the sentences: decoding a test set takes minutes on a CPU)."""
-    from highrank.util.progress import progress_bar
-
     pairs = encode_pairs(split, subwords.src.encode_lines, subwords.tgt.encode_lines)
     special = subwords.special_ids()
     batches = TokenBatches(pairs, max_tokens=max_tokens, special=special, shuffle=False)
@@ -289,8 +289,6 @@ def evaluate_bleu(
     """Translate ``split`` with a run's checkpoint, score it, write the record and the
     hypotheses; returns the record. ``search`` defaults to the run's ``[decode]`` with
     ``search_changes`` (beam_size=, length_penalty=, greedy=, ...) applied."""
-    from highrank.mt.bleu import corpus_bleu
-
     model, config, subwords, payload = load_translation_run(run_dir, which, device=device)
     search = search or Search.from_config(config, **search_changes)
     corpus = read_bitext(config, (split,), data_dir).split(split)
