@@ -37,6 +37,7 @@ import torch
 
 from highrank.config import Config, ConfigError
 from highrank.model import build_seq2seq
+from highrank.mt.bitext import TokenBatches
 from highrank.mt.translation import (
     TranslationData,
     learn_translation_data,
@@ -102,8 +103,6 @@ class Seq2SeqRecipe:
     def _batches(self, epoch: int):
         """The shuffled token batches of ``epoch`` (built once per epoch)."""
         if self._epoch_batches is None or self._epoch_batches[0] != epoch:
-            from highrank.mt.bitext import TokenBatches
-
             batches = TokenBatches(
                 self.data.pairs("train"),
                 max_tokens=self.config.train.max_tokens,
@@ -223,8 +222,6 @@ class Seq2SeqRecipe:
 
 def _eval_batches(data: TranslationData, split: str, max_tokens: int):
     """A split's batches in length order (no shuffling, nothing dropped)."""
-    from highrank.mt.bitext import TokenBatches
-
     return TokenBatches(
         data.pairs(split), max_tokens=max_tokens, special=data.special, shuffle=False
     )

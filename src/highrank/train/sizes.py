@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from highrank.config import Config, ConfigError
-from highrank.model import count_parameters
+from highrank.model import build_model, count_parameters
 from highrank.util.machine import available_memory
 
 # Float32 copies of the parameters training holds at least: weights, gradients, and one of
@@ -44,11 +44,9 @@ def _size_keys(config: Config) -> str:
 def parameter_count(config: Config, vocab_size: int) -> int:
     """Trainable parameters of the model ``config`` describes, built on the ``meta`` device
     (nothing allocated)."""
-    from highrank import model as models  # not this module's name: tests wrap that one
-
     try:
         with torch.device("meta"):
-            model = models.build_model(config, vocab_size)
+            model = build_model(config, vocab_size)
     except RuntimeError as error:
         if "overflow" not in str(error):
             raise
