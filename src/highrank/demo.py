@@ -57,6 +57,7 @@ from highrank.analysis.rank import press_rank
 from highrank.heads import HEADS, PAPER_HEADS, OutputHead, build_head
 from highrank.util.checks import check_names, check_positive_int
 from highrank.util.machine import describe_machine
+from highrank.util.progress import progress_bar
 
 RESULTS_FILE = "results.json"
 PLOT_FILE = "kl_curves.png"
@@ -346,8 +347,6 @@ def _progress_bar(settings: DemoSettings, enabled: bool):
     if not enabled:
         yield None
         return
-    from highrank.util.progress import progress_bar
-
     total = settings.steps * len(settings.heads)
     with progress_bar(total=total, desc="demo", unit="step", dynamic_ncols=True) as bar:
         yield bar
