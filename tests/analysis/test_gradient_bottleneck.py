@@ -220,3 +220,19 @@ def test_mos_closed_form_jacobian_of_a_float64_head_is_float64_and_exact():
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, reference, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(head_jacobians(head, hidden), reference, rtol=1e-10, atol=1e-12)
+
+
+def test_a_best_checkpoint_that_is_a_folder_is_named_as_one(tiny_run, tmp_path, capsys):
+    """Issue 29: a `best.pt` that is a folder was reported as missing ("best.pt is written at
+    the end of an epoch ... pass --which last"), which misleads."""
+    import shutil
+
+    from highrank.cli import main
+
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    (run / "checkpoints" / "best.pt").unlink()
+    (run / "checkpoints" / "best.pt").mkdir()
+    assert main(["analyze", "gradient-bottleneck", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "best.pt is a directory, not a checkpoint file" in err[0]
+    assert "written at the end of an epoch" not in err[0]

@@ -117,3 +117,19 @@ def test_cli_writes_the_curve_and_refuses_mixed_inputs(tiny_run, tmp_path, capsy
     assert (out / "saturation.json").is_file() and (out / "saturation.md").is_file()
     assert main(["analyze", "saturation", str(run), "--hf", "m.gguf"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_a_run_whose_config_is_garbage_is_refused_as_eval_refuses_it(tiny_run, tmp_path, capsys):
+    """Issue 29: `analyze saturation` measured a run folder whose config.toml is garbage,
+    while `eval` refused it."""
+    from highrank.cli import main
+
+    run = shutil.copytree(tiny_run, tmp_path / "run")
+    (run / "config.toml").write_text("garbage [[[\n")
+    assert main(["eval", str(run), "--no-progress"]) == 2
+    refused = capsys.readouterr().err.strip()
+    assert f"{run / 'config.toml'}: invalid TOML" in refused
+    assert main(["analyze", "saturation", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and refused.split("error: ", 1)[1] in err[0]
+    assert not (run / "analysis").exists() or not list((run / "analysis").glob("saturation*"))

@@ -27,7 +27,8 @@ from highrank.config import Config
 from highrank.data import Vocab, iter_batches
 from highrank.data.streaming import batch_view, split_stream
 from highrank.evaluate.perplexity import default_bptt
-from highrank.model import LanguageModel, load_run_corpus
+from highrank.evaluate.run import load_for_eval
+from highrank.model import LanguageModel
 from highrank.util.progress import progress_bar
 
 
@@ -83,9 +84,12 @@ def load_run_split(
     The corpus is the run's ``data.dir`` unless ``data_dir`` names another folder; it must
     give the same vocabulary the run was trained with (a clear error says otherwise). A run
     trained with ``data.memmap`` gets the split as its memory map, which :func:`iter_contexts`
-    reads a segment at a time: no split is loaded whole, the train split included.
+    reads a segment at a time: no split is loaded whole, the train split included. The run
+    is read as ``highrank eval`` reads it (:func:`~highrank.evaluate.run.load_for_eval`): an
+    unreadable ``config.toml`` is refused by every analysis too.
     """
-    model, config, corpus = load_run_corpus(run_dir, which, data_dir=data_dir, device=device)
+    loaded = load_for_eval(run_dir, which, data_dir=data_dir, device=device)
+    model, config, corpus = loaded.model, loaded.config, loaded.corpus
     return RunSplit(
         Path(run_dir),
         model,

@@ -407,10 +407,10 @@ def read_run(
     problem = run_dir_problem(run_dir)  # missing, or a file: each says which
     if problem:
         raise CheckpointError(problem)
-    path = checkpoint_path(run_dir, which)
-    if which == "best" and not path.is_file():
+    path = checkpoint_path(run_dir, which)  # missing: what to do; a folder: load_checkpoint says
+    if which == "best" and not path.exists():
         raise CheckpointError(missing_best_hint(run_dir))
-    if which == "finetuned" and not path.is_file():
+    if which == "finetuned" and not path.exists():
         raise CheckpointError(
             f"checkpoint {path} does not exist: run `highrank finetune {run_dir}` first, or "
             "finetuning never improved on best.pt (then use which='best')"
