@@ -338,3 +338,19 @@ def test_a_model_no_memory_holds_is_one_line_before_any_work(corpus, tmp_path, c
     err = capsys.readouterr().err
     assert "model.d_ff = 100000000000" in err and "make the model smaller" in err, err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("clip", "advised"),
+    [(1.0, "a tighter gradient clip (train.clip = 1, e.g. --train.clip=0.5)"),
+     (0.0, "a gradient clip (train.clip = 0: none, e.g. --train.clip=1)")],
+)  # fmt: skip
+def test_the_non_finite_stop_never_advises_the_clip_in_use(clip, advised):
+    """Issue 29: a run with train.clip = 1 that diverged was told "--train.clip=1"."""
+    from types import SimpleNamespace
+
+    from highrank.train.seq2seq import Seq2SeqRecipe
+
+    train = SimpleNamespace(lr=7e-4, warmup_steps=400, clip=clip)
+    advice = Seq2SeqRecipe.divergence_advice(SimpleNamespace(config=SimpleNamespace(train=train)))
+    assert advice.endswith(advised) and "--train.lr=0.00035" in advice

@@ -174,10 +174,14 @@ class Seq2SeqRecipe:
 
     def divergence_advice(self) -> str:
         t = self.config.train
+        clip = (  # never the clip already in use
+            f"a tighter gradient clip (train.clip = {t.clip:g}, e.g. --train.clip={t.clip / 2:g})"
+            if t.clip
+            else "a gradient clip (train.clip = 0: none, e.g. --train.clip=1)"
+        )
         return (
             f"Try a lower peak learning rate (train.lr = {t.lr:g}, e.g. --train.lr={t.lr / 2:g}), "
-            f"a longer warm-up (train.warmup_steps = {t.warmup_steps}) or a gradient clip "
-            f"(train.clip = {t.clip:g}, e.g. --train.clip=1)"
+            f"a longer warm-up (train.warmup_steps = {t.warmup_steps}) or {clip}"
         )
 
     # ---- validation -------------------------------------------------------------------------
