@@ -95,3 +95,23 @@ def test_a_mistyped_config_path_says_did_you_mean_in_one_line(verb, capsys):
     assert len(err) == 1
     assert "config file 'configs/ptb/small-softmx.toml' not found; did you mean " in err[0]
     assert "configs/ptb/small-softmax.toml" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (99999999999999999999, "TOML integers are 64-bit"),  # beyond int64: C++ frames before
+        (9999999999999999, "more elements than any machine has"),  # a RuntimeError traceback
+    ],
+)
+def test_an_impossible_size_is_one_line_naming_the_key(value, reason, tmp_path, capsys):
+    """Issue 29: `d_embed = 99999999999999999999` printed 16 lines of C++ frames."""
+    path = tmp_path / "big.toml"
+    path.write_text(f'[data]\ndir = "{tmp_path / "no-corpus"}"\n[model]\nd_embed = {value}\n')
+    for verb in (["train"], ["config", "show"]):
+        assert main([*verb, str(path), f"--run.out_dir={tmp_path / 'out'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"{path}, line 4: model.d_embed = {value} is out of range" in err[0]
+        assert reason in err[0] and "frame #" not in err[0]
+    assert not (tmp_path / "out").exists()

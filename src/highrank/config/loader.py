@@ -281,6 +281,11 @@ def _check_type(dotted: str, value: Any, expected: Any, origins: _Origins) -> An
     base = typing.get_origin(expected) or expected
     if base is float and is_number(value):
         return float(value)
+    if base is int and isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        raise ConfigError(  # torch's sizes are 64-bit too: beyond, C++ frames, not a message
+            f"{_origin(origins, dotted)}: {dotted} = {value} is out of range; TOML integers "
+            f"are 64-bit: expected one in [{INT64[0]}, {INT64[1]}]"
+        )
     if isinstance(value, base) and not (base is int and isinstance(value, bool)):
         return value
     hint = "; booleans are not numbers" if isinstance(value, bool) and base in (int, float) else ""
@@ -396,6 +401,12 @@ def _validate_head_values(config: Config, origins: Mapping[str, str]) -> None:
     error = _head_error(name, knobs, config.model.d_embed)
     if error is None:
         return
+    alone = _head_error(name, {}, config.model.d_embed) if knobs else error
+    if alone is not None:  # the head refuses the model's width whatever its knobs
+        raise ConfigError(
+            f"{_origin(origins, 'model.d_embed')}: model.d_embed = {config.model.d_embed} is "
+            f"out of range for head {name!r}; {alone}"
+        )
     defaults = _configurable_knobs(name)
     alone = [k for k in knobs if _head_error(name, {k: knobs[k]}, config.model.d_embed)]
     culprits = alone[:1] or [k for k in knobs if knobs[k] != defaults.get(k)] or list(knobs)
@@ -406,6 +417,7 @@ def _validate_head_values(config: Config, origins: Mapping[str, str]) -> None:
 
 
 _PLACEHOLDER_VOCAB = 10_000  # the knobs' checks do not depend on the vocabulary size
+INT64 = (-(2**63), 2**63 - 1)  # what a TOML integer (and a torch size) can be
 
 
 def _head_error(name: str, knobs: Mapping[str, Any], d_embed: int) -> str | None:
@@ -420,6 +432,9 @@ def _head_error(name: str, knobs: Mapping[str, Any], d_embed: int) -> str | None
             build_head(name, d_in=d_embed, vocab_size=_PLACEHOLDER_VOCAB, d_embed=d_embed, **knobs)
     except (ValueError, TypeError) as error:
         return str(error)
+    except RuntimeError as error:  # a size whose tensor no machine holds (numel overflows)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"one of its tensors would hold more elements than any machine has ({reason})"
     return None
 
 
