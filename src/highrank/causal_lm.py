@@ -4,11 +4,14 @@ and the retrofit (:mod:`highrank.integrations.retrofit`) both read a model and a
 
 **Loading.** A local model folder (``save_pretrained`` output, with ``config.json``) or a
 ``.gguf`` file (dequantised to ``dtype``) is loaded offline with ``AutoModelForCausalLM`` and
-``AutoTokenizer`` (:func:`load_causal_lm`); a path, a missing extra, a missing tokenizer, weights
-that do not fit their config, a pickled or damaged weights file, NaN weights: each is one
-:class:`HFInputError` line naming it.
+``AutoTokenizer`` (:func:`load_causal_lm`); a path, a missing extra, a missing tokenizer (also
+one that ``transformers`` builds empty from a folder without tokenizer files, which read every
+text as 0 tokens), weights that do not fit their config, a pickled or damaged weights file, NaN
+weights: each is one :class:`HFInputError` line naming it.
 
-**The text.** :func:`text_token_ids`: the whole UTF-8 file tokenised at once, no special tokens.
+**The text.** :func:`text_token_ids`: the whole UTF-8 file tokenised at once, no special tokens;
+:func:`check_token_ids`: every id one the model has (a tokenizer saved beside another model
+gives ids beyond its embedding).
 
 **Windows.** The stream ``x_0 .. x_{N-1}`` is cut into non-overlapping windows of ``W`` tokens,
 each run as a sequence of its own (positions restart at 0): position ``t`` of window ``k``
@@ -125,6 +128,12 @@ def _load(path, folder: Path, gguf_file: str | None, device, dtype) -> tuple[Any
             f"no tokenizer could be loaded from {path} ({first_line(error)}); save one beside "
             "the model with tokenizer.save_pretrained(folder)"
         ) from None
+    if getattr(tokenizer, "vocab_size", None) == 0:  # GPT-2's class built without its files
+        raise HFInputError(
+            f"{path} holds no tokenizer ({type(tokenizer).__name__} was built with an empty "
+            "vocabulary: no tokenizer.json, vocab.json or tokenizer.model beside the model); "
+            "save one beside the model with tokenizer.save_pretrained(folder)"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **options)
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -200,6 +209,25 @@ def text_token_ids(tokenizer: Any, path: str | os.PathLike) -> torch.Tensor:
             f"{first_line(error)}"
         ) from None
     return torch.tensor(ids, dtype=torch.int64)
+
+
+def check_token_ids(model: Any, ids: torch.Tensor, *, model_path: str | os.PathLike,
+                    source: str = "the text") -> None:
+    """Every id in ``ids`` is one the model has (a row of its input embedding and of its
+    output layer): a tokenizer that does not match its model (a token added or duplicated)
+    gives an id beyond them, which the embedding refused as an ``IndexError`` traceback."""
+    sizes = [layer.weight.shape[0] for layer in (model.get_input_embeddings(),
+                                                 model.get_output_embeddings())
+             if layer is not None and getattr(layer, "weight", None) is not None]
+    if not sizes or not ids.numel():
+        return
+    size, top = min(sizes), int(ids.max())
+    if top >= size:
+        raise HFInputError(
+            f"the tokenizer of {model_path} gives the id {top} in {source}, but the model has "
+            f"{size} token ids (0..{size - 1}): the tokenizer does not match the model (a "
+            "token added or duplicated?); save the model's own tokenizer beside it"
+        )
 
 
 # ---- windows -------------------------------------------------------------------------------
@@ -306,6 +334,7 @@ __all__ = [
     "HFInputError",
     "as_token_tensor",
     "check_finite_weights",
+    "check_token_ids",
     "check_window",
     "default_window",
     "first_line",

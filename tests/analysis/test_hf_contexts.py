@@ -336,6 +336,21 @@ class _Broken:
         raise RuntimeError("the vocabulary file is damaged\nsecond line")
 
 
+def test_a_model_folder_without_a_tokenizer_is_named_not_the_text(tmp_path, capsys):
+    """Campaign: a GPT-2 folder without tokenizer files loaded an empty GPT2Tokenizer and the
+    text was blamed ("holds 0 tokens"); the folder is named, in the library and the command."""
+    folder = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_config("gpt2", 0)).save_pretrained(folder)
+    with pytest.raises(HFInputError, match=rf"{folder} holds no tokenizer .*save_pretrained"):
+        load_causal_lm(folder)
+    text = write_text(tmp_path / "t.txt")
+    capsys.readouterr()
+    assert _cli("rank", "--hf", str(folder), "--text", str(text), "--out", str(tmp_path / "o")) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and f"{folder} holds no tokenizer" in error, error
+
+
 def _cli(*argv: str) -> int:
     return main(["analyze", *argv, "--no-progress"])
 

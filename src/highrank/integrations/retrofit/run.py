@@ -18,10 +18,13 @@ Adam, linear warm-up then cosine decay, gradient-norm clip 1):
 
 The head starts at the base model's distribution (``attach_head(init="base")``), untied from
 the input embedding in frozen mode (the body must keep reading the embedding it was cached
-with). Before any long work the inputs are checked (the model loads, the head and knobs
-exist and are in range, each text holds at least one window, memory and disk suffice) and a
-bad one is one line. Then: valid/test perplexity of the base model and of the trained one on
-the model's own tokens (``results.json``; :mod:`~highrank.integrations.retrofit.score`), and
+with). Before any long work the inputs are checked and a bad one is one line: before the
+model is loaded, what needs no model (its path, each text a non-empty file, the head and its
+knobs, built on the meta device at a placeholder size); after, the rest (each text holds at
+least one window of ids the model has, the window fits its positions, memory and disk
+suffice for the head sized from the knobs, never built for the check). Then: valid/test
+perplexity of the base model and of the trained one on the model's own tokens
+(``results.json``; :mod:`~highrank.integrations.retrofit.score`), and
 ``OUT/model``, a ``HighrankForCausalLM`` with its tokenizer that
 ``AutoModelForCausalLM.from_pretrained`` reloads (after ``import highrank.integrations.hf``)
 and ``generate()`` uses.
@@ -38,6 +41,8 @@ SIGTERM during training saves the state between two steps
 (:class:`~highrank.train.state.Interrupted`). What a rerun reads from ``OUT`` is checked: a
 damaged ``plan.json``, cache or ``state.pt``, a cache of changed contents (its checksums) or
 of another text, a state of another run: each one line naming the file and how to go on.
+``results.json`` keeps the plan as given and, under ``effective``, what ran where that
+differs (the steps of one pass; a warm-up longer than the steps takes them all).
 
 Nothing non-finite is saved: the training loop skips a step whose loss or gradient norm is
 not finite and stops after :data:`~highrank.integrations.retrofit.train.MAX_NONFINITE_STEPS`
@@ -92,6 +97,9 @@ from highrank.util.machine import available_memory
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "c_attn", "c_proj", "c_fc", "query_key_value", "dense", "fc1", "fc2", "Wqkv",
                 "out_proj", "dense_h_to_4h", "dense_4h_to_h", "fc_in", "fc_out")
+# The sizes a head is built at (on the meta device: nothing allocated) to check its knobs
+# before the model, and so its real sizes, is loaded.
+PLACEHOLDER_WIDTH, PLACEHOLDER_VOCAB = 64, 1024
 
 
 def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False) -> dict:
@@ -109,6 +117,7 @@ def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False
         if finished is not None:
             say(f"{out} holds a finished retrofit ({out / 'model'}); nothing to do", flush=True)
             return finished
+    check_before_loading(plan)
     with run_lock(out):
         if restart:
             _forget_training(out)
@@ -151,7 +160,8 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say) -> dict:
     run = _run_frozen if plan.mode == "frozen" else _run_end_to_end
     hf_model, summary, scores, base_scores = run(plan, model, ids, out, progress, bool(stopped))
     _refuse_non_finite(out, plan, hf_model, scores, summary)
-    results = {"plan": asdict(plan), "base": base_scores, "trained": scores,
+    results = {"plan": asdict(plan), "effective": effective_budget(plan, summary["budget"]),
+               "base": base_scores, "trained": scores,
                "training": {k: v for k, v in summary.items() if k != "history"}}
     _save_model(hf_model, tokenizer, out / "model")
     write_json(out / "plan.json", asdict(plan))
@@ -216,6 +226,38 @@ def _refuse_non_finite(out: Path, plan: RetrofitPlan, hf_model, scores: dict,
 # ---- checks before any long work ---------------------------------------------------------------
 
 
+def check_before_loading(plan: RetrofitPlan) -> None:
+    """What can be checked before the model is loaded (minutes for a large one): the model's
+    path, each text an existing, non-empty file, and the head with its knobs."""
+    try:
+        causal_lm.model_source(plan.model)
+    except causal_lm.HFInputError as error:
+        raise RetrofitError(str(error)) from None
+    for split in plan.splits:
+        path = Path(getattr(plan, split))
+        if not path.exists():
+            raise RetrofitError(f"--{split}: text file {path} does not exist")
+        if not path.is_file():
+            raise RetrofitError(f"--{split}: text file {path} is a folder; expected a text file")
+        if path.stat().st_size == 0:
+            raise RetrofitError(
+                f"--{split}: text file {path} is empty; give a text of at least one window "
+                f"(--window {plan.window}) of tokens plus the one after it"
+            )
+    _head_on_meta(plan, PLACEHOLDER_WIDTH, PLACEHOLDER_VOCAB)
+
+
+def _head_on_meta(plan: RetrofitPlan, width: int, vocab: int):
+    """The plan's head built on the meta device (its knobs checked, its parameters counted,
+    nothing allocated: ``n_components=1000000000`` is sized, not built)."""
+    knobs = _head_knobs(plan)
+    try:
+        with torch.device("meta"):
+            return build_head(plan.head, d_in=width, vocab_size=vocab, **knobs)
+    except (TypeError, ValueError) as error:
+        raise RetrofitError(f"--head {plan.head}: {error}") from None
+
+
 def _load(plan: RetrofitPlan):
     try:
         return causal_lm.load_causal_lm(plan.model, progress=False)
@@ -242,11 +284,13 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
     """Head and knobs valid, window within the model's positions, memory and disk enough."""
     lm_head = model.get_output_embeddings()
     vocab, width = lm_head.weight.shape
-    knobs = _head_knobs(plan)
-    try:
-        probe = build_head(plan.head, d_in=width, vocab_size=vocab, **knobs)
-    except (TypeError, ValueError) as error:
-        raise RetrofitError(f"--head {plan.head}: {error}") from None
+    for split, split_ids in ids.items():
+        try:
+            causal_lm.check_token_ids(model, split_ids, model_path=plan.model,
+                                      source=f"--{split} {getattr(plan, split)}")
+        except causal_lm.HFInputError as error:
+            raise RetrofitError(str(error)) from None
+    probe = _head_on_meta(plan, width, vocab)
     positions = causal_lm.max_positions(model)
     if positions is not None and plan.window > positions:
         raise RetrofitError(f"--window {plan.window} exceeds the model's {positions} positions")
@@ -268,7 +312,8 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
     if available is not None and need > available:
         raise RetrofitError(
             f"this plan needs about {need / 2**30:.1f} GiB of memory but {available / 2**30:.1f}"
-            " GiB are available; lower --batch-tokens, use --mode frozen, or a smaller head"
+            f" GiB are available; lower --batch-tokens"
+            f"{'' if plan.mode == 'frozen' else ', use --mode frozen'}, or a smaller head"
         )
 
 
@@ -317,6 +362,7 @@ def _run_frozen(plan, model, ids, out: Path, progress: bool, lr_may_change: bool
     torch.manual_seed(plan.seed)
     hf_model = attach_head(model, plan.head, init=plan.init, untie=True, **plan.knobs)
     budget = _budget(plan, len(caches["train"]))
+    _say_effective(plan, asdict(budget), progress)
     # Cached rows are single tokens, shuffled: dropout per token, not locked over a sequence.
     locked, hf_model.head.dropout_time_dim = hf_model.head.dropout_time_dim, None
     with _stop_recorded(out):
@@ -347,8 +393,10 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: 
     trainable = make_trainable(hf_model, plan)
     inputs, targets = windows["train"]
     per_batch = max(1, plan.batch_tokens // plan.window)
+    steps = plan.steps or max(1, inputs.shape[0] // per_batch)
     budget = replace(_budget(plan, inputs.shape[0] * plan.window), batch_tokens=per_batch,
-                     steps=plan.steps or max(1, inputs.shape[0] // per_batch))
+                     steps=steps, warmup_steps=min(plan.warmup_steps, steps))
+    _say_effective(plan, asdict(budget), progress)
     with _stop_recorded(out):
         summary = train_windows(trainable, inputs, targets, budget, out / "state.pt",
                                 progress=progress, lr_may_change=lr_may_change,
@@ -385,6 +433,25 @@ def _cache(plan: RetrofitPlan, model, ids: torch.Tensor, out: Path, split: str,
             f"{folder} was cached with other settings ({differ}); delete it{again}, or give "
             "another --out"
         ) from None
+
+
+def effective_budget(plan: RetrofitPlan, budget: dict) -> dict:
+    """What ran, beside the plan as given: the steps, warm-up and lr, and a note where they
+    differ from the plan (``--steps`` left to one pass; a warm-up longer than the steps)."""
+    record = {k: budget[k] for k in ("steps", "warmup_steps", "lr")}
+    notes = []
+    if plan.steps is None:
+        notes.append(f"--steps not given: one pass over the training text, {budget['steps']} "
+                     "steps")
+    if budget["warmup_steps"] < plan.warmup_steps:
+        notes.append(f"--warmup-steps {plan.warmup_steps} exceeds the {budget['steps']} steps: "
+                     f"the warm-up took all {budget['warmup_steps']}")
+    return {**record, **({"notes": notes} if notes else {})}
+
+
+def _say_effective(plan: RetrofitPlan, budget: dict, progress: bool) -> None:
+    if progress and budget["warmup_steps"] < plan.warmup_steps:
+        print(f"note: {effective_budget(plan, budget)['notes'][-1]}", flush=True)
 
 
 def make_trainable(hf_model, plan: RetrofitPlan):
@@ -432,4 +499,5 @@ def _save_model(hf_model, tokenizer, folder: Path) -> None:
     os.replace(partial, folder)
 
 
-__all__ = ["LORA_TARGETS", "make_trainable", "retrofit"]
+__all__ = ["LORA_TARGETS", "check_before_loading", "effective_budget", "make_trainable",
+           "retrofit"]

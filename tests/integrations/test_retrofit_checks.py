@@ -1,0 +1,187 @@
+"""``highrank retrofit`` checks before work (campaign, issue 29 item 4): what needs no model
+before it is loaded (an empty text, a bad knob), the head sized before it is built (a huge
+knob), a model folder without a tokenizer, a tokenizer that gives ids the model does not
+have, and ``results.json`` saying what ran (a warm-up longer than the steps)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="retrofit needs the hf extra")
+
+from highrank.cli import main  # noqa: E402
+from tests.analysis.test_hf_contexts import (  # noqa: E402
+    SPECIALS,
+    WORDS,
+    save_tiny_model,
+    write_text,
+)
+from tests.integrations.test_retrofit_command import command  # noqa: E402
+from tests.integrations.test_retrofit_nonfinite import one_line  # noqa: E402
+
+ERROR = "highrank retrofit: error: "
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checks")
+    model = save_tiny_model(root / "model")
+    files = {split: write_text(root / f"{split}.txt", n_words=n, seed=i)
+             for i, (split, n) in enumerate((("train", 200), ("valid", 60), ("test", 60)))}
+    (root / "empty.txt").write_text("")
+    return model, files
+
+
+def with_option(argv, option, value):
+    if option in argv:
+        argv[argv.index(option) + 1] = value
+        return argv
+    return [*argv, option, value]
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    import highrank.causal_lm as causal_lm  # where the retrofit loads a model from
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before a check that needs none")
+
+    monkeypatch.setattr(causal_lm, "load_causal_lm", no_loading)
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--train", "{empty}", r"--train: text file .*empty.txt is empty"),
+    ("--valid", "{empty}", r"--valid: text file .*empty.txt is empty"),
+    ("--test", "/no/such.txt", r"--test: text file /no/such.txt does not exist"),
+    ("--train", "{folder}", r"--train: text file .* is a folder"),
+    ("--knob", "n_components=0", r"--head mos: n_components must be a positive integer"),
+    ("--knob", "colour=2", r"--head mos: head 'mos' has no knob\(s\) colour"),
+    ("--head", "sigsoftmax", r"cannot start at the base model"),
+    ("--hf", "/no/such/model", r"model /no/such/model does not exist"),
+])
+def test_what_needs_no_model_is_checked_before_loading_it(
+    texts, tmp_path, capsys, no_model_loading, option, value, message
+):
+    """Campaign: an empty --train or n_components=0 was refused only after loading the model
+    (4-5 minutes for SmolLM2 on a loaded machine)."""
+    model, files = texts
+    out = tmp_path / "out"
+    argv = command(model, files, out, "--head", "mos")
+    value = value.format(empty=model.parent / "empty.txt", folder=tmp_path)
+    argv = with_option(argv, option, value)
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err, ERROR)
+    assert re.search(message, line), line
+    assert not out.exists()  # nothing written
+
+
+def test_a_huge_knob_is_sized_not_built(texts, tmp_path, capsys, monkeypatch):
+    """Campaign: --knob n_components=1000000000 tried to allocate 128 GB before the memory
+    check; the head is counted on the meta device, and the check refuses it."""
+    import torch
+
+    model, files = texts
+    built = []
+    real_empty = torch.empty
+
+    def watched_empty(*args, **kwargs):  # nn.Linear's parameters: refused, not allocated
+        size = args[0] if len(args) == 1 and not isinstance(args[0], int) else args
+        device = torch.device(kwargs.get("device") or torch.get_default_device())
+        if device.type != "meta" and torch.Size(size).numel() > 10**9:
+            built.append(torch.Size(size).numel())
+            raise AssertionError("a head of 1e9 components was built, not sized")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", watched_empty)
+    out = tmp_path / "out"
+    argv = command(model, files, out, "--head", "mos", "--knob", "n_components=1000000000")
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err, ERROR)
+    assert re.search(r"this plan needs about [\d.]+ GiB of memory but [\d.]+ GiB are available; "
+                     r"lower --batch-tokens, or a smaller head$", line), line
+    assert built == []
+    assert not (out / "cache-train").exists()
+
+
+def save_without_tokenizer(folder):
+    torch = pytest.importorskip("torch")
+    from tests.analysis.test_hf_contexts import _config
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_config("gpt2", 0)).save_pretrained(folder)
+    return folder
+
+
+def test_a_model_folder_without_a_tokenizer_is_named(texts, tmp_path, capsys):
+    """Campaign: a GPT-2 folder without tokenizer files loaded an empty GPT2Tokenizer, and
+    the text was blamed ("holds 0 tokens")."""
+    _, files = texts
+    folder = save_without_tokenizer(tmp_path / "no-tokenizer")
+    out = tmp_path / "out"
+    assert main(command(folder, files, out, "--head", "mos")) == 2
+    line = one_line(capsys.readouterr().err, ERROR)
+    assert f"{folder} holds no tokenizer" in line and "tokenizer.save_pretrained" in line, line
+    assert "0 tokens" not in line
+    assert not out.exists()
+
+
+def save_with_a_duplicated_unk(folder):
+    """The tiny model (20 ids) beside a word-level tokenizer of 21: ``<unk>`` a word of its
+    own beside ``[UNK]`` (PTB's texts hold ``<unk>``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    save_tiny_model(folder)
+    vocab = {token: i for i, token in enumerate(SPECIALS + WORDS + ["<unk>"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
+                                        bos_token="<s>")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_tokenizer_id_beyond_the_vocabulary_is_one_line(texts, tmp_path, capsys):
+    """Campaign: an IndexError traceback from the embedding; now the id and the size."""
+    _, files = texts
+    folder = save_with_a_duplicated_unk(tmp_path / "model")
+    train = tmp_path / "train.txt"
+    train.write_text(files["train"].read_text().replace("cat", "<unk>"))
+    out = tmp_path / "out"
+    for mode in ("frozen", "full"):
+        assert main(command(folder, {**files, "train": train}, out, "--head", "mos", "--mode",
+                            mode)) == 2
+        line = one_line(capsys.readouterr().err, ERROR)
+        assert (f"the tokenizer of {folder} gives the id 20 in --train {train}, but the model "
+                "has 20 token ids (0..19)") in line, line
+        assert not out.exists()
+
+
+def test_results_record_the_warm_up_that_ran(texts, tmp_path, capsys):
+    """Campaign: results.json said warm-up 20 in the plan and 4 in the budget, unexplained."""
+    model, files = texts
+    out = tmp_path / "out"
+    argv = with_option(command(model, files, out, "--head", "softmax"), "--warmup-steps", "20")
+    assert main(argv) == 0
+    assert "note: --warmup-steps 20 exceeds the 6 steps: the warm-up took all 6" in (
+        capsys.readouterr().out)
+    results = json.loads((out / "results.json").read_text())
+    assert results["plan"]["warmup_steps"] == 20  # the plan as given
+    assert results["effective"]["warmup_steps"] == 6 and results["effective"]["steps"] == 6
+    assert results["effective"]["notes"] == [
+        "--warmup-steps 20 exceeds the 6 steps: the warm-up took all 6"]
+
+
+def test_results_say_how_many_steps_one_pass_took(texts, tmp_path):
+    model, files = texts
+    out = tmp_path / "out"
+    argv = command(model, files, out, "--head", "softmax", "--mode", "full")
+    del argv[argv.index("--steps"):argv.index("--steps") + 2]
+    assert main(argv) == 0
+    effective = json.loads((out / "results.json").read_text())["effective"]
+    assert effective["notes"][0] == (
+        f"--steps not given: one pass over the training text, {effective['steps']} steps")
+    assert effective["warmup_steps"] == min(2, effective["steps"])
