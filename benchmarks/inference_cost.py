@@ -10,7 +10,8 @@ leaves out the time other jobs held the cores); reported: the median time of eac
 to the softmax's median, per number of rows (1: one generation step; 4: four beams; 256: scoring a
 window). Heads built as ``attach_head(init="base")`` builds them (residual contexts for the
 mixtures). ``EARLIER`` paths (MoS's log-space chain, ``*_chain``) run on the same head objects,
-switched by an attribute, so before and after are measured side by side.
+under ``highrank.heads.kernels.reference_paths()``, so before and after are measured side by
+side.
 
 Issue 19's targets: MoS with K components within 1.15 K of the softmax, Mixtape within 1.3.
 ``--profile ROWS`` profiles every variant instead (``profile-ROWS.md``/``.json``): the time in
@@ -40,16 +41,16 @@ HEADS = {
     "mixtape": ("mixtape", {}),
 }
 TARGETS = {"mos2": 1.15 * 2, "mos4": 1.15 * 4, "mixtape": 1.3}
-# The code paths a head can be switched back to, timed beside its default on the same head
-# object: label -> (head label, attributes set while it runs). MoS's log-space chain is what
-# log_prob computed before the in-place mixing (``heads.functional.mixture_log_prob_``);
-# Mixtape's general path what it computed before its in-place assembly; the softmax's general
-# path normalises into a new tensor, as it did before its in-place normalisation.
+# The reference paths (``highrank.heads.kernels.reference_paths()``), timed beside the default
+# on the same head object: label -> head label. MoS's log-space chain is what log_prob computed
+# before the in-place mixing (``heads/kernels/in_place.py: mixture_log_prob_``); Mixtape's
+# general path what it computed before its in-place assembly; the softmax's general path
+# normalises into a new tensor, as it did before its in-place normalisation.
 EARLIER = {
-    "softmax_general": ("softmax", {"in_place_normalisation": False}),
-    "mos2_chain": ("mos2", {"in_place_mixing": False}),
-    "mos4_chain": ("mos4", {"in_place_mixing": False}),
-    "mixtape_general": ("mixtape", {"in_place_assembly": False}),
+    "softmax_general": "softmax",
+    "mos2_chain": "mos2",
+    "mos4_chain": "mos4",
+    "mixtape_general": "mixtape",
 }
 
 
@@ -115,25 +116,21 @@ def build_heads():
 
 
 def variants(heads: dict) -> dict:
-    """label -> (head, attributes to set while it runs): every head as built, then EARLIER."""
-    out = {label: (head, {}) for label, head in heads.items()}
-    out.update({label: (heads[of], attrs) for label, (of, attrs) in EARLIER.items()})
+    """label -> (head, on its reference path?): every head as built, then EARLIER."""
+    out = {label: (head, False) for label, head in heads.items()}
+    out.update({label: (heads[of], True) for label, of in EARLIER.items()})
     return out
 
 
-def log_prob_seconds(head, attrs: dict, hidden) -> tuple[float, float]:
-    """Wall-clock and CPU seconds (this process's) of one ``head.log_prob(hidden)`` with
-    ``attrs`` set on the head (restored after)."""
-    saved = {name: getattr(head, name) for name in attrs}
-    for name, value in attrs.items():
-        setattr(head, name, value)
-    try:
+def log_prob_seconds(head, reference: bool, hidden) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (this process's) of one ``head.log_prob(hidden)``, on the
+    head's reference path (``reference_paths()``) when ``reference``."""
+    from highrank.heads.kernels import reference_paths
+
+    with reference_paths(reference):
         wall, cpu = time.perf_counter(), time.process_time()
         head.log_prob(hidden)
         return time.perf_counter() - wall, time.process_time() - cpu
-    finally:
-        for name, value in saved.items():
-            setattr(head, name, value)
 
 
 def time_rows(heads: dict, rows: int, repeats: int) -> dict:
@@ -143,11 +140,11 @@ def time_rows(heads: dict, rows: int, repeats: int) -> dict:
     runs = variants(heads)
     seconds = {label: [] for label in runs}
     with torch.no_grad():
-        for head, attrs in runs.values():  # warm-up
-            log_prob_seconds(head, attrs, hidden)
+        for head, reference in runs.values():  # warm-up
+            log_prob_seconds(head, reference, hidden)
         for _ in range(repeats):
-            for label, (head, attrs) in runs.items():
-                seconds[label].append(log_prob_seconds(head, attrs, hidden))
+            for label, (head, reference) in runs.items():
+                seconds[label].append(log_prob_seconds(head, reference, hidden))
     wall = {label: statistics.median(t[0] for t in times) for label, times in seconds.items()}
     cpu = {label: statistics.median(t[1] for t in times) for label, times in seconds.items()}
     return {
@@ -194,11 +191,11 @@ def profile_rows(heads: dict, rows: int, calls: int = 3, top: int = 8) -> dict:
     hidden = torch.randn(rows, D_MODEL)
     out = {}
     with torch.no_grad():
-        for label, (head, attrs) in variants(heads).items():
-            log_prob_seconds(head, attrs, hidden)  # warm-up
+        for label, (head, reference) in variants(heads).items():
+            log_prob_seconds(head, reference, hidden)  # warm-up
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(calls):
-                    log_prob_seconds(head, attrs, hidden)
+                    log_prob_seconds(head, reference, hidden)
             events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
             ms = {e.key: e.self_cpu_time_total / 1e3 / calls for e in events}
             matmul = sum(v for k, v in ms.items() if k in MATMULS)
@@ -289,7 +286,8 @@ def main(argv=None) -> int:
     result = {
         "settings": {"d": D_MODEL, "vocab": VOCAB, "repeats": args.repeats,
                      "heads": {k: [n, kn] for k, (n, kn) in HEADS.items()},
-                     "earlier_paths": {k: [of, attrs] for k, (of, attrs) in EARLIER.items()}},
+                     "earlier_paths": {k: [of, {"reference_paths": True}]
+                                       for k, of in EARLIER.items()}},
         "machine": machine(args.threads, note="shared with other jobs while it ran"),
         "rows": {},
         "load_average": {},

@@ -92,11 +92,12 @@ def test_chunked_loss_can_be_scaled_and_combined_before_backward(make_head):
 
 @pytest.mark.parametrize("name", HEAD_NAMES)
 def test_auto_chunking_matches_the_whole_batch(make_head, name, monkeypatch):
-    from highrank.heads import base, mixtape
+    from highrank.heads.kernels import chunking
+    from highrank.heads.kernels.mixtape_ce import MIXTAPE_LOSS
 
-    monkeypatch.setattr(base, "AUTO_CHUNK_ELEMENTS", 50 * 7)  # fused: 7 tokens of V = 50
-    monkeypatch.setattr(base, "GENERIC_AUTO_CHUNK_TOKENS", 5)
-    monkeypatch.setattr(mixtape, "MIN_AUTO_CHUNK_TOKENS", 4)
+    monkeypatch.setattr(chunking, "AUTO_CHUNK_ELEMENTS", 50 * 7)  # fused: 7 tokens of V = 50
+    monkeypatch.setattr(chunking, "GENERIC_AUTO_CHUNK_TOKENS", 5)
+    monkeypatch.setattr(MIXTAPE_LOSS, "min_chunk_tokens", 4)
     head = make_head(name).eval()
     # Mixtape (S = 15 of 50): 50 logits + 12 x 15 per token, so 1 token, raised to 4.
     fused = {"softmax": 7, "moc": 7, "mos": 7 // 3, "mixtape": 4, "mlp_softmax": 7}

@@ -1,4 +1,4 @@
-"""The fused Mixtape loss (``heads/mixtape_ce.py``): loss and every gradient against float64
+"""The fused Mixtape loss (``heads/kernels/mixtape_ce.py``): loss and every gradient against float64
 references.
 
 Two independent references:
@@ -7,8 +7,9 @@ Two independent references:
   every token and context in float64 (a (N, V, 4) prior tensor, no gate sharing, no tree
   factorisation), differentiated by autograd;
 * the module, ``Mixtape.loss`` with chunks (the fused path), against the same module cast to
-  float64 on its generic path (autograd on ``Mixtape._logits``), for every parameter of the
-  head and the hidden states, with dropout masks and seeded gate noise drawn in the same order.
+  float64 on its generic path (``reference_paths()``: autograd on ``Mixtape._logits_rows``),
+  for every parameter of the head and the hidden states, with dropout masks and seeded gate
+  noise drawn in the same order.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from highrank.heads.functional import sigmoid_tree
+from highrank.heads.kernels import reference_paths
+from highrank.heads.kernels.mixtape_ce import mixtape_cross_entropy_sum
 from highrank.heads.mixtape import Mixtape
-from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
 
 IGNORE = -100
 N, D, GATE_DIM, VOCAB = 30, 5, 3, 40
@@ -200,11 +202,11 @@ def test_more_token_gates_than_tokens_is_one_clear_error():
 # ---- the module: fused chunks against the generic path in float64 -------------------------
 
 
-def _generic(head: Mixtape, dtype=torch.float64) -> Mixtape:
-    """A copy of the head on the generic chunked path (autograd on ``_logits``)."""
-    reference = copy.deepcopy(head).to(dtype)
-    reference.fused_loss = False
-    return reference
+def _generic_run(head: Mixtape, hidden, target, seed=0, dtype=torch.float64, **options):
+    """``_module_run`` of a copy of the head in ``dtype`` on the generic chunked path
+    (``reference_paths()``: autograd on ``_logits_rows``)."""
+    with reference_paths():
+        return _module_run(copy.deepcopy(head).to(dtype), hidden, target, seed, **options)
 
 
 def _module_inputs(shape=(10, 3), d_in=12, vocab_size=50):
@@ -253,7 +255,7 @@ def _uses_the_fused_path(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the generic chunked path ran instead of the fused one")
 
-    monkeypatch.setattr("highrank.heads.base.gradient_in_forward_nll", refuse)
+    monkeypatch.setattr("highrank.heads.kernels.chunking.gradient_in_forward_nll", refuse)
 
 
 # frequent_fraction 0 (S = 0), 0.3 (S = 15 of 50) and 1 (S = V); chunks of 1, 4 and 7 tokens
@@ -267,7 +269,7 @@ def test_module_loss_matches_the_float64_generic_path(
     head = make_head("mixtape", frequent_fraction=frequent_fraction).eval()
     hidden, target = _module_inputs()
     options = {"reduction": "sum", "label_smoothing": label_smoothing}
-    expected = _module_run(_generic(head), hidden.double(), target, **options, chunk_size=None)
+    expected = _generic_run(head, hidden.double(), target, **options, chunk_size=None)
     _uses_the_fused_path(monkeypatch)
     got = _module_run(head.double(), hidden.double(), target, **options, chunk_size=chunk_size)
     _assert_module_close(got, expected, atol=1e-12, rtol=1e-10)
@@ -280,7 +282,7 @@ def test_float32_module_loss_matches_the_float64_generic_path(
     head = make_head("mixtape", frequent_fraction=frequent_fraction).eval()
     hidden, target = _module_inputs()
     options = {"label_smoothing": 0.1}  # reduction "mean"
-    expected = _module_run(_generic(head), hidden.double(), target, **options, chunk_size=None)
+    expected = _generic_run(head, hidden.double(), target, **options, chunk_size=None)
     _uses_the_fused_path(monkeypatch)
     got = _module_run(head, hidden, target, **options, chunk_size=7)
     assert got[0].dtype == torch.float32
@@ -306,7 +308,7 @@ def test_training_noise_and_dropout_equal_the_generic_path_draws(
     hidden, target = _module_inputs()
     hidden = hidden.to(dtype)
     options = {"reduction": "sum", "label_smoothing": 0.1, "chunk_size": 7}
-    expected = _module_run(_generic(head, dtype), hidden, target, seed=5, **options)
+    expected = _generic_run(head, hidden, target, seed=5, dtype=dtype, **options)
     _uses_the_fused_path(monkeypatch)
     got = _module_run(head, hidden, target, seed=5, **options)
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
@@ -318,7 +320,7 @@ def test_training_noise_and_dropout_equal_the_generic_path_draws(
 def test_weight_normalised_gate_features_get_their_direction_gradient(make_head, monkeypatch):
     head = make_head("mixtape", gate_weight_norm=True).eval()
     hidden, target = _module_inputs()
-    expected = _module_run(_generic(head), hidden.double(), target, chunk_size=None)
+    expected = _generic_run(head, hidden.double(), target, chunk_size=None)
     assert "gate_features.parametrizations.weight.original1" in expected[2]
     _uses_the_fused_path(monkeypatch)
     got = _module_run(head, hidden, target, chunk_size=7)
@@ -329,7 +331,7 @@ def test_tied_decoder_weight_gets_the_fused_gradient(make_head, monkeypatch):
     embedding = torch.nn.Embedding(50, 12)
     head = make_head("mixtape", tied_weight=embedding.weight).eval()
     hidden, target = _module_inputs()
-    expected = _module_run(_generic(head), hidden.double(), target, chunk_size=None)
+    expected = _generic_run(head, hidden.double(), target, chunk_size=None)
     _uses_the_fused_path(monkeypatch)
     got = _module_run(head, hidden, target, chunk_size=7)
     _assert_module_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -369,7 +371,7 @@ def test_bf16_autocast_gradients_are_float32_exact_up_to_the_bf16_activations(
     head = make_head("mixtape").eval()
     hidden, target = _module_inputs()
     hidden = hidden.bfloat16().float()
-    expected = _module_run(_generic(head), hidden.double(), target, chunk_size=None)
+    expected = _generic_run(head, hidden.double(), target, chunk_size=None)
     _uses_the_fused_path(monkeypatch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _module_run(head, hidden, target, chunk_size=7)
@@ -403,14 +405,16 @@ def _module_run_with(loss_fn, head, hidden, target):
 
 
 def test_the_generic_reference_does_not_run_the_fused_loss(make_head, monkeypatch):
-    # The references above switch fused_loss off; they must then really be the generic path.
+    # The references above run under reference_paths(); they must then really be the generic
+    # path.
     def refuse(*args, **kwargs):
         raise AssertionError("the fused loss ran in the generic reference")
 
-    monkeypatch.setattr("highrank.heads.mixtape.mixtape_cross_entropy_sum", refuse)
-    head = _generic(make_head("mixtape"), torch.float32)
+    monkeypatch.setattr("highrank.heads.kernels.mixtape_ce.mixtape_cross_entropy_sum", refuse)
+    head = make_head("mixtape")
     hidden, target = _module_inputs()
-    head.loss(hidden, target, chunk_size=7).backward()
-    assert head.auto_chunk_tokens() == 256  # GENERIC_AUTO_CHUNK_TOKENS
+    with reference_paths():
+        head.loss(hidden, target, chunk_size=7).backward()
+        assert head.auto_chunk_tokens() == 256  # GENERIC_AUTO_CHUNK_TOKENS
     with pytest.raises(AssertionError, match="the fused loss ran"):
         make_head("mixtape").loss(hidden, target, chunk_size=7)

@@ -10,13 +10,9 @@ import torch.nn.functional as F
 
 from highrank.analysis.rank import press_rank
 from highrank.heads import build_head
-from highrank.heads.functional import (
-    log_mixture,
-    mixture_log_prob_,
-    sigmoid_tree,
-    sigmoid_tree_mix,
-    sigmoid_tree_mix_,
-)
+from highrank.heads.functional import log_mixture, sigmoid_tree, sigmoid_tree_mix
+from highrank.heads.kernels import reference_paths
+from highrank.heads.kernels.in_place import mixture_log_prob_, sigmoid_tree_mix_
 
 
 def _copy_decoder(source, destination):
@@ -179,32 +175,33 @@ def test_in_place_sigmoid_tree_mix_gives_the_same_values_bit_for_bit():
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
 @pytest.mark.parametrize(
-    ("name", "knobs", "switch"),
+    ("name", "knobs"),
     [
-        ("mos", {"n_components": 3}, "in_place_mixing"),
-        ("mixtape", {"gate_dim": 3, "frequent_fraction": 0.3}, "in_place_assembly"),
+        ("mos", {"n_components": 3}),
+        ("mixtape", {"gate_dim": 3, "frequent_fraction": 0.3}),
     ],
 )
-def test_inference_paths_agree_with_the_general_ones(name, knobs, switch, rows):
-    """Without gradients MoS mixes in place and Mixtape assembles its logits in place; the
-    attribute switches back to the general path (what the benchmarks compare)."""
+def test_inference_paths_agree_with_the_general_ones(name, knobs, rows):
+    """Without gradients MoS mixes in place and Mixtape assembles its logits in place;
+    ``reference_paths()`` switches back to the general path (what the benchmarks compare)."""
     head = build_head(name, d_in=6, vocab_size=300, residual_contexts=True, **knobs).eval()
     hidden = 3 * torch.randn(rows, 6)
     with torch.no_grad():
         fast = head.log_prob(hidden)
-        setattr(head, switch, False)
-        general = head.log_prob(hidden)
+        with reference_paths():
+            general = head.log_prob(hidden)
     torch.testing.assert_close(fast, general, atol=2e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
-@pytest.mark.parametrize("name", ["softmax", "sigsoftmax", "gss", "plif"])
+@pytest.mark.parametrize("name", ["softmax", "sigsoftmax", "gss", "plif", "moc", "mlp_softmax"])
 def test_the_softmax_family_normalises_in_place_to_the_same_values_bit_for_bit(
     name, rows, monkeypatch
 ):
-    """Without gradients the softmax family's log_prob normalises its logits in place; the
-    values are those of the general path (a new tensor) exactly, and with gradients the
-    general path runs (the in-place one would break autograd)."""
+    """Without gradients the log_prob of a head that is one softmax over its logits (the
+    softmax family, MoC, the MLP softmax) normalises them in place; the values are those of
+    the general path (a new tensor) exactly, and with gradients the general path runs (the
+    in-place one would break autograd)."""
     in_place_calls = []  # torch.log_softmax(..., out=): F.log_softmax does not go through it
     real = torch.log_softmax
 
@@ -218,10 +215,9 @@ def test_the_softmax_family_normalises_in_place_to_the_same_values_bit_for_bit(
     with torch.no_grad():
         fast = head.log_prob(hidden)
         assert in_place_calls == [True]  # the in-place path ran, writing into its input
-        head.in_place_normalisation = False
-        general = head.log_prob(hidden)
+        with reference_paths():
+            general = head.log_prob(hidden)
     assert torch.equal(fast, general)
-    head.in_place_normalisation = True
     with_grad = head.log_prob(hidden.requires_grad_())
     assert in_place_calls == [True]
     with_grad.logsumexp(-1).sum().backward()

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from highrank.heads import build_head
+from highrank.heads.kernels import reference_paths
 from highrank.util.machine import describe_machine
 
 BPTT = 70  # hidden states are laid out (BPTT, tokens / BPTT, d), time-major like AWD-LSTM
@@ -53,7 +54,7 @@ class BenchCase:
     d_in: int
     knobs: dict = dataclasses.field(default_factory=dict)
     chunk_size: int | None | str = None  # as OutputHead.loss: an int, None or "auto"
-    generic_loss: bool = False  # Mixtape only: the generic chunked loss, not the fused one
+    generic_loss: bool = False  # the generic chunked loss (reference_paths()), not the fused one
 
 
 MIXTURE = {"d_embed": 280, "dropout_time_dim": 0}
@@ -78,7 +79,7 @@ def _cases() -> dict[str, BenchCase]:
     cases["mixtape-no-sharing"] = BenchCase(
         "mixtape-no-sharing", "mixtape", 620, no_sharing, "auto"
     )
-    # Before heads/mixtape_ce.py: autograd on the mixed logits, chunk by chunk.
+    # Before heads/kernels/mixtape_ce.py: autograd on the mixed logits, chunk by chunk.
     cases["mixtape-generic"] = BenchCase(
         "mixtape-generic", "mixtape", 620, HEAD_SHAPES["mixtape"][1], "auto", generic_loss=True
     )
@@ -105,11 +106,10 @@ def build_step(case: BenchCase, vocab_size: int, tokens: int, device: str, seed:
         return _naive_softmax_step(hidden, target, vocab_size)
     torch.manual_seed(seed)
     head = build_head(case.head, d_in=case.d_in, vocab_size=vocab_size, **case.knobs).to(device)
-    if case.generic_loss:
-        head.fused_loss = False
 
     def step() -> None:
-        head.loss(hidden, target, chunk_size=case.chunk_size).backward()
+        with reference_paths(case.generic_loss):
+            head.loss(hidden, target, chunk_size=case.chunk_size).backward()
 
     return step
 

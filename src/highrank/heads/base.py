@@ -7,17 +7,27 @@ A head maps hidden states ``[..., d_in]`` to a *normalised* next-token distribut
 * ``loss(hidden, target, *, reduction="mean", chunk_size="auto", ignore_index=-100,
   label_smoothing=0.0)``: the cross-entropy of ``target [...]``, with ``ignore_index`` and
   ``label_smoothing`` as ``F.cross_entropy`` defines them. With a ``chunk_size`` the
-  flattened tokens are processed ``chunk_size`` at a time (see ``highrank.heads.chunking``),
+  flattened tokens are processed ``chunk_size`` at a time (see ``highrank.heads.kernels``),
   so peak memory is about ``chunk_size x K x V`` instead of ``N x K x V``; ``None`` processes
   them all at once, and ``"auto"`` (the default) picks the head's ``auto_chunk_tokens()``.
 * ``forward(hidden, target=None)``: ``loss`` with a target (mean), ``log_prob`` without.
 
-Subclasses implement two methods on flattened inputs, ``h: (N, d_in)``:
+A subclass writes its paper's equations, its reference path, on flattened inputs
+``h: (N, d_in)``. A head whose distribution is one softmax over logits implements
+
+* ``_logits_rows(h, *masks) -> (N, V)``, a fresh tensor: ``log_prob`` is its log-softmax and
+  the loss ``F.cross_entropy`` of it;
+
+any other head (MoS) implements the two methods those defaults give:
 
 * ``_log_prob_rows(h, *masks) -> (N, V)``
 * ``_loss_rows(h, target, *masks, label_smoothing) -> (N,)``, the label-smoothed NLL of
-  every row (defaults to ``smoothed_nll`` of ``_log_prob_rows``); targets are valid ids here,
-  ``ignore_index`` is handled once, in this class.
+  every row; targets are valid ids here, ``ignore_index`` is handled once, in this class.
+
+Faster paths to the same values live in ``highrank.heads.kernels``: a head names its fused
+chunked loss in ``loss_kernel``, and the in-place inference paths are taken where no gradient
+is needed. Inside ``highrank.heads.kernels.reference_paths()`` every head takes its reference
+path instead.
 
 ``masks`` are per-row dropout masks drawn by ``_draw_masks`` *before* flattening, so that
 locked (variational) dropout can share one mask over the time axis of the input, and so that
@@ -29,29 +39,22 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from highrank.heads.chunking import (
+from highrank.heads.functional import linear, locked_dropout_mask, widen
+from highrank.heads.kernels.chunking import (
+    LossKernel,
+    auto_chunk_tokens,
     checkpointed_nll,
     chunk_masks,
     chunk_slices,
-    gradient_in_forward_nll,
+    chunked_loss_sum,
 )
-from highrank.heads.functional import linear, locked_dropout_mask, smoothed_nll, widen
+from highrank.heads.kernels.in_place import log_softmax_fresh
 from highrank.util.checks import check_positive_int, is_number
 
 _REDUCTIONS = ("mean", "sum", "none")
-# "auto" chunk sizes, measured in benchmarks/results/heads-*: heads with a fused chunked loss
-# (softmax, MoS, MoC) accumulate parameter gradients in place, so small chunks of about 2**21
-# logits (8 MiB) cost nothing; the generic path allocates a full decoder gradient per chunk,
-# so it takes fewer, larger chunks of 256 tokens.
-AUTO_CHUNK_ELEMENTS = 2**21
-GENERIC_AUTO_CHUNK_TOKENS = 256
-# On a GPU each chunk is a handful of kernel launches, and 2**21 logits keep the chip idle:
-# MoS (K = 15, V = 100,000, 1,400 tokens) took 107x a naive softmax on an H200 with one token
-# per chunk (benchmarks/results/cuda-check/). There chunks hold about 2**26 logits (256 MiB
-# in float32), still far below the (tokens x K x V) an unchunked mixture would hold.
-CUDA_AUTO_CHUNK_ELEMENTS = 2**26
 
 
 class OutputHead(nn.Module):
@@ -68,6 +71,9 @@ class OutputHead(nn.Module):
 
     # Heads with internal dropout take ``dropout_time_dim`` as a knob and set this.
     dropout_time_dim: int | None = None
+    # The fused chunked loss of the head (``highrank.heads.kernels``: ``MIXTURE_LOSS``,
+    # ``MIXTAPE_LOSS``), or None: autograd chunk by chunk (the generic path).
+    loss_kernel: LossKernel | None = None
 
     def __init__(
         self,
@@ -153,8 +159,8 @@ class OutputHead(nn.Module):
         elif reduction == "none":
             losses = checkpointed_nll(token_losses, rows, target_rows, masks, chunk_size)
         else:
-            total = self._chunked_loss_sum(
-                rows, target_rows, masks, chunk_size, label_smoothing, ignore_index
+            total = chunked_loss_sum(
+                self, rows, target_rows, masks, chunk_size, label_smoothing, ignore_index
             )
             return total / _count_kept(target_rows, ignore_index) if reduction == "mean" else total
         if reduction == "mean":
@@ -195,20 +201,12 @@ class OutputHead(nn.Module):
 
     def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
         """Tokens per chunk under ``chunk_size="auto"`` for hidden states on ``device`` (the
-        CPU's when None)."""
-        if _is_cuda(device):
-            return max(GENERIC_AUTO_CHUNK_TOKENS, self.fused_auto_chunk_tokens(device))
-        return GENERIC_AUTO_CHUNK_TOKENS
+        CPU's when None): the one policy, ``highrank.heads.kernels.auto_chunk_tokens``."""
+        return auto_chunk_tokens(self, device)
 
     def logits_per_token(self) -> int:
         """How many vocabulary-sized values one token's loss materialises (K x V for MoS)."""
         return self.vocab_size
-
-    def fused_auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
-        """Chunks of about ``AUTO_CHUNK_ELEMENTS`` logits (``CUDA_AUTO_CHUNK_ELEMENTS`` on a
-        GPU), for heads with a fused chunked loss."""
-        elements = CUDA_AUTO_CHUNK_ELEMENTS if _is_cuda(device) else AUTO_CHUNK_ELEMENTS
-        return max(1, elements // self.logits_per_token())
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         if target is None:
@@ -238,10 +236,16 @@ class OutputHead(nn.Module):
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, vocab_size={self.vocab_size}, d_embed={self.d_embed}"
 
-    # ---- what a subclass implements ------------------------------------------------------
+    # ---- what a subclass implements: its paper's equations, the reference path -----------
+
+    def _logits_rows(self, h: torch.Tensor, *masks: torch.Tensor | None) -> torch.Tensor:
+        """``(N, V)`` logits, a fresh tensor, of a head that is one softmax over them."""
+        raise NotImplementedError
 
     def _log_prob_rows(self, h: torch.Tensor, *masks: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        """``(N, V)`` normalised log-probabilities: the log-softmax of ``_logits_rows`` (in
+        place where no gradient is needed: ``kernels.in_place.log_softmax_fresh``)."""
+        return log_softmax_fresh(self._logits_rows(h, *masks))
 
     def _loss_rows(
         self,
@@ -250,30 +254,10 @@ class OutputHead(nn.Module):
         *masks: torch.Tensor | None,
         label_smoothing: float,
     ) -> torch.Tensor:
-        """``(N,)`` label-smoothed NLL of the valid ids ``target (N,)``."""
-        return smoothed_nll(self._log_prob_rows(h, *masks), target, label_smoothing)
-
-    def _chunked_loss_sum(
-        self,
-        rows: torch.Tensor,
-        target: torch.Tensor,
-        masks: tuple,
-        chunk_size: int,
-        label_smoothing: float,
-        ignore_index: int,
-    ) -> torch.Tensor:
-        """Summed loss, chunked, with gradients computed in the forward pass; heads with a
-        closed-form gradient (softmax, MoS, MoC) override it with a fused version (and
-        ``auto_chunk_tokens`` with ``fused_auto_chunk_tokens``)."""
-        token_losses = functools.partial(
-            self._token_losses, label_smoothing=label_smoothing, ignore_index=ignore_index
-        )
-        if torch.compiler.is_compiling():
-            # torch.compile cannot trace torch.autograd.grad inside a forward pass; it can
-            # trace activation checkpointing: the same memory bound, one recomputation per chunk.
-            return checkpointed_nll(token_losses, rows, target, masks, chunk_size).sum()
-        params = [p for p in self.parameters() if p.requires_grad]
-        return gradient_in_forward_nll(token_losses, rows, target, masks, params, chunk_size)
+        """``(N,)`` label-smoothed NLL of the valid ids ``target (N,)``: the cross-entropy of
+        ``_logits_rows``."""
+        logits = self._logits_rows(h, *masks)
+        return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """Per-row dropout masks ``(N, width)`` (or None when off); none by default."""
@@ -396,7 +380,3 @@ def _resolve_embed_size(
         expected = f"({vocab_size}, {d_embed if d_embed is not None else 'd_embed'})"
         raise ValueError(f"tied_weight has shape {tuple(tied_weight.shape)}; expected {expected}")
     return width
-
-
-def _is_cuda(device: torch.device | str | None) -> bool:
-    return device is not None and torch.device(device).type == "cuda"

@@ -1,8 +1,9 @@
-"""Pure tensor maths shared by the heads: log-space mixtures, the sigmoid tree, dropout masks."""
+"""Pure tensor maths shared by the heads: log-space mixtures, the sigmoid tree, dropout masks.
+
+(The in-place inference versions of some of it are kernels: ``kernels/in_place.py``.)
+"""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -71,28 +72,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return product.t().contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
-def writable_in_place(tensor: torch.Tensor) -> bool:
-    """May an inference path overwrite ``tensor`` with ``out=`` ops? Only a plain tensor: no
-    autograd history, and not inside a ``torch.func`` transform (vmap, jvp, jacrev wrap their
-    tensors; their batching rules refuse ``out=`` ops), as the Jacobian instruments use. Not
-    while torch.compile traces either: the functorch check is opaque to Dynamo (a fullgraph
-    compile would fail), and the compiled graph fuses the general path anyway."""
-    if torch.compiler.is_compiling():
-        return False
-    return not tensor.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
-
-
-def log_softmax_fresh(logits: torch.Tensor, *, in_place: bool = True) -> torch.Tensor:
-    """``log_softmax`` over the last dimension of ``logits``, a fresh tensor nothing else
-    holds: written over it where ``in_place`` and :func:`writable_in_place` allow. A second
-    (N, V) buffer is not free (its pages are faulted in on first write): at 256 rows,
-    V = 49,152 the log-softmax into a new tensor took 79 ms, in place 29
-    (benchmarks/results/inference-cost/profile-256.md)."""
-    if in_place and writable_in_place(logits):
-        return torch.log_softmax(logits, dim=-1, out=logits)
-    return F.log_softmax(logits, dim=-1)
-
-
 def log_mixture(log_prior: torch.Tensor, component_log_probs: torch.Tensor) -> torch.Tensor:
     """``log sum_k pi_k p_k(x)`` computed as a log-sum-exp, never as log(p + eps).
 
@@ -108,73 +87,6 @@ def log_mixture(log_prior: torch.Tensor, component_log_probs: torch.Tensor) -> t
     for k in range(1, component_log_probs.shape[1]):
         mixed = torch.logaddexp(mixed, component_log_probs[:, k] + log_prior[:, k : k + 1])
     return mixed
-
-
-# ``mixture_log_prob_`` mixes this many (K x V) values per chunk of rows (4 MiB of float32 per
-# buffer at 2**20): every pass over a chunk after the first then reads it from the cache.
-MIX_CHUNK_VALUES = 2**20
-
-
-@torch.no_grad()
-def mixture_log_prob_(
-    log_prior: torch.Tensor, logits: torch.Tensor, chunk_values: int = MIX_CHUNK_VALUES
-) -> torch.Tensor:
-    """``log sum_k pi_k softmax(l_k)_v`` for inference; **overwrites** ``logits``.
-
-    log_prior: (N, K) normalised; logits: (N, K, V) unnormalised -> (N, V) log-probabilities.
-
-    What ``log_mixture(log_prior, log_softmax(logits))`` computes, with fewer passes and K + 1
-    transcendentals per value instead of 3K - 2: per component e_k = exp(l_k - max l_k) (K exps per
-    value; they also give the normalisers s_k = sum_v e_k), then the mixture p = sum_k (pi_k / s_k)
-    e_k as a weighted sum (multiply-adds) and one log per value, where the log-space chain needs a
-    log-softmax (K exps) and, for each k > 1, a logaddexp (an exp and a log1p). Rows go in chunks of
-    about ``chunk_values`` K x V values on the CPU, so the passes run in the cache.
-
-    Exactness: e_k <= 1 and pi_k / s_k <= 1, so nothing overflows; a term that underflows
-    loses at most the smallest subnormal. Wherever the mixture is below ``exp(floor)``,
-    floor = log(finfo.tiny) + 7 (-80.3 in float32), that loss could show, and those values
-    alone are recomputed in log space (``logsumexp`` over k of l_k - max l_k + log pi_k -
-    log s_k); above it the relative error is that of K rounded products, as in log space.
-    No gradients: the heads call this only when none is needed.
-    """
-    n, k, v = logits.shape
-    out = logits.new_empty(n, v)
-    rows = max(1, min(n, chunk_values // (k * v)))
-    if logits.device.type != "cpu":  # one chunk: no CPU cache to fit, one underflow check
-        rows = n
-    exps = logits.new_empty(rows, k, v)  # reused by every chunk
-    floor = math.log(torch.finfo(logits.dtype).tiny) + 7
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        _mix_chunk(
-            log_prior[start:stop], logits[start:stop], exps[: stop - start], out[start:stop], floor
-        )
-    return out
-
-
-def _mix_chunk(
-    log_prior: torch.Tensor,
-    logits: torch.Tensor,
-    exps: torch.Tensor,
-    out: torch.Tensor,
-    floor: float,
-) -> None:
-    """One chunk of ``mixture_log_prob_``: logits (c, K, V) are shifted in place, exps (c, K,
-    V) is scratch, out (c, V) receives the log-mixture."""
-    logits.sub_(logits.amax(dim=-1, keepdim=True))  # l_k - max l_k <= 0
-    torch.exp(logits, out=exps)  # e_k in (0, 1]
-    log_weight = log_prior - exps.sum(dim=-1).log()  # (c, K): log pi_k - log s_k
-    weight = log_weight.exp().unsqueeze(-1)  # (c, K, 1)
-    torch.mul(exps[:, 0], weight[:, 0], out=out)
-    for j in range(1, exps.shape[1]):
-        out.addcmul_(exps[:, j], weight[:, j])
-    out.log_()
-    # One reduction tells whether any value lies where underflow could show (or comes from
-    # -inf logits); the (c, V) mask is built only then, not for every chunk.
-    if float(out.min()) < floor:
-        row, col = (out < floor).nonzero(as_tuple=True)
-        terms = logits[row, :, col] + log_weight[row]  # (n_low, K)
-        out[row, col] = torch.logsumexp(terms, dim=-1)
 
 
 def smoothed_nll(log_p: torch.Tensor, target: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -227,20 +139,6 @@ def sigmoid_tree_mix(pre_activation: torch.Tensor, values: torch.Tensor) -> torc
     g1, g2, g3 = torch.sigmoid(pre_activation).to(values.dtype).unbind(-2)
     c1, c2, c3, c4 = values.unbind(-2)
     return torch.lerp(torch.lerp(c4, c3, g3), torch.lerp(c2, c1, g2), g1)
-
-
-def sigmoid_tree_mix_(
-    pre_activation: torch.Tensor, values: torch.Tensor, *, out: torch.Tensor
-) -> torch.Tensor:
-    """``sigmoid_tree_mix`` for inference, into ``out (..., X)``, **overwriting** both inputs:
-    the gates become sigmoid(pre_activation) in place and the inner lerps land in values'
-    slices 2 and 4, so no (..., X) temporary is allocated. The same three lerps, so the same
-    values bit for bit. pre_activation: (..., 3, X); values: (..., 4, X)."""
-    g1, g2, g3 = pre_activation.sigmoid_().unbind(-2)
-    c1, c2, c3, c4 = values.unbind(-2)
-    c4.lerp_(c3, g3)  # g3 c3 + (1 - g3) c4
-    c2.lerp_(c1, g2)  # g2 c1 + (1 - g2) c2
-    return torch.lerp(c4, c2, g1, out=out)
 
 
 def widen(x: torch.Tensor) -> torch.Tensor:

@@ -36,22 +36,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from highrank.heads.base import OutputHead
-from highrank.heads.functional import (
-    FEW_ROWS,
-    apply_mask,
-    linear,
-    log_softmax_fresh,
-    sigmoid_tree_mix,
-    sigmoid_tree_mix_,
-    widen,
-    writable_in_place,
-)
-from highrank.heads.mixtape_ce import mixtape_cross_entropy_sum
+from highrank.heads.functional import apply_mask, linear, sigmoid_tree_mix, widen
+from highrank.heads.kernels.in_place import assembles_in_place, mixtape_logits_
+from highrank.heads.kernels.mixtape_ce import MIXTAPE_LOSS, VALUES_PER_FREQUENT_ID
 from highrank.heads.residual import ResidualContexts
 from highrank.util.checks import (
     check_bool,
@@ -63,14 +54,6 @@ from highrank.util.checks import (
 
 N_COMPONENTS = 4  # the sigmoid tree below is written for exactly four components
 N_GATES = N_COMPONENTS - 1
-# The fused loss's "auto" chunks hold at least this many tokens. Each chunk makes three passes
-# over the V x d decoder (its logits, d m and the decoder gradient), so small chunks are bound
-# by memory traffic, not arithmetic: at V = 100,000 (1400 tokens, one thread, shared machine)
-# a step took 1.12x a naive softmax with 20-token chunks (2**21 values would give 9 tokens),
-# 1.06x with 40, 0.95x with 80, 0.84x with 128, 0.91x with 256
-# (benchmarks/results/heads-mixtape-fused/chunk-sweep-V100000.md), while 128 tokens of
-# V + 12 S float32 values are 107 MiB there (S = 10,000).
-MIN_AUTO_CHUNK_TOKENS = 128
 
 
 class Mixtape(OutputHead):
@@ -139,6 +122,7 @@ class Mixtape(OutputHead):
             _weight_norm_with_constant_scale(self.gate_features)
 
     BASE_INIT_KNOBS = {"residual_contexts": True}
+    loss_kernel = MIXTAPE_LOSS  # fused chunked cross-entropy (heads/kernels/mixtape_ce.py)
 
     def start_at_base(self, projection: nn.Linear | None = None) -> None:
         if self.residual_branch is None:
@@ -172,7 +156,7 @@ class Mixtape(OutputHead):
         features = apply_mask(torch.tanh(self.gate_features(h)), gate_mask)
         return features.view(h.shape[0], N_GATES, self.gate_dim)
 
-    def _logits(
+    def _logits_rows(
         self,
         h: torch.Tensor,
         component_mask: torch.Tensor | None,
@@ -185,8 +169,8 @@ class Mixtape(OutputHead):
 
         # Rare tokens share one prior per context: a single matmul with the mixed context.
         mixed = sigmoid_tree_mix(self._noisy(shared_pre), contexts)  # (N, d)
-        if self._assembles_in_place(contexts):
-            return self._logits_in_place(h, contexts, shared_pre, mixed, gate_mask)
+        if assembles_in_place(self, contexts):  # inference: the same logits, assembled in
+            return mixtape_logits_(self, h, contexts, shared_pre, mixed, gate_mask)  # place
         rare = widen(linear(mixed, self.weight[self.n_frequent :]))  # (N, V - S)
         if self.n_frequent == 0:
             return rare + self.bias
@@ -201,97 +185,9 @@ class Mixtape(OutputHead):
         frequent = sigmoid_tree_mix(self._noisy(token_pre), component_logits)  # (N, S)
         return torch.cat((frequent, rare), dim=1) + self.bias
 
-    # Without gradients, _logits writes both blocks straight into one (N, V) buffer and mixes
-    # the frequent block in place (``_logits_in_place``), and log_prob normalises that buffer
-    # in place; False keeps the autograd-friendly path there too, so that benchmarks and
-    # tests can compare the two.
-    in_place_assembly = True
-
-    def _assembles_in_place(self, contexts: torch.Tensor) -> bool:
-        # The buffer takes the matmuls' results directly, so their dtype must be the widened
-        # one (float32 or float64); a bf16 head keeps the general path.
-        return (
-            self.in_place_assembly
-            and writable_in_place(contexts)
-            and self.weight.dtype in (torch.float32, torch.float64)
-            and contexts.dtype == self.weight.dtype
-        )
-
-    def _logits_in_place(self, h, contexts, shared_pre, mixed, gate_mask) -> torch.Tensor:
-        """``_logits`` for inference, the same arithmetic without a ``cat`` or temporary
-        sums: the rare block's matmul (bias included) writes into its columns of the output,
-        and the frequent block's gates and component logits are mixed in place into the
-        others. contexts (N, 4, d), shared_pre (N, 3, 1), mixed (N, d) -> (N, V)."""
-        n, s, v = h.shape[0], self.n_frequent, self.vocab_size
-        out = self.weight.new_empty(n, v)
-        # Both decoder blocks run over id ranges widened to a multiple of GEMM_COLUMNS; the
-        # rare block's extra ids are frequent ones, overwritten below.
-        rare_start = max(0, v - _round_up(v - s, GEMM_COLUMNS))
-        _addmm_into(out[:, rare_start:], mixed, self.weight[rare_start:], self.bias[rare_start:])
-        if s == 0:
-            return out
-        features = self._features(h, gate_mask).view(n * N_GATES, self.gate_dim)
-        token_pre = (features @ self.token_gate.t()).view(n, N_GATES, s)  # (N, 3, S)
-        token_pre.add_(shared_pre).add_(self.token_gate_bias.t())
-        frequent_rows = self.weight[: min(v, _round_up(s, GEMM_COLUMNS))]
-        component_logits = linear(contexts, frequent_rows)[..., :s]  # (N, 4, S), ours
-        frequent = out[:, :s]
-        sigmoid_tree_mix_(self._noisy(token_pre), component_logits, out=frequent)
-        frequent.add_(self.bias[:s])
-        return out
-
-    def _log_prob_rows(self, h, component_mask, gate_mask) -> torch.Tensor:
-        logits = self._logits(h, component_mask, gate_mask)  # (N, V), a fresh tensor
-        return log_softmax_fresh(logits, in_place=self.in_place_assembly)
-
-    def _loss_rows(self, h, target, component_mask, gate_mask, *, label_smoothing) -> torch.Tensor:
-        logits = self._logits(h, component_mask, gate_mask)
-        return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
-
-    # False: the scalar chunked loss takes the generic gradient-in-forward path of
-    # OutputHead (autograd on _logits, chunk by chunk) instead of heads/mixtape_ce.py; kept
-    # so that benchmarks and tests can compare the two on one head.
-    fused_loss = True
-
-    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
-        if not self.fused_loss:
-            return super().auto_chunk_tokens(device)
-        return max(self.fused_auto_chunk_tokens(device), MIN_AUTO_CHUNK_TOKENS)
-
     def logits_per_token(self) -> int:
-        """The fused loss's V logits, plus 12 values per frequent id at its peak: 4
-        component logits (then their gradients), 3 gates, the tree's inner lerps A - B and
-        B, and 3 gate gradients."""
-        return self.vocab_size + 12 * self.n_frequent
-
-    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
-        """The fused closed-form loss of ``heads/mixtape_ce.py``: only the (N, 4, d), (N, 3,
-        gate_dim) and (N, 3) activations below are differentiated by autograd."""
-        if not self.fused_loss:
-            return super()._chunked_loss_sum(
-                rows, target, masks, chunk_size, label_smoothing, ignore_index
-            )
-        component_mask, gate_mask = masks
-        token_gate, token_gate_bias = self.token_gate, self.token_gate_bias
-        if self.n_frequent:
-            features = self._features(rows, gate_mask)
-        else:  # no token has its own gate: U_j, c_j, v_x, b_{x,j} unused, as in _logits
-            features = rows.new_zeros(rows.shape[0], N_GATES, self.gate_dim)
-            token_gate, token_gate_bias = token_gate.detach(), token_gate_bias.detach()
-        return mixtape_cross_entropy_sum(
-            self._contexts(rows, component_mask),
-            features,
-            self.context_gate(rows),
-            token_gate,
-            token_gate_bias,
-            self.weight,
-            self.bias,
-            target,
-            chunk_size,
-            label_smoothing=label_smoothing,
-            ignore_index=ignore_index,
-            gate_noise=self.gate_noise if self.training else 0.0,
-        )
+        """The fused loss's V logits, plus 12 values per frequent id at its peak."""
+        return self.vocab_size + VALUES_PER_FREQUENT_ID * self.n_frequent
 
     def extra_repr(self) -> str:
         return (
@@ -301,30 +197,6 @@ class Mixtape(OutputHead):
             f"gate_weight_norm={self.gate_weight_norm}"
             + (", residual_contexts=True" if self.residual_contexts else "")
         )
-
-
-# The CPU GEMM (MKL, AVX2, one thread) ran 1.5x slower per value when the number of output
-# columns was not a multiple of 16: 44,237 rare ids 361 ms, 44,240 ids 245 ms (256 rows);
-# 4,915 frequent ids 126 ms, 4,928 ids 81 ms (1,024 rows; `python -m
-# benchmarks.inference_cost --gemm-columns`). Mixtape's inference path computes a few more
-# ids than it needs instead.
-GEMM_COLUMNS = 16
-
-
-def _round_up(count: int, multiple: int) -> int:
-    return -(-count // multiple) * multiple
-
-
-def _addmm_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
-    """``out (N, V') = x (N, d) weight^T + bias`` written into ``out``, a column block of a
-    wider row-major buffer (BLAS takes its row stride as the leading dimension: no copy).
-    For 2 to FEW_ROWS rows on the CPU as ``weight x^T`` (V', N), as ``functional.linear``
-    does (streams the weight once), then copied: written straight into ``out.t()`` (column
-    major) BLAS would compute it as ``x weight^T`` again, the slow way."""
-    if x.device.type == "cpu" and 1 < x.shape[0] <= FEW_ROWS:
-        out.copy_(torch.addmm(bias.unsqueeze(1), weight, x.t()).t())
-    else:
-        torch.addmm(bias, x, weight.t(), out=out)
 
 
 def _weight_norm_with_constant_scale(linear: nn.Linear) -> None:

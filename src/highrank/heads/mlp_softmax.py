@@ -20,12 +20,11 @@ improves a pretrained LM").
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.base import OutputHead
 from highrank.heads.functional import apply_mask
-from highrank.heads.mixture_ce import mixture_cross_entropy_sum
+from highrank.heads.kernels.mixture_ce import MIXTURE_LOSS
 from highrank.heads.residual import ResidualContexts
 from highrank.util.checks import check_dropout_time_dim, check_positive_int, check_probability
 
@@ -62,8 +61,7 @@ class MLPSoftmax(OutputHead):
     def start_at_base(self, projection: nn.Linear | None = None) -> None:
         self.residual_branch.start_at_base(projection)
 
-    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
-        return self.fused_auto_chunk_tokens(device)
+    loss_kernel = MIXTURE_LOSS  # fused chunked cross-entropy (heads/kernels/mixture_ce.py)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
         return (self._dropout_mask(hidden, self.mlp_width, self.latent_dropout),)
@@ -73,24 +71,12 @@ class MLPSoftmax(OutputHead):
         latent = apply_mask(torch.tanh(self.latent(h)), mask).unsqueeze(1)  # (N, 1, width)
         return self.residual_branch(h, latent)
 
-    def _log_prob_rows(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return F.log_softmax(self._decoder_logits(self.context(h, mask).squeeze(1)), dim=-1)
+    def _logits_rows(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self._decoder_logits(self.context(h, mask).squeeze(1))  # (N, V)
 
-    def _loss_rows(self, h, target, mask, *, label_smoothing) -> torch.Tensor:
-        logits = self._decoder_logits(self.context(h, mask).squeeze(1))
-        return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
-
-    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
-        return mixture_cross_entropy_sum(
-            self.context(rows, *masks),
-            None,
-            self.weight,
-            self.bias,
-            target,
-            chunk_size,
-            label_smoothing=label_smoothing,
-            ignore_index=ignore_index,
-        )
+    def softmax_mixture(self, h: torch.Tensor, mask: torch.Tensor | None):
+        """A mixture of one softmax: the context ``(N, 1, d_embed)``, no prior."""
+        return self.context(h, mask), None
 
     def extra_repr(self) -> str:
         return (

@@ -10,9 +10,7 @@ matrix has rank at most d_embed + 2 by construction, which is why MoS beats it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from highrank.heads.mixture_ce import mixture_cross_entropy_sum
 from highrank.heads.mos import ContextMixture
 
 
@@ -24,29 +22,9 @@ class MixtureOfContexts(ContextMixture):
         log_prior, latents = self._prior_and_latents(h, latent_mask)
         return torch.einsum("nk,nkd->nd", log_prior.exp().to(latents.dtype), latents)
 
-    def _log_prob_rows(self, h: torch.Tensor, latent_mask: torch.Tensor | None) -> torch.Tensor:
-        return F.log_softmax(self._decoder_logits(self.mixed_context(h, latent_mask)), dim=-1)
+    def _logits_rows(self, h: torch.Tensor, latent_mask: torch.Tensor | None) -> torch.Tensor:
+        return self._decoder_logits(self.mixed_context(h, latent_mask))  # (N, V)
 
-    def _loss_rows(
-        self,
-        h: torch.Tensor,
-        target: torch.Tensor,
-        latent_mask: torch.Tensor | None,
-        *,
-        label_smoothing: float,
-    ) -> torch.Tensor:
-        logits = self._decoder_logits(self.mixed_context(h, latent_mask))
-        return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
-
-    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
-        mixed = self.mixed_context(rows, *masks).unsqueeze(1)  # (N, 1, d_embed)
-        return mixture_cross_entropy_sum(
-            mixed,
-            None,
-            self.weight,
-            self.bias,
-            target,
-            chunk_size,
-            label_smoothing=label_smoothing,
-            ignore_index=ignore_index,
-        )
+    def softmax_mixture(self, h: torch.Tensor, latent_mask: torch.Tensor | None):
+        """A mixture of one softmax: the mixed context ``(N, 1, d_embed)``, no prior."""
+        return self.mixed_context(h, latent_mask).unsqueeze(1), None

@@ -22,16 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.base import OutputHead
-from highrank.heads.functional import (
-    apply_mask,
-    log_mixture,
-    mixture_log_prob_,
-    mixture_nll,
-    smoothed_nll,
-    widen,
-    writable_in_place,
-)
-from highrank.heads.mixture_ce import mixture_cross_entropy_sum
+from highrank.heads.functional import apply_mask, log_mixture, mixture_nll, smoothed_nll, widen
+from highrank.heads.kernels.in_place import may_write_in_place, mixture_log_prob_
+from highrank.heads.kernels.mixture_ce import MIXTURE_LOSS
 from highrank.heads.residual import ResidualContexts
 from highrank.util.checks import (
     check_bool,
@@ -79,8 +72,7 @@ class ContextMixture(OutputHead):
             )
         self.residual_branch.start_at_base(projection)
 
-    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
-        return self.fused_auto_chunk_tokens(device)
+    loss_kernel = MIXTURE_LOSS  # fused chunked cross-entropy (heads/kernels/mixture_ce.py)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
         width = self.n_components * self.d_embed
@@ -119,16 +111,16 @@ class MixtureOfSoftmaxes(ContextMixture):
         d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.base.OutputHead`.
     """
 
-    # Without gradients, log_prob mixes the component logits in place (``mixture_log_prob_``:
-    # K + 1 transcendentals per value where the log-space chain has 3K - 2; passes in cache);
-    # False keeps the log-space chain there too, so that benchmarks and tests can compare them.
-    in_place_mixing = True
+    def softmax_mixture(self, h: torch.Tensor, latent_mask: torch.Tensor | None):
+        """The contexts h_k ``(N, K, d_embed)`` and log pi ``(N, K)`` of the mixture."""
+        log_prior, latents = self._prior_and_latents(h, latent_mask)
+        return latents, log_prior
 
     def _log_prob_rows(self, h: torch.Tensor, latent_mask: torch.Tensor | None) -> torch.Tensor:
         log_prior, latents = self._prior_and_latents(h, latent_mask)
         logits = self._decoder_logits(latents)  # (N, K, V)
-        if self.in_place_mixing and writable_in_place(logits):
-            return mixture_log_prob_(log_prior, logits)  # inference: in place, chunk by chunk
+        if may_write_in_place(logits):  # inference: mixed in place, K + 1 transcendentals
+            return mixture_log_prob_(log_prior, logits)  # per value (heads/kernels/in_place.py)
         return log_mixture(log_prior, F.log_softmax(logits, dim=-1))
 
     def _loss_rows(
@@ -146,16 +138,3 @@ class MixtureOfSoftmaxes(ContextMixture):
 
     def logits_per_token(self) -> int:
         return self.n_components * self.vocab_size
-
-    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
-        log_prior, latents = self._prior_and_latents(rows, *masks)
-        return mixture_cross_entropy_sum(
-            latents,
-            log_prior,
-            self.weight,
-            self.bias,
-            target,
-            chunk_size,
-            label_smoothing=label_smoothing,
-            ignore_index=ignore_index,
-        )

@@ -11,21 +11,15 @@ before the normalisation, log p = log_softmax(f(z)); they subclass ``PointwiseSo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.base import OutputHead
-from highrank.heads.functional import log_softmax_fresh
-from highrank.heads.mixture_ce import mixture_cross_entropy_sum
+from highrank.heads.kernels.mixture_ce import MIXTURE_LOSS
 from highrank.heads.residual import copy_projection
 
 
 class PointwiseSoftmax(OutputHead):
     """``log_softmax(f(E g' + b))`` for a pointwise ``f``; ``f`` is the identity here."""
-
-    # Without gradients log_prob normalises its fresh logits in place (False: into a new
-    # tensor, the general path; the benchmarks time both).
-    in_place_normalisation = True
 
     def __init__(
         self,
@@ -45,8 +39,7 @@ class PointwiseSoftmax(OutputHead):
 
     def transformed_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``f(E g' + b)`` as ``[..., V]``: the matrix whose rank the sigsoftmax papers study."""
-        rows = self._flatten_hidden(hidden)
-        out = self.transform(self._decoder_logits(self._project(rows)))
+        out = self._logits_rows(self._flatten_hidden(hidden))
         return out.reshape(*hidden.shape[:-1], self.vocab_size)
 
     def start_at_base(self, projection: nn.Linear | None = None) -> None:
@@ -61,15 +54,8 @@ class PointwiseSoftmax(OutputHead):
     def _project(self, h: torch.Tensor) -> torch.Tensor:
         return h if self.projection is None else self.projection(h)
 
-    def _log_prob_rows(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.transform(self._decoder_logits(self._project(h)))  # (N, V), a fresh tensor
-        return log_softmax_fresh(logits, in_place=self.in_place_normalisation)
-
-    def _loss_rows(
-        self, h: torch.Tensor, target: torch.Tensor, *, label_smoothing: float
-    ) -> torch.Tensor:
-        logits = self.transform(self._decoder_logits(self._project(h)))
-        return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
+    def _logits_rows(self, h: torch.Tensor) -> torch.Tensor:
+        return self.transform(self._decoder_logits(self._project(h)))  # (N, V)
 
 
 class Softmax(PointwiseSoftmax):
@@ -83,18 +69,8 @@ class Softmax(PointwiseSoftmax):
         tied_weight: the input embedding Parameter ``(V, d_embed)`` to share as E.
     """
 
-    def auto_chunk_tokens(self, device: torch.device | str | None = None) -> int:
-        return self.fused_auto_chunk_tokens(device)
+    loss_kernel = MIXTURE_LOSS  # fused chunked cross-entropy (heads/kernels/mixture_ce.py)
 
-    def _chunked_loss_sum(self, rows, target, masks, chunk_size, label_smoothing, ignore_index):
-        latents = self._project(rows).unsqueeze(1)  # (N, 1, d_embed)
-        return mixture_cross_entropy_sum(
-            latents,
-            None,
-            self.weight,
-            self.bias,
-            target,
-            chunk_size,
-            label_smoothing=label_smoothing,
-            ignore_index=ignore_index,
-        )
+    def softmax_mixture(self, h: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The softmax as a mixture of one: its context g' ``(N, 1, d_embed)``, no prior."""
+        return self._project(h).unsqueeze(1), None
