@@ -1,10 +1,11 @@
 """Mixtape's fused loss at several chunk sizes, interleaved with the softmax heads.
 
-Why ``Mixtape.auto_chunk_tokens`` holds at least ``MIN_AUTO_CHUNK_TOKENS`` tokens: every
-chunk makes three passes over the V x d decoder, so at large V small chunks are bound by
-that memory traffic. Times one forward + backward of 1400 tokens (the ``highrank bench
-heads`` shapes) per chunk size, each run interleaved with the naive softmax baseline and
-also reporting the fused softmax head ("auto" chunks), all in one process.
+Why ``Mixtape.auto_chunk_tokens`` holds at least ``MIN_AUTO_CHUNK_TOKENS`` tokens
+(``heads/kernels/mixtape_ce.py``): every chunk makes three passes over the V x d decoder, so
+at large V small chunks are bound by that memory traffic. Times one forward + backward of 1400
+tokens (the ``highrank bench heads`` shapes) per chunk size, each run interleaved with the
+naive softmax baseline and also reporting the fused softmax head ("auto" chunks), all in one
+process.
 
     PYTHONPATH=src OMP_NUM_THREADS=1 python -m benchmarks.mixtape_chunk_sweep \\
         --vocab 100000 --chunks 20,40,80,128,256 --out benchmarks/results/heads-mixtape-fused

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.utils import ModelOutput
 
 from highrank.heads import OutputHead
-from highrank.heads.chunking import chunk_masks, chunk_slices
+from highrank.heads.kernels.chunking import chunk_masks, chunk_slices
 
 # The function add_fused_lm_head installs, by its code's qualified name (functools.wraps gives
 # it our forward's name and module, so those cannot tell it apart).
