@@ -66,6 +66,24 @@ ABOVE_RUNS_AND_CONFIG = (
 ANALYSIS_USERS = ("highrank.analysis", "highrank.cli", "highrank.demo", "highrank.bench")
 RECIPES = ("highrank.train.awd_lstm", "highrank.train.transformer", "highrank.train.seq2seq")
 HEAVY = ("torch", "numpy", "scipy")
+# The imports of a highrank module inside a function, outside highrank.cli (whose verbs import
+# the library when run, so that --help stays free of torch): each one here says why it is not
+# at the top of its module. Everything else imports at module level, so a module's
+# dependencies are the first thing it shows. (module, function, imported module): the reason.
+DEFERRED_IMPORTS = {
+    ("highrank.analysis.output", "read_npy", "highrank.runs.run_dir"):
+        "runs.run_dir imports torch (config -> heads); output's tables and paths need numpy only",
+    ("highrank.analysis.significance", "read_eval", "highrank.evaluate.records"):
+        "evaluate.records imports torch; `compare` of analysis records needs numpy and scipy only",
+    ("highrank.model", "build_seq2seq", "highrank.mt.subwords"):
+        "`import highrank.model` loads no translation module (tests/test_bitext.py)",
+    ("highrank.integrations.retrofit.run", "_run_frozen", "highrank.integrations.hf"):
+        "the hf extra: integrations.hf imports transformers",
+    ("highrank.integrations.retrofit.run", "_run_end_to_end", "highrank.integrations.hf"):
+        "the hf extra: integrations.hf imports transformers",
+    ("highrank.integrations.vllm", "register", "highrank.integrations.vllm.config"):
+        "vllm.config imports transformers; importing the plugin loads neither it nor vLLM",
+}  # fmt: skip
 
 
 @cache
@@ -232,6 +250,51 @@ def test_training_recipes_never_import_each_other():
         if target in RECIPES
     ]
     assert not offenders, "\n".join(offenders)
+
+
+def function_level_imports() -> dict[tuple[str, str, str], int]:
+    """(module, innermost function, imported highrank module) -> line, for every import inside
+    a function body of a module outside ``highrank.cli``."""
+    known, found = modules(), {}
+    for name, path in known.items():
+        if _in(name, "highrank.cli") or name == "highrank.__main__":
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        todo = [(node, None) for node in ast.parse(path.read_text(encoding="utf-8")).body]
+        while todo:
+            node, function = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                function = node.name
+            elif function is not None:
+                for target in _targets(node, package, known):
+                    if target != name:
+                        found.setdefault((name, function, target), node.lineno)
+            todo += [(child, function) for child in ast.iter_child_nodes(node)]
+    return found
+
+
+def test_highrank_modules_are_imported_at_module_level_outside_the_command_line():
+    """Issue 31: a module's dependencies show at its top. An import inside a function is for
+    an optional extra, a heavy dependency a light module stays free of, or a cycle: add it to
+    DEFERRED_IMPORTS with its reason (the command line's verbs are exempt: --help stays light)."""
+    found = function_level_imports()
+    new = [
+        f"{modules()[module].relative_to(SRC)}:{line}: {function}() imports {target}"
+        for (module, function, target), line in sorted(found.items())
+        if (module, function, target) not in DEFERRED_IMPORTS
+    ]
+    assert not new, "move these to module level, or give the reason in DEFERRED_IMPORTS:\n" + (
+        "\n".join(new)
+    )
+    stale = [entry for entry in DEFERRED_IMPORTS if entry not in found]
+    assert not stale, f"DEFERRED_IMPORTS names imports that are gone; remove them: {stale}"
+
+
+def test_function_level_imports_are_found():
+    found = function_level_imports()
+    assert ("highrank.model", "build_seq2seq", "highrank.mt.subwords") in found
+    assert not any(module.startswith("highrank.cli") for module, _, _ in found)
+    assert all(reason for reason in DEFERRED_IMPORTS.values())
 
 
 def test_the_import_graph_has_no_cycle():
