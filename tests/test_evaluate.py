@@ -383,3 +383,28 @@ def test_a_window_beyond_a_transformers_learned_positions_is_one_line(tmp_path, 
         assert main([*verb, "--which", "last", "--bptt", "50"]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert len(err) == 1 and "exceeds this Transformer run's learned position table" in err[0]
+
+
+def test_max_tokens_n_reads_n_tokens_and_says_how_many_it_scores(tmp_path, capsys):
+    """Issue 29: `eval --max-tokens 2000` scored 1,999 tokens without saying why: N tokens
+    are read and a column's first has no prediction; the help, the record and the printed
+    line say so."""
+    import json
+
+    from highrank.cli import main
+    from highrank.evaluate.records import describe
+    from tests.analysis.conftest import train_tiny_run
+
+    run = train_tiny_run(tmp_path)
+    capsys.readouterr()
+    assert main(["eval", str(run), "--max-tokens", "40", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "over 39 tokens (of the first 40 read: a column's first has no prediction)" in out
+    record = json.loads((run / "eval-test-best-first40.json").read_text())
+    assert (record["tokens"], record["tokens_read"], record["max_tokens"]) == (39, 40, 40)
+    assert describe(record).endswith("test (39 tokens scored), of the first 40 read")
+    assert main(["eval", str(run), "--max-tokens", "40", "--batch-size", "3"]) == 0
+    assert "over 36 tokens (of the first 40 read" in capsys.readouterr().out  # (40 // 3 - 1) x 3
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "so N - 1 are scored in one column" in " ".join(capsys.readouterr().out.split())

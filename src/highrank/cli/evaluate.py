@@ -28,7 +28,9 @@ def add_eval_options(parser: argparse.ArgumentParser) -> None:
         "--max-tokens",
         type=positive_int,
         metavar="N",
-        help="score only the first N tokens of the split (a quick look; recorded under its "
+        help="read only the first N tokens of the split (<eos> counted): a column's first "
+        "token has no prediction, so N - 1 are scored in one column, (N // B - 1) x B in B "
+        "columns; the record keeps N and the tokens scored (a quick look: recorded under its "
         "own name, never as the split's figure)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -46,9 +48,11 @@ def report_eval(args: argparse.Namespace, kind: str, record: dict) -> None:
 
     path = write_json(record_file(args.run_dir, record, kind), record)
     bpc = f", {record['bits_per_char']:.4f} bits per character" if "bits_per_char" in record else ""
+    read = record.get("tokens_read")  # --max-tokens N: N read, fewer scored (see its help)
+    read = f" (of the first {read:,} read: a column's first has no prediction)" if read else ""
     print(
         f"{kind} {args.split}: loss {record['loss']:.4f}, perplexity {record['perplexity']:.2f}"
-        f"{bpc} over {record['tokens']:,} tokens; wrote {path}"
+        f"{bpc} over {record['tokens']:,} tokens{read}; wrote {path}"
     )
 
 

@@ -92,8 +92,9 @@ def describe(record: dict[str, Any]) -> str:
         checkpoint += ".pt"
     data = record.get("data_dir") or "the run's corpus (not recorded)"
     tokens = record.get("tokens")
-    count = f" ({tokens:,} tokens)" if isinstance(tokens, int) else ""
-    first = f", first {record['max_tokens']:,} tokens only" if record.get("max_tokens") else ""
+    scored = " scored" if record.get("max_tokens") else ""
+    count = f" ({tokens:,} tokens{scored})" if isinstance(tokens, int) else ""
+    first = f", of the first {record['max_tokens']:,} read" if record.get("max_tokens") else ""
     return f"{checkpoint} on {data} {record.get('split', '?')}{count}{first}"
 
 

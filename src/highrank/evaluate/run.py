@@ -114,6 +114,9 @@ def eval_record(
     )
     if corpus.mode == "char":  # <eos> counted: it stands for a newline
         extra = {**extra, "bits_per_char": bits_per_char(result.loss, 1)}
+    if max_tokens is not None:  # N tokens read; "tokens" counts those scored (a column's first
+        # token has no prediction: N - 1 with one column)
+        extra = {**extra, "tokens_read": min(max_tokens, len(split_stream(corpus, split)))}
     return {
         "split": split,
         "checkpoint": which,
@@ -154,8 +157,10 @@ def evaluate_run(
         which: ``"best"``, ``"last"``, ``"finetuned"``, ``"finetune-last"`` or a ``.pt`` path.
         data_dir: another corpus folder with the run's vocabulary (default: its ``data.dir``;
             the record then gets its own name).
-        max_tokens: score only the first N tokens of the split (recorded under its own name,
-            never as the split's figure).
+        max_tokens: read only the first N tokens of the split (recorded under its own name,
+            never as the split's figure); a column's first token has no prediction, so the
+            record's ``tokens`` (scored) is N - 1 with one column, ``(N // B - 1) x B`` with
+            B, and its ``tokens_read`` is N.
         batch_size: columns (default: the run's ``train.eval_batch_size`` for valid,
             ``train.test_batch_size`` for test).
         bptt: segment length (default: :func:`highrank.evaluate.perplexity.default_bptt`).
