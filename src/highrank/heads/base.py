@@ -12,6 +12,20 @@ A head maps hidden states ``[..., d_in]`` to a *normalised* next-token distribut
   them all at once, and ``"auto"`` (the default) picks the head's ``auto_chunk_tokens()``.
 * ``forward(hidden, target=None)``: ``loss`` with a target (mean), ``log_prob`` without.
 
+What a head reads: ``reads``, ``("hidden",)`` for most heads. A head that reads more declares
+it (MFS: ``("hidden", "layers")``, CPR: ``("hidden", "layers", "context_ids")``), and the
+three methods take those inputs as keywords, which callers pass exactly as ``reads`` says:
+
+* ``layers``: the hidden states of the last ``input_layers`` layers, top last, each shaped
+  like ``hidden`` but over the whole *context*: the positions of ``hidden`` and, before them,
+  any earlier ones the caller has (generation with a key-value cache passes the tokens
+  decoded so far; training and evaluation windows have none);
+* ``context_ids``: the token ids at those same positions (the input token of each, whose
+  hidden state is there), ids below 0 marking positions without a token (padding).
+
+Such heads have a time axis (the knob ``time_dim``), and the context of a position is its
+sequence up to it.
+
 A subclass writes its paper's equations, its reference path, on flattened inputs
 ``h: (N, d_in)``. A head whose distribution is one softmax over logits implements
 
@@ -31,7 +45,10 @@ path instead.
 
 ``masks`` are per-row dropout masks drawn by ``_draw_masks`` *before* flattening, so that
 locked (variational) dropout can share one mask over the time axis of the input, and so that
-chunked and unchunked losses see the same masks.
+chunked and unchunked losses see the same masks. A head that reads more than ``hidden``
+overrides ``_head_rows``, which turns its inputs into rows, per-row inputs in place of masks
+(a ``kernels.chunking.SharedRows`` for what rows read of their sequence) and the order of
+the rows (``RowOrder``).
 """
 
 from __future__ import annotations
@@ -74,6 +91,11 @@ class OutputHead(nn.Module):
     # The fused chunked loss of the head (``highrank.heads.kernels``: ``MIXTURE_LOSS``,
     # ``MIXTAPE_LOSS``), or None: autograd chunk by chunk (the generic path).
     loss_kernel: LossKernel | None = None
+    # What the head reads (module docstring): "hidden", and "layers" / "context_ids" for heads
+    # that read other layers or the context's tokens; callers pass exactly these.
+    reads: tuple[str, ...] = ("hidden",)
+    # How many of the last layers a head that reads "layers" wants (0: it reads none).
+    input_layers: int = 0
 
     def __init__(
         self,
@@ -98,12 +120,11 @@ class OutputHead(nn.Module):
 
     # ---- the public contract -------------------------------------------------------------
 
-    def log_prob(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Normalised float32 log-probabilities ``[..., V]`` for hidden states ``[..., d_in]``."""
-        rows = self._flatten_hidden(hidden)
-        masks = self._draw_masks(hidden)
-        out = self._log_prob_rows(rows, *masks)
-        return out.reshape(*hidden.shape[:-1], self.vocab_size)
+    def log_prob(self, hidden: torch.Tensor, **inputs: object) -> torch.Tensor:
+        """Normalised float32 log-probabilities ``[..., V]`` for hidden states ``[..., d_in]``
+        (and the other ``inputs`` the head ``reads``)."""
+        rows, masks, order = self._head_rows(hidden, inputs)
+        return order.restore(self._log_prob_rows(rows, *masks))
 
     def loss(
         self,
@@ -114,8 +135,10 @@ class OutputHead(nn.Module):
         chunk_size: int | None | str = "auto",
         ignore_index: int = -100,
         label_smoothing: float = 0.0,
+        **inputs: object,
     ) -> torch.Tensor:
-        """Cross-entropy of ``target [...]`` given ``hidden [..., d_in]``, as ``F.cross_entropy``.
+        """Cross-entropy of ``target [...]`` given ``hidden [..., d_in]`` (and the other
+        ``inputs`` the head ``reads``), as ``F.cross_entropy``.
 
         Per token, ``(1 - eps) * -log p(target) + eps * mean_v -log p(v)`` with
         ``eps = label_smoothing`` in [0, 1] (Szegedy et al. 2016; the plain NLL when 0).
@@ -138,9 +161,8 @@ class OutputHead(nn.Module):
             raise ValueError(f"reduction={reduction!r}; expected one of {_REDUCTIONS}")
         label_smoothing = check_label_smoothing(label_smoothing)
         ignore_index = check_ignore_index(ignore_index)
-        rows = self._flatten_hidden(hidden)
-        target_rows = self._flatten_target(hidden, target, ignore_index)
-        masks = self._draw_masks(hidden)
+        rows, masks, order = self._head_rows(hidden, inputs)
+        target_rows = self._flatten_target(hidden, target, ignore_index, order)
         n = rows.shape[0]
         chunk_size = self._resolve_chunk_size(chunk_size, reduction, hidden.device)
         token_losses = functools.partial(
@@ -167,7 +189,7 @@ class OutputHead(nn.Module):
             return losses.sum() / _count_kept(target_rows, ignore_index)
         if reduction == "sum":
             return losses.sum()
-        return losses.reshape(target.shape)
+        return order.restore(losses)
 
     def _token_losses(
         self,
@@ -208,10 +230,12 @@ class OutputHead(nn.Module):
         """How many vocabulary-sized values one token's loss materialises (K x V for MoS)."""
         return self.vocab_size
 
-    def forward(self, hidden: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, target: torch.Tensor | None = None, **inputs: object
+    ) -> torch.Tensor:
         if target is None:
-            return self.log_prob(hidden)
-        return self.loss(hidden, target)
+            return self.log_prob(hidden, **inputs)
+        return self.loss(hidden, target, **inputs)
 
     # Knobs that give the head the structure ``start_at_base`` needs (e.g. residual contexts);
     # ``build_head(..., init="base")`` applies them. None: the head cannot start at a softmax.
@@ -269,9 +293,18 @@ class OutputHead(nn.Module):
         """``E h + b``, at least float32: ``(..., d_embed) -> (..., V)``."""
         return widen(linear(h, self.weight, self.bias))
 
-    def _dropout_mask(self, hidden: torch.Tensor, width: int, p: float) -> torch.Tensor | None:
+    def _dropout_mask(
+        self, hidden: torch.Tensor, width: int, dropout: nn.Dropout | float
+    ) -> torch.Tensor | None:
         """Dropout mask for ``width`` units per row (locked over ``dropout_time_dim``), or None
-        in eval mode or when p == 0."""
+        in eval mode or when the rate is 0. ``dropout`` is the head's ``nn.Dropout`` module
+        (``heads/dropout.py``: ``HeadDropout``), whose ``p`` and ``training`` are the switches
+        that ``model.eval()`` and TRL's ``disable_dropout_in_model`` set; a plain float rate
+        follows ``model.eval()`` only."""
+        if isinstance(dropout, nn.Dropout):
+            p = float(dropout.p) if dropout.training else 0.0
+        else:
+            p = dropout
         if not self.training or p == 0.0:
             return None
         return locked_dropout_mask(
@@ -279,6 +312,32 @@ class OutputHead(nn.Module):
         )
 
     # ---- plumbing ------------------------------------------------------------------------
+
+    def _head_rows(
+        self, hidden: torch.Tensor, inputs: dict
+    ) -> tuple[torch.Tensor, tuple, RowOrder]:
+        """The rows ``(N, d_in)`` the head computes on, their per-row inputs (dropout masks
+        here) and their order; a head that reads more than ``hidden`` overrides it."""
+        rows = self._flatten_hidden(hidden)
+        self._check_inputs(inputs)
+        return rows, self._draw_masks(hidden), RowOrder(hidden.shape[:-1])
+
+    def _check_inputs(self, inputs: dict) -> None:
+        """``inputs`` hold exactly what the head reads besides ``hidden`` (one clear error)."""
+        wanted = [name for name in self.reads if name != "hidden"]
+        name = type(self).__name__
+        unknown = sorted(set(inputs) - set(wanted))
+        if unknown:
+            raise TypeError(
+                f"{name} reads {', '.join(self.reads)}; it was also given "
+                f"{', '.join(unknown)} (pass what head.reads names)"
+            )
+        missing = [key for key in wanted if inputs.get(key) is None]
+        if missing:
+            raise ValueError(
+                f"{name} reads {', '.join(self.reads)}: pass {', '.join(missing)} "
+                "(see highrank.heads.base: what a head reads)"
+            )
 
     def _flatten_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dim() < 1 or hidden.shape[-1] != self.d_in:
@@ -306,7 +365,7 @@ class OutputHead(nn.Module):
             )
 
     def _flatten_target(
-        self, hidden: torch.Tensor, target: torch.Tensor, ignore_index: int
+        self, hidden: torch.Tensor, target: torch.Tensor, ignore_index: int, order: RowOrder
     ) -> torch.Tensor:
         if tuple(target.shape) != tuple(hidden.shape[:-1]):
             raise ValueError(
@@ -315,7 +374,7 @@ class OutputHead(nn.Module):
             )
         if target.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"target must hold integer token ids; got dtype {target.dtype}")
-        flat = target.reshape(-1).long()
+        flat = order.flatten(target).long()
         valid = self._valid_target_ids(flat, ignore_index)
         if torch.compiler.is_compiling() or flat.device.type != "cpu":
             # Checked on the device, without waiting for it: the host never reads the ids
@@ -344,6 +403,23 @@ class OutputHead(nn.Module):
             f"{type(self).__name__}: target ids must lie in [0, {self.vocab_size}) "
             f"or equal ignore_index={ignore_index}"
         )
+
+
+class RowOrder:
+    """How tensors over the leading shape ``lead`` of the hidden states (``[...]`` or
+    ``[..., k]``) become rows and back: row-major flattening here; heads with a time axis
+    order rows by sequence (``heads/sequence.py``)."""
+
+    def __init__(self, lead: tuple[int, ...] | torch.Size) -> None:
+        self.lead = tuple(lead)
+
+    def flatten(self, x: torch.Tensor) -> torch.Tensor:
+        """``[*lead, ...] -> (N, ...)``."""
+        return x.reshape(-1, *x.shape[len(self.lead) :])
+
+    def restore(self, rows: torch.Tensor) -> torch.Tensor:
+        """``(N, ...) -> [*lead, ...]``."""
+        return rows.reshape(*self.lead, *rows.shape[1:])
 
 
 def check_label_smoothing(value: object) -> float:

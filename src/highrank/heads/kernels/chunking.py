@@ -11,6 +11,14 @@ Two ways to bound memory, both used by ``OutputHead.loss(..., chunk_size=...)``:
 * ``checkpointed_nll``: for per-token losses (``reduction="none"``), whose backward weights each
   token differently, each chunk is recomputed in backward (activation checkpointing).
 
+A head whose rows read across rows (the context of a sequence: MFS and CPR read the earlier
+positions of their sequence) passes, among its per-row ``masks``, a ``SharedRows``: tensors
+indexed by sequence that every chunk reads in part (the token ids and pointer keys of each
+sequence). Slicing it by a chunk's rows keeps the sequences those rows belong to, so a
+chunk reads ``chunk x context`` values, never ``tokens x context``; the gradient-in-forward
+path computes each chunk's gradient with respect to its sequences' slice and adds it into
+the shared tensors' gradients, which backward hands on.
+
 A head with a closed-form gradient declares a ``LossKernel`` (``OutputHead.loss_kernel``:
 ``mixture_ce.MIXTURE_LOSS``, ``mixtape_ce.MIXTAPE_LOSS``), which ``chunked_loss_sum`` runs for
 the scalar loss instead of the generic gradient-in-forward chunks, except inside
@@ -120,6 +128,35 @@ def chunk_masks(masks: Masks, part: slice) -> Masks:
     return tuple(m[part] if m is not None else None for m in masks)
 
 
+class SharedRows:
+    """Inputs of a chunk's rows that live per sequence rather than per row (module docstring).
+
+    A subclass holds ``shared``, tensors whose first axis is the sequence, and defines
+    ``sequences(part)``, the slice of sequences that the rows ``part`` belong to, and
+    ``narrow(part, shared)``, the inputs of those rows given ``shared`` cut to those
+    sequences. ``inputs[part]`` is that narrowing with slices of the shared tensors (the
+    whole-batch, checkpointed and gradient-free paths); ``gradient_in_forward_nll`` gives
+    ``narrow`` detached slices instead and routes their gradients (see there).
+    """
+
+    shared: tuple[torch.Tensor, ...] = ()
+
+    def sequences(self, part: slice) -> slice:
+        raise NotImplementedError
+
+    def narrow(self, part: slice, shared: tuple[torch.Tensor, ...]) -> SharedRows:
+        raise NotImplementedError
+
+    def __getitem__(self, part: slice) -> SharedRows:
+        seqs = self.sequences(part)
+        return self.narrow(part, tuple(t[seqs] for t in self.shared))
+
+
+def _shared_of(masks: Masks) -> list[torch.Tensor]:
+    """The shared tensors of the ``SharedRows`` among ``masks``, in order."""
+    return [t for m in masks if isinstance(m, SharedRows) for t in m.shared]
+
+
 def checkpointed_nll(
     nll_rows: NllRows, rows: torch.Tensor, target: torch.Tensor, masks: Masks, chunk_size: int
 ) -> torch.Tensor:
@@ -146,39 +183,76 @@ def gradient_in_forward_nll(
     ``params`` are the tensors ``nll_rows`` reads that may need gradients (the head's
     parameters); they are passed explicitly so that autograd routes their gradients.
     """
-    return _GradientInForward.apply(nll_rows, chunk_size, masks, rows, target, *params)
+    # The shared tensors of SharedRows inputs (a sequence's pointer keys) come first: their
+    # gradients are routed as the parameters' are, each chunk adding into its sequences'.
+    shared = _shared_of(masks)
+    return _GradientInForward.apply(
+        nll_rows, chunk_size, masks, len(shared), rows, target, *shared, *params
+    )
 
 
 class _GradientInForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, nll_rows, chunk_size, masks, rows, target, *params):
-        wants_rows = ctx.needs_input_grad[3]
-        wanted = [p for p, need in zip(params, ctx.needs_input_grad[5:], strict=True) if need]
+    def forward(ctx, nll_rows, chunk_size, masks, n_shared, rows, target, *tensors):
+        wants_rows = ctx.needs_input_grad[4]
+        needs = ctx.needs_input_grad[6:]
+        shared, params = tensors[:n_shared], tensors[n_shared:]
+        shared_needs, param_needs = needs[:n_shared], needs[n_shared:]
+        wanted = [p for p, need in zip(params, param_needs, strict=True) if need]
         rows_grad = torch.zeros_like(rows) if wants_rows else None
+        shared_grads = [
+            torch.zeros_like(t) if need else None
+            for t, need in zip(shared, shared_needs, strict=True)
+        ]
         param_grads = [torch.zeros_like(p) for p in wanted]
         total = torch.zeros((), dtype=torch.float64, device=rows.device)
         for part in chunk_slices(rows.shape[0], chunk_size):
             chunk_rows = rows[part].detach().requires_grad_(wants_rows)
+            pieces, views = _chunk_inputs(masks, part, shared_needs)
             with torch.enable_grad():
-                nll = nll_rows(chunk_rows, target[part], *chunk_masks(masks, part)).sum()
-                inputs = ([chunk_rows] if wants_rows else []) + wanted
-                grads = torch.autograd.grad(nll, inputs, allow_unused=True) if inputs else ()
+                nll = nll_rows(chunk_rows, target[part], *pieces).sum()
+                leaves = [v for v, _, _ in views]
+                inputs = ([chunk_rows] if wants_rows else []) + leaves + wanted
+                grads = list(torch.autograd.grad(nll, inputs, allow_unused=True) if inputs else ())
             total += nll.detach().double()
             if wants_rows:
-                rows_grad[part] = grads[0]
-            for accumulated, grad in zip(param_grads, grads[int(wants_rows) :], strict=True):
+                rows_grad[part] = grads.pop(0)
+            for (_, index, seqs), grad in zip(views, grads[: len(views)], strict=True):
+                if grad is not None:
+                    shared_grads[index][seqs] += grad
+            for accumulated, grad in zip(param_grads, grads[len(views) :], strict=True):
                 if grad is not None:
                     accumulated += grad
         ctx.wants_rows = wants_rows
-        ctx.param_needs = ctx.needs_input_grad[5:]
-        ctx.save_for_backward(*([rows_grad] if wants_rows else []), *param_grads)
+        ctx.needs = needs
+        kept = [g for g in shared_grads if g is not None]
+        ctx.save_for_backward(*([rows_grad] if wants_rows else []), *kept, *param_grads)
         return total.to(rows.dtype if rows.dtype == torch.float64 else torch.float32)
 
     @staticmethod
     def backward(ctx, grad_output):
         saved = list(ctx.saved_tensors)
         rows_grad = saved.pop(0) * grad_output if ctx.wants_rows else None
-        param_grads = []
-        for need in ctx.param_needs:
-            param_grads.append(saved.pop(0) * grad_output if need else None)
-        return (None, None, None, rows_grad, None, *param_grads)
+        tensor_grads = [saved.pop(0) * grad_output if need else None for need in ctx.needs]
+        return (None, None, None, None, rows_grad, None, *tensor_grads)
+
+
+def _chunk_inputs(masks: Masks, part: slice, shared_needs: Sequence[bool]):
+    """The chunk's masks, its ``SharedRows`` narrowed to detached slices of their shared
+    tensors, and those slices that need gradients as ``(slice tensor, index among the shared
+    tensors, sequences)``."""
+    pieces, views, index = [], [], 0
+    for m in masks:
+        if not isinstance(m, SharedRows):
+            pieces.append(m[part] if m is not None else None)
+            continue
+        seqs = m.sequences(part)
+        cut = []
+        for t in m.shared:
+            view = t[seqs].detach().requires_grad_(shared_needs[index])
+            if shared_needs[index]:
+                views.append((view, index, seqs))
+            cut.append(view)
+            index += 1
+        pieces.append(m.narrow(part, tuple(cut)))
+    return pieces, views
