@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
 from highrank.heads.base import OutputHead
+from highrank.heads.dropout import GaussianNoise, HeadDropout
 from highrank.heads.functional import apply_mask, linear, sigmoid_tree_mix, widen
 from highrank.heads.kernels.in_place import assembles_in_place, mixtape_logits_
 from highrank.heads.kernels.mixtape_ce import MIXTAPE_LOSS, VALUES_PER_FREQUENT_ID
@@ -96,13 +97,15 @@ class Mixtape(OutputHead):
         self.gate_dim = check_positive_int("gate_dim", gate_dim)
         if not is_number(frequent_fraction) or not 0 <= frequent_fraction <= 1:
             raise ValueError(f"frequent_fraction must lie in [0, 1]; got {frequent_fraction!r}")
-        if not is_number(gate_noise) or not 0 <= gate_noise < math.inf:
-            raise ValueError(f"gate_noise must be a finite number >= 0; got {gate_noise!r}")
         # Rounded first so that e.g. 0.29 x 100 = 28.999999999999996 still gives S = 29.
         self.n_frequent = math.floor(round(frequent_fraction * vocab_size, 9))
-        self.gate_noise = float(gate_noise)
-        self.gate_dropout = check_probability("gate_dropout", gate_dropout)
-        self.component_dropout = check_probability("component_dropout", component_dropout)
+        # Rates and noise live in nn.Dropout modules, where model.eval() and TRL's dropout
+        # switch reach them (heads/dropout.py); the knobs below read and set their p.
+        self.gate_noise_layer = GaussianNoise(_check_gate_noise(gate_noise))
+        self.gate_dropout_layer = HeadDropout(check_probability("gate_dropout", gate_dropout))
+        self.component_dropout_layer = HeadDropout(
+            check_probability("component_dropout", component_dropout)
+        )
         self.dropout_time_dim = check_dropout_time_dim(dropout_time_dim)
 
         self.components = nn.Linear(d_in, N_COMPONENTS * self.d_embed)  # H_k, a_k
@@ -121,6 +124,33 @@ class Mixtape(OutputHead):
         if gate_weight_norm:
             _weight_norm_with_constant_scale(self.gate_features)
 
+    @property
+    def gate_noise(self) -> float:
+        """Std of the noise on the pre-activation priors: ``gate_noise_layer``'s p."""
+        return self.gate_noise_layer.p
+
+    @gate_noise.setter
+    def gate_noise(self, value: float) -> None:
+        self.gate_noise_layer.p = _check_gate_noise(value)
+
+    @property
+    def gate_dropout(self) -> float:
+        """Dropout on the gate features: ``gate_dropout_layer``'s p."""
+        return self.gate_dropout_layer.p
+
+    @gate_dropout.setter
+    def gate_dropout(self, value: float) -> None:
+        self.gate_dropout_layer.p = check_probability("gate_dropout", value)
+
+    @property
+    def component_dropout(self) -> float:
+        """Dropout on the component contexts: ``component_dropout_layer``'s p."""
+        return self.component_dropout_layer.p
+
+    @component_dropout.setter
+    def component_dropout(self, value: float) -> None:
+        self.component_dropout_layer.p = check_probability("component_dropout", value)
+
     BASE_INIT_KNOBS = {"residual_contexts": True}
     loss_kernel = MIXTAPE_LOSS  # fused chunked cross-entropy (heads/kernels/mixtape_ce.py)
 
@@ -134,14 +164,19 @@ class Mixtape(OutputHead):
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (
-            self._dropout_mask(hidden, N_COMPONENTS * self.d_embed, self.component_dropout),
-            self._dropout_mask(hidden, N_GATES * self.gate_dim, self.gate_dropout),
+            self._dropout_mask(hidden, N_COMPONENTS * self.d_embed, self.component_dropout_layer),
+            self._dropout_mask(hidden, N_GATES * self.gate_dim, self.gate_dropout_layer),
         )
 
+    def _gate_noise_std(self) -> float:
+        """The noise's std in force: 0 in eval mode or once switched off (p = 0)."""
+        return self.gate_noise_layer.std() if self.training else 0.0
+
     def _noisy(self, pre_activation: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.gate_noise == 0.0:
+        std = self._gate_noise_std()
+        if std == 0.0:
             return pre_activation
-        return pre_activation + self.gate_noise * torch.randn_like(pre_activation)
+        return pre_activation + std * torch.randn_like(pre_activation)
 
     def _contexts(self, h: torch.Tensor, component_mask: torch.Tensor | None) -> torch.Tensor:
         """The component contexts h_k ``(N, 4, d_embed)``."""
@@ -197,6 +232,12 @@ class Mixtape(OutputHead):
             f"gate_weight_norm={self.gate_weight_norm}"
             + (", residual_contexts=True" if self.residual_contexts else "")
         )
+
+
+def _check_gate_noise(gate_noise: float) -> float:
+    if not is_number(gate_noise) or not 0 <= gate_noise < math.inf:
+        raise ValueError(f"gate_noise must be a finite number >= 0; got {gate_noise!r}")
+    return float(gate_noise)
 
 
 def _weight_norm_with_constant_scale(linear: nn.Linear) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from highrank.heads.base import OutputHead
+from highrank.heads.dropout import HeadDropout
 from highrank.heads.functional import apply_mask
 from highrank.heads.kernels.mixture_ce import MIXTURE_LOSS
 from highrank.heads.residual import ResidualContexts
@@ -53,10 +54,20 @@ class MLPSoftmax(OutputHead):
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
         self.mlp_width = self.d_embed if mlp_width is None else mlp_width
         check_positive_int("mlp_width", self.mlp_width)
-        self.latent_dropout = check_probability("latent_dropout", latent_dropout)
+        # The rate lives in an nn.Dropout, where model.eval() and TRL's dropout switch reach it.
+        self.latent_dropout_layer = HeadDropout(check_probability("latent_dropout", latent_dropout))
         self.dropout_time_dim = check_dropout_time_dim(dropout_time_dim)
         self.latent = nn.Linear(d_in, self.mlp_width)  # W, a
         self.residual_branch = ResidualContexts(d_in, self.d_embed, 1, self.mlp_width)
+
+    @property
+    def latent_dropout(self) -> float:
+        """Dropout on the hidden units: the ``p`` of ``latent_dropout_layer`` (heads/dropout.py)."""
+        return self.latent_dropout_layer.p
+
+    @latent_dropout.setter
+    def latent_dropout(self, value: float) -> None:
+        self.latent_dropout_layer.p = check_probability("latent_dropout", value)
 
     def start_at_base(self, projection: nn.Linear | None = None) -> None:
         self.residual_branch.start_at_base(projection)
@@ -64,7 +75,7 @@ class MLPSoftmax(OutputHead):
     loss_kernel = MIXTURE_LOSS  # fused chunked cross-entropy (heads/kernels/mixture_ce.py)
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
-        return (self._dropout_mask(hidden, self.mlp_width, self.latent_dropout),)
+        return (self._dropout_mask(hidden, self.mlp_width, self.latent_dropout_layer),)
 
     def context(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``g' + Z tanh(W g + a)``: ``(N, d_in) -> (N, 1, d_embed)``."""

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads.base import OutputHead
+from highrank.heads.dropout import HeadDropout
 from highrank.heads.functional import apply_mask, log_mixture, mixture_nll, smoothed_nll, widen
 from highrank.heads.kernels.in_place import may_write_in_place, mixture_log_prob_
 from highrank.heads.kernels.mixture_ce import MIXTURE_LOSS
@@ -51,7 +52,8 @@ class ContextMixture(OutputHead):
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
         self.n_components = check_positive_int("n_components", n_components)
-        self.latent_dropout = check_probability("latent_dropout", latent_dropout)
+        # The rate lives in an nn.Dropout, where model.eval() and TRL's dropout switch reach it.
+        self.latent_dropout_layer = HeadDropout(check_probability("latent_dropout", latent_dropout))
         self.dropout_time_dim = check_dropout_time_dim(dropout_time_dim)
         self.prior = nn.Linear(d_in, n_components, bias=False)
         self.latent = nn.Linear(d_in, n_components * self.d_embed)
@@ -61,6 +63,15 @@ class ContextMixture(OutputHead):
             if residual_contexts
             else None
         )
+
+    @property
+    def latent_dropout(self) -> float:
+        """Dropout on the latent units: the ``p`` of ``latent_dropout_layer`` (heads/dropout.py)."""
+        return self.latent_dropout_layer.p
+
+    @latent_dropout.setter
+    def latent_dropout(self, value: float) -> None:
+        self.latent_dropout_layer.p = check_probability("latent_dropout", value)
 
     BASE_INIT_KNOBS = {"residual_contexts": True}
 
@@ -76,7 +87,7 @@ class ContextMixture(OutputHead):
 
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
         width = self.n_components * self.d_embed
-        return (self._dropout_mask(hidden, width, self.latent_dropout),)
+        return (self._dropout_mask(hidden, width, self.latent_dropout_layer),)
 
     def _prior_and_latents(
         self, h: torch.Tensor, latent_mask: torch.Tensor | None

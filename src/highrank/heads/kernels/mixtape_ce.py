@@ -102,7 +102,7 @@ class MixtapeLoss(LossKernel):
             chunk_size,
             label_smoothing=label_smoothing,
             ignore_index=ignore_index,
-            gate_noise=head.gate_noise if head.training else 0.0,
+            gate_noise=head._gate_noise_std(),  # 0 in eval mode or once switched off
         )
 
 
