@@ -53,7 +53,10 @@ What ``forward`` returns (``CausalLMOutputWithPast``):
   ``logits`` is None unless ``logits_to_keep`` asks for some positions (then their
   log-probabilities); in eval mode ``logits`` holds the log-probabilities too, as
   ``Trainer.evaluate(compute_metrics=...)`` and ``Trainer.predict`` need. Label
-  smoothing in ``Trainer`` needs logits and is therefore not supported.
+  smoothing in ``Trainer`` needs logits and is therefore not supported. Eager mode leaves
+  ignored positions out of the head's work; under ``torch.compile`` no label is read on the
+  host (the head scores every position and zeroes the ignored ones), so
+  ``torch.compile(model, fullgraph=True)`` captures the forward with labels whole.
 
 Generation: ``generate`` marks its forward passes (``prepare_inputs_for_generation``), and
 they return the logits transformers' logits processors are written for. Softmax hands over its
@@ -79,7 +82,10 @@ high-rank head as an ``nn.Linear``). The model keeps its own forward instead, an
 answers TRL's ``fused_lm_head=True`` with the head's own per-token log-probabilities, entropy,
 top-1 hits (``hf_fused.py``), so ``SFTTrainer`` trains the head's loss and logs
 ``mean_token_accuracy`` and ``entropy`` of the head's distribution, without a subclass. A
-temperature other than 1 (GRPO/RLOO options) is refused in one line.
+temperature other than 1 (GRPO/RLOO options) is refused in one line. TRL's
+``disable_dropout`` (``p = 0`` on every ``nn.Dropout``: the default of DPO and KTO) reaches the
+head's own dropouts and Mixtape's gate noise (``heads/dropout.py``), so a policy and its
+reference score alike before the first update (DPO's first loss is log 2 for every head).
 
 Training: ``model.parameters()`` holds a tied embedding once, so any optimizer works; a head
 whose paper gives some parameters their own learning rate (PLIF's slopes) lists them in
@@ -367,16 +373,21 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             )
         targets = targets.to(hidden.device)
         valid = targets != ignore_index
-        total = self._nll_sum(hidden, targets, valid)
+        total = self._nll_sum(hidden, targets, valid, ignore_index)
         count = valid.sum() if num_items_in_batch is None else num_items_in_batch
         if torch.is_tensor(count):
             count = count.to(total.device)
         return total / count
 
     def _nll_sum(
-        self, hidden: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor
+        self, hidden: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, ignore_index: int
     ) -> torch.Tensor:
         """Summed NLL of the valid targets ``(B, T)``, by the head's chunked loss."""
+        if torch.compiler.is_compiling():
+            # No label is read on the host, so torch.compile captures one graph (fullgraph=True):
+            # the head scores every row, (B, T, d) as it is (one locked mask per sequence), and
+            # zeroes the ignored ones (0 when all are). Eager mode leaves the ignored rows out.
+            return self._head_loss_sum(hidden, targets, ignore_index)
         if not bool(valid.any()):
             return hidden.sum() * 0.0  # nothing to score; keeps the graph for backward
         if bool(valid.all()):
@@ -392,9 +403,12 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             )
         return self._head_loss_sum(hidden[valid], targets[valid])  # (N_valid, d)
 
-    def _head_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _head_loss_sum(
+        self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+    ) -> torch.Tensor:
+        chunk_size = loss_chunk_tokens(self.head, hidden.device)
         return self.head.loss(
-            hidden, targets, reduction="sum", chunk_size=loss_chunk_tokens(self.head, hidden.device)
+            hidden, targets, reduction="sum", chunk_size=chunk_size, ignore_index=ignore_index
         )
 
 
