@@ -24,13 +24,16 @@ What ``attach_head(model, name, **knobs)`` builds and initialises:
 * the **head** is ``build_head(name, d_in=<lm_head input width>, vocab_size=<lm_head rows>,
   **knobs)``. Its decoder matrix E (V x d) and bias b are taken from ``lm_head`` where the
   shapes agree: when the base ties ``lm_head`` to the input embedding, E *is* that embedding
-  (one shared Parameter, kept shared through save and load); otherwise ``lm_head.weight`` is
-  copied into E (unless a ``d_embed`` knob changes its width: then E keeps the head's own
-  U(-0.1, 0.1) init); b is ``lm_head.bias`` or zeros. With ``init="base"`` (the default)
-  the head then starts exactly at the base model's distribution: MoS, MoC and Mixtape are
-  built with residual contexts h_k = g + Z_k tanh(W_k g + a_k), Z_k = 0
-  (``heads/residual.py``), GSS with a learned slope starting at k = 1 and PLIF with every
-  slope 1 (both then the identity); SigSoftmax has no such knob and is refused (one line).
+  (one shared Parameter, kept shared through save and load; ``save_pretrained`` writes the tie
+  the tensors have into config.json, so a head trained apart from the embedding, as PEFT's
+  ``modules_to_save=["head"]`` trains a copy, saves and reloads untied); otherwise
+  ``lm_head.weight`` is copied into E (unless a ``d_embed`` knob changes its width: then E
+  keeps the head's own U(-0.1, 0.1) init); b is ``lm_head.bias`` or zeros. With
+  ``init="base"`` (the default) the head then starts exactly at the base model's
+  distribution: MoS, MoC and Mixtape are built with residual contexts
+  h_k = g + Z_k tanh(W_k g + a_k), Z_k = 0 (``heads/residual.py``), GSS with a learned
+  slope starting at k = 1 and PLIF with every slope 1 (both then the identity); SigSoftmax
+  has no such knob and is refused (one line).
   With ``init="paper"`` everything but E and b (MoS/MoC priors and latents, Mixtape
   components and gates, PLIF slopes) keeps its paper's random initialisation, and SigSoftmax
   and GSS start from the base model's logits.
@@ -207,6 +210,27 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> None:
         # The head is not an nn.Linear; transformers must not resize or re-tie it as one.
         return None
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' ``save_pretrained``, once ``config.tie_word_embeddings`` says what the
+        tensors are (``tie_state_from_tensors``): the saved config always matches them."""
+        self.tie_state_from_tensors()
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def tie_state_from_tensors(self) -> bool:
+        """Whether the head's decoder is the input embedding (one Parameter), now written into
+        ``config.tie_word_embeddings`` and the tied-weights keys. A tie can be lost after
+        ``attach_head``: PEFT's ``modules_to_save=["head"]`` trains a copy of the head, which
+        ``merge_and_unload`` makes the head, its decoder then apart from the embedding; saved
+        with a config still saying "tied", the folder held both tensors under a config that
+        contradicted them (transformers warned on reload; any later re-tie would replace the
+        trained decoder by the embedding)."""
+        tied = self.head.weight is self.get_input_embeddings().weight
+        if tied != self.config.tie_word_embeddings:
+            self.config.tie_word_embeddings = tied
+            self._tied_weights_keys = {"head.weight": _embedding_key(self)} if tied else None
+            self.all_tied_weights_keys = self.get_expanded_tied_weights_keys(all_submodels=False)
+        return tied
 
     def resize_token_embeddings(
         self,
