@@ -22,6 +22,15 @@ def disable_dropout_in_model(model: nn.Module) -> None:
             module.p = 0
 
 
+def extra_inputs(head, hidden: torch.Tensor) -> dict:
+    """What a head reads besides ``hidden`` (``head.reads``; none for most heads)."""
+    if tuple(getattr(head, "reads", ("hidden",))) == ("hidden",):
+        return {}
+    from tests.conftest import head_inputs
+
+    return head_inputs(head, hidden)
+
+
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_p_zero_on_every_nn_dropout_makes_training_mode_deterministic(make_head, name):
     """With TRL's switch, training mode scores as eval mode does: log-probs and the loss
@@ -31,14 +40,16 @@ def test_p_zero_on_every_nn_dropout_makes_training_mode_deterministic(make_head,
     head = make_head(name, stochastic=True, **locked).double()
     hidden = torch.randn(3, 5, 12, dtype=torch.float64)
     target = torch.randint(0, 50, (3, 5))
+    inputs = extra_inputs(head, hidden)
     with torch.no_grad():
-        expected_log_p = head.eval().log_prob(hidden)
-        expected_loss = head.loss(hidden, target, chunk_size=4)
+        expected_log_p = head.eval().log_prob(hidden, **inputs)
+        expected_loss = head.loss(hidden, target, chunk_size=4, **inputs)
     disable_dropout_in_model(head.train())
     with torch.no_grad():
-        torch.testing.assert_close(head.log_prob(hidden), expected_log_p)
-    torch.testing.assert_close(head.loss(hidden, target, chunk_size=4), expected_loss)
-    torch.testing.assert_close(head.loss(hidden, target, chunk_size=None), expected_loss)
+        torch.testing.assert_close(head.log_prob(hidden, **inputs), expected_log_p)
+    for chunk_size in (4, None):
+        loss = head.loss(hidden, target, chunk_size=chunk_size, **inputs)
+        torch.testing.assert_close(loss, expected_loss)
 
 
 @pytest.mark.parametrize("name", sorted(STOCHASTIC_KNOBS))
