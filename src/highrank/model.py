@@ -7,6 +7,13 @@ Parameter to the head explicitly, so the two share one tensor. Heads with intern
 ``dropout_time_dim=0`` so that it is *locked* over time (one mask per window and column) as in
 the AWD-LSTM and MoS code, for either backbone.
 
+A head that reads more than the hidden states (``OutputHead.reads``: MFS, CPR) gets them here,
+``time_dim=0`` wired: ``layers``, the last ``head.input_layers`` layers (the Transformer's
+block outputs; AWD-LSTM gives its last layer only, its layers having different widths, and
+refuses more), and ``context_ids``, the window's input tokens. Their context is the window
+(the segment of a BPTT step, a Transformer's window): AWD-LSTM's carried state does not carry
+it, and the Transformer's incremental decoding with a cache is refused for them.
+
 :func:`build_model` builds the model a config describes (dispatching on ``model.backbone``);
 :func:`load_run` the model of a trained run directory, with its checkpoint's weights
 (:mod:`highrank.runs` reads the checkpoint and knows no model), and :func:`load_run_corpus`
@@ -26,7 +33,7 @@ from torch import nn
 
 from highrank.backbones.awd_lstm import AWDLSTM, AWDLSTMExtras, AWDLSTMState
 from highrank.backbones.seq2seq import TransformerSeq2Seq
-from highrank.backbones.transformer import CausalTransformer
+from highrank.backbones.transformer import CausalTransformer, KVCache
 from highrank.config import FAMILIES, Config
 from highrank.data import Corpus, Vocab
 from highrank.data.streaming import open_corpus
@@ -43,6 +50,7 @@ class LanguageModel(nn.Module):
             raise ValueError(
                 f"head reads d_in={head.d_in} but the backbone outputs d_last={backbone.d_last}"
             )
+        check_layers_read(backbone, head)
         self.backbone = backbone
         self.head = head
 
@@ -53,25 +61,50 @@ class LanguageModel(nn.Module):
         state: AWDLSTMState | None = None,
         *,
         chunk_size: int | None | str = "auto",
+        reduction: str = "mean",
     ) -> tuple[torch.Tensor, AWDLSTMState, AWDLSTMExtras]:
-        """Mean NLL of ``target (T, B)`` given ``tokens (T, B)``, the new state, and the
-        backbone extras (for AR/TAR: ``backbone.regularization_loss(extras)``)."""
-        hidden, state, extras = self.backbone(tokens, state)
-        return self.head.loss(hidden, target, chunk_size=chunk_size), state, extras
+        """NLL of ``target (T, B)`` given ``tokens (T, B)`` (mean, or ``reduction``), the new
+        state, and the backbone extras (for AR/TAR: ``backbone.regularization_loss(extras)``)."""
+        hidden, state, extras, inputs = self.body(tokens, state)
+        loss = self.head.loss(hidden, target, chunk_size=chunk_size, reduction=reduction, **inputs)
+        return loss, state, extras
 
     def nll(
         self, tokens: torch.Tensor, target: torch.Tensor, state: AWDLSTMState | None = None
     ) -> tuple[torch.Tensor, AWDLSTMState]:
         """Per-token NLL ``(T, B)`` and the new state (for evaluation)."""
-        hidden, state, _ = self.backbone(tokens, state)
-        return self.head.loss(hidden, target, reduction="none"), state
+        hidden, state, _, inputs = self.body(tokens, state)
+        return self.head.loss(hidden, target, reduction="none", **inputs), state
 
     def log_prob(
         self, tokens: torch.Tensor, state: AWDLSTMState | None = None
     ) -> tuple[torch.Tensor, AWDLSTMState]:
         """Next-token log-probabilities ``(T, B, V)`` and the new state."""
-        hidden, state, _ = self.backbone(tokens, state)
-        return self.head.log_prob(hidden), state
+        hidden, state, _, inputs = self.body(tokens, state)
+        return self.head.log_prob(hidden, **inputs), state
+
+    def body(self, tokens: torch.Tensor, state=None) -> tuple[torch.Tensor, Any, Any, dict]:
+        """The backbone on ``tokens (T, B)``: hidden ``(T, B, d_last)``, the new state, the
+        extras, and what else the head reads (``head.reads``: layers, context ids)."""
+        reads = self.head.reads
+        if reads == ("hidden",):
+            return (*self.backbone(tokens, state), {})
+        if isinstance(state, KVCache):
+            raise ValueError(
+                f"{type(self.head).__name__} reads the context's tokens and states, which a "
+                "key-value cache does not carry: score whole windows (state=None)"
+            )
+        wanted = self.head.input_layers if "layers" in reads else 0
+        if wanted > 1:
+            hidden, state, extras = self.backbone(tokens, state, layers=wanted)
+            layers = extras.layers
+        else:
+            hidden, state, extras = self.backbone(tokens, state)
+            layers = (hidden,)
+        inputs: dict = {"layers": layers} if "layers" in reads else {}
+        if "context_ids" in reads:
+            inputs["context_ids"] = tokens
+        return hidden, state, extras, inputs
 
     def init_state(self, batch_size: int) -> AWDLSTMState:
         return self.backbone.init_state(batch_size)
@@ -84,6 +117,18 @@ class LanguageModel(nn.Module):
         rest = [p for p in self.backbone.parameters() if p.requires_grad and id(p) not in seen]
         groups[0] = {**groups[0], "params": list(groups[0]["params"]) + rest}
         return groups
+
+
+def check_layers_read(backbone: nn.Module, head: OutputHead) -> None:
+    """A head that reads several layers needs a backbone that gives them (one clear error)."""
+    wanted = head.input_layers if "layers" in head.reads else 0
+    if wanted > 1 and isinstance(backbone, AWDLSTM):
+        widths = ", ".join(map(str, backbone.layer_sizes))
+        raise ValueError(
+            f"{type(head).__name__} reads the last {wanted} layers, but AWD-LSTM gives a head "
+            f"its last layer only (its layers differ in width: {widths}); set "
+            "head.input_layers = 1 (or head.multi_input = false)"
+        )
 
 
 def _awd_lstm(config: Config, vocab_size: int) -> AWDLSTM:
@@ -163,8 +208,11 @@ def _language_model(
     wired: dict = {"d_embed": m.d_project if untied_projection else m.d_embed}
     if m.tie_weights:
         wired["tied_weight"] = backbone.embedding.weight
-    if "dropout_time_dim" in inspect.signature(HEADS[config.head.name]).parameters:
+    parameters = inspect.signature(HEADS[config.head.name]).parameters
+    if "dropout_time_dim" in parameters:
         wired["dropout_time_dim"] = 0  # time-major (T, B, d): locked dropout as in MoS
+    if "time_dim" in parameters:
+        wired["time_dim"] = 0  # time-major (T, B, d): the sequences of heads that read them
     head = build_head(
         config.head.name, d_in=backbone.d_last, vocab_size=vocab_size, **config.head.knobs, **wired
     )

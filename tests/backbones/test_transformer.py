@@ -52,6 +52,8 @@ def test_language_model_with_every_head_and_a_tied_embedding(name, make_head):
     knobs = {"tied_weight": backbone.embedding.weight, "d_embed": 16}
     if name in ("mos", "moc", "mixtape"):
         knobs["dropout_time_dim"] = 0  # time-major, as LanguageModel's heads
+    if name in ("mfs", "cpr"):
+        knobs["time_dim"] = 0  # they read the window's layers and tokens, time-major
     model = LanguageModel(backbone, make_head(name, d_in=16, vocab_size=30, **knobs)).train()
     tokens, target = torch.randint(0, 30, (2, 6, 3))
     loss, state, _ = model(tokens, target)
@@ -61,6 +63,23 @@ def test_language_model_with_every_head_and_a_tied_embedding(name, make_head):
     assert backbone.embedding.weight.grad is not None
     log_p, _ = model.log_prob(tokens)
     torch.testing.assert_close(log_p.exp().sum(-1), torch.ones(6, 3))
+
+
+def test_the_last_layers_for_heads_that_read_them():
+    """layers=n: the last n-1 blocks' outputs (the embedding counting as layer 0) and the
+    hidden states on top, time-major; more than the blocks and the embedding is refused."""
+    model = _small().eval()  # 2 blocks
+    tokens = torch.randint(0, 30, (7, 3))
+    hidden, _, extras = model(tokens, layers=3)
+    assert [tuple(x.shape) for x in extras.layers] == [(7, 3, 16)] * 3
+    assert torch.equal(extras.layers[-1], hidden)
+    states = []
+    x = model.inputs(model.embedding(tokens.t()), torch.arange(7))
+    model.stack(x, positions=torch.arange(7), states=states)
+    torch.testing.assert_close(extras.layers[0], states[0].transpose(0, 1))  # the embedding
+    torch.testing.assert_close(extras.layers[1], states[1].transpose(0, 1))  # block 1
+    with pytest.raises(ValueError, match="reads the last 4 layers but this Transformer has 2"):
+        model(tokens, layers=4)
 
 
 def test_parameter_count_closed_form():

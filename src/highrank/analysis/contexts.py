@@ -29,6 +29,7 @@ from highrank.data.streaming import batch_view, split_stream
 from highrank.evaluate.perplexity import default_bptt
 from highrank.evaluate.run import load_for_eval
 from highrank.model import LanguageModel
+from highrank.runs.checkpoint import CheckpointError
 from highrank.util.progress import progress_bar
 
 
@@ -90,6 +91,12 @@ def load_run_split(
     """
     loaded = load_for_eval(run_dir, which, data_dir=data_dir, device=device)
     model, config, corpus = loaded.model, loaded.config, loaded.corpus
+    if model.head.reads != ("hidden",):
+        raise CheckpointError(
+            f"{run_dir}: its head {config.head.name!r} reads {', '.join(model.head.reads)}; "
+            "the analyses read a head's rows from hidden states alone (`highrank eval` "
+            "scores this run)"
+        )
     return RunSplit(
         Path(run_dir),
         model,

@@ -154,6 +154,11 @@ class TransformerSeq2Seq(nn.Module):
         self.head = self._build_head(head, dict(head_knobs or {}), tie_output)
 
     def _build_head(self, name: str, knobs: dict, tie_output: bool) -> nn.Module:
+        if name in HEADS and HEADS[name].reads != ("hidden",):
+            raise ValueError(
+                f"head {name!r} reads {', '.join(HEADS[name].reads)}; the translation decoder "
+                "gives a head its hidden states alone"
+            )
         wired = {"d_embed": self.d_model}
         if tie_output:
             wired["tied_weight"] = self.tgt_embedding.weight

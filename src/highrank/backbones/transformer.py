@@ -328,9 +328,14 @@ class TransformerStack(nn.Module):
         past: list[KV] | None = None,
         memory_kv: list[KV] | None = None,
         memory_padding: torch.Tensor | None = None,
+        states: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[KV]]:
-        """x ``(B, T, d)`` -> ``LN(x_L) (B, T, d)`` and every layer's keys/values so far."""
+        """x ``(B, T, d)`` -> ``LN(x_L) (B, T, d)`` and every layer's keys/values so far.
+        ``states``: a list to which the input x_0 and each block's output x_1 ... x_L are
+        appended (what a head that reads several layers needs)."""
         new_kv: list[KV] = []
+        if states is not None:
+            states.append(x)
         for i, block in enumerate(self.blocks):
             x, kv = block(
                 x,
@@ -342,6 +347,8 @@ class TransformerStack(nn.Module):
                 memory_padding=memory_padding,
             )
             new_kv.append(kv)
+            if states is not None:
+                states.append(x)
         return self.final_norm(x), new_kv
 
 
@@ -374,6 +381,14 @@ class KVCache:
 # ---- the decoder-only language model ------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LayerStates:
+    """The extras of ``CausalTransformer.forward(..., layers=n)``: the last n layers' hidden
+    states, each ``(T, B, d_model)``, top last (the top one is the returned hidden)."""
+
+    layers: tuple[torch.Tensor, ...]
+
+
 class CausalTransformer(nn.Module):
     """A causal decoder-only Transformer LM body (pre-LN; GPT-2 shape), behind the backbone
     contract of :class:`highrank.backbones.AWDLSTM`.
@@ -389,6 +404,12 @@ class CausalTransformer(nn.Module):
     window before): the first token of a window is predicted from one token of context, the
     last from ``bptt``. (Transformer-XL's recurrence and sliding-window evaluation, which give
     every prediction a long context, are not implemented; perplexities are for this protocol.)
+
+    Layers. ``forward(..., layers=n)`` also returns the hidden states of the last n layers in
+    ``extras`` (:class:`LayerStates`, time-major like ``hidden``): the outputs of blocks
+    L - n + 1 ... L - 1 (the input embedding counting as layer 0, as transformers'
+    ``hidden_states``) and, on top, ``hidden`` itself (the last block after the final LN), for
+    heads that read several layers (``OutputHead.reads``: MFS, CPR).
 
     Incremental decoding. Given a :class:`KVCache` (``KVCache()`` to start), a call appends
     the keys and values of its tokens, whose positions continue from ``state.length``, and
@@ -446,19 +467,30 @@ class CausalTransformer(nn.Module):
         return len(self.stack.blocks)
 
     def forward(
-        self, tokens: torch.Tensor, state: KVCache | None = None
-    ) -> tuple[torch.Tensor, KVCache | None, None]:
-        """tokens ``(T, B)`` -> hidden ``(T, B, d_model)``, the new state, no extras."""
+        self, tokens: torch.Tensor, state: KVCache | None = None, *, layers: int = 0
+    ) -> tuple[torch.Tensor, KVCache | None, LayerStates | None]:
+        """tokens ``(T, B)`` -> hidden ``(T, B, d_model)``, the new state, and no extras (or
+        with ``layers=n`` the last n layers' states, class docstring)."""
         _check_tokens(tokens)
+        if not 0 <= layers <= self.n_layers + 1:
+            raise ValueError(
+                f"a head reads the last {layers} layers but this Transformer has "
+                f"{self.n_layers} blocks (and the embedding): at most {self.n_layers + 1}"
+            )
         if state is not None and not isinstance(state, KVCache):
             raise TypeError(f"CausalTransformer: state must be None or a KVCache; got {state!r}")
         start = 0 if state is None else state.length
         positions = torch.arange(start, start + tokens.shape[0], device=tokens.device)  # (T,)
         x = self.inputs(self.embedding(tokens.t()), positions)  # (B, T, d)
         past = None if state is None else state.layers
-        hidden, kv = self.stack(x, positions=positions, past=past)  # (B, T, d)
+        states: list[torch.Tensor] | None = [] if layers else None
+        hidden, kv = self.stack(x, positions=positions, past=past, states=states)  # (B, T, d)
         new_state = None if state is None else KVCache(kv)
-        return hidden.transpose(0, 1), new_state, None  # (T, B, d)
+        extras = None
+        if states is not None:  # the last blocks' outputs, the top one after the final LN
+            kept = [*states[len(states) - layers : -1], hidden]
+            extras = LayerStates(tuple(layer.transpose(0, 1) for layer in kept))
+        return hidden.transpose(0, 1), new_state, extras  # (T, B, d)
 
     def init_state(self, batch_size: int) -> None:
         """None: every window starts afresh (see the class docstring)."""
@@ -469,7 +501,7 @@ class CausalTransformer(nn.Module):
     def detach_state(state: KVCache | None) -> KVCache | None:
         return None if state is None else state.detach()
 
-    def regularization_loss(self, extras: None) -> torch.Tensor:
+    def regularization_loss(self, extras: LayerStates | None) -> torch.Tensor:
         """Zero: this backbone adds no activation regularisation (AWD-LSTM's AR/TAR)."""
         return self.embedding.weight.new_zeros(())
 

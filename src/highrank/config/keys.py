@@ -96,12 +96,16 @@ class Family:
         check: the cross-key rules of a config of this family, run after every key's range.
         parallel_corpus: its data is a parallel corpus and its model translates (no word
             corpus to score): the verbs of language models refuse its runs.
+        head_layers: for a head that reads more than hidden states (``OutputHead.reads``:
+            other layers, the context's tokens), how many layers the family gives it and why
+            no more, from the config; None: it gives a head its hidden states alone.
     """
 
     name: str
     keys: Mapping[str, Mapping[str, Rule | None]]
     check: Check = _no_check
     parallel_corpus: bool = False
+    head_layers: Callable[[Any], tuple[int, str]] | None = None
 
 
 __all__ = [

@@ -389,7 +389,36 @@ def validate_config(config: Config, origins: Mapping[str, str] | None = None) ->
     _validate_head_values(config, origins)
     _validate_switch_epoch(config, origins)
     family = families.FAMILIES[config.model.backbone]
+    _validate_head_inputs(config, origins, family)
     family.check(config, lambda dotted: _origin(origins, dotted), _show)
+
+
+def _validate_head_inputs(config: Config, origins: Mapping[str, str], family) -> None:
+    """A head that reads more than hidden states (MFS, CPR: other layers, the context's
+    tokens) needs a family that gives them (``Family.head_layers``)."""
+    import torch
+
+    name = config.head.name
+    if HEADS[name].reads == ("hidden",):
+        return
+    with torch.device("meta"):
+        head = build_head(
+            name, d_in=config.model.d_embed, vocab_size=_PLACEHOLDER_VOCAB, **config.head.knobs
+        )
+    backbone = f"model.backbone = {_show(config.model.backbone)}"
+    if family.head_layers is None:
+        raise ConfigError(
+            f"{_origin(origins, 'head.name')}: head.name = {_show(name)} reads "
+            f"{', '.join(head.reads)}, but {backbone} gives a head its hidden states alone; "
+            "choose another head"
+        )
+    given, why = family.head_layers(config)
+    if "layers" in head.reads and head.input_layers > given:
+        raise ConfigError(
+            f"{_origin(origins, 'head.input_layers')}: head.input_layers = "
+            f"{head.input_layers} is more layers than {backbone} gives a head ({given}: {why})"
+            "; set head.input_layers <= " + f"{given} (or head.multi_input = false)"
+        )
 
 
 def _validate_head_values(config: Config, origins: Mapping[str, str]) -> None:

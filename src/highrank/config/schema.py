@@ -20,7 +20,7 @@ from highrank.config.keys import ConfigError
 
 BACKBONES = tuple(FAMILIES)  # model.backbone: the model families
 # Head constructor arguments that the model sets from [model], not the user from [head].
-MODEL_SET_KNOBS = ("d_embed", "tied_weight", "dropout_time_dim")
+MODEL_SET_KNOBS = ("d_embed", "tied_weight", "dropout_time_dim", "time_dim")
 
 
 # ---- schema ---------------------------------------------------------------------------------

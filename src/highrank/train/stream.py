@@ -56,8 +56,8 @@ def evaluate_loss(
     state = model.init_state(source.size(1))
     total, count = 0.0, 0
     for tokens, target in iter_batches(source, bptt):
-        hidden, state, _ = model.backbone(tokens, state)  # (L, B, d_last)
-        total += float(model.head.loss(hidden, target, reduction="sum", chunk_size=chunk_size))
+        loss, state, _ = model(tokens, target, state, chunk_size=chunk_size, reduction="sum")
+        total += float(loss)
         count += target.numel()
     return total / count
 

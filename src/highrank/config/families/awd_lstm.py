@@ -43,6 +43,8 @@ AWD_LSTM = Family(
         "finetune": {"max_seq_len_delta": NON_NEGATIVE},
     },
     check=check_stream_data,
+    # its layers differ in width (d_hidden, ..., d_last): a head gets the last one
+    head_layers=lambda config: (1, "its last only: its layers differ in width"),
 )
 
 __all__ = ["AWD_LSTM", "SWITCH_POLICIES"]

@@ -77,6 +77,10 @@ TRANSFORMER = Family(
         "train": {**ADAMW_TRAIN_KEYS, "accumulate": POSITIVE, "bf16": ANY},
     },
     check=check_transformer,
+    head_layers=lambda config: (
+        config.model.n_layers + 1,
+        "model.n_layers + 1: its blocks' outputs and the embedding",
+    ),
 )
 
 __all__ = [
