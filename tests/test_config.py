@@ -74,10 +74,33 @@ def test_defaults_are_valid_and_equal_an_empty_load():
 
 def test_every_head_loads_with_its_default_knobs():
     for name in HEADS:
-        config = load_config(None, [f"head.name={name}"])
+        # MFS and CPR read the last 3 layers by default, which the Transformer family gives
+        family = "transformer" if HEADS[name].reads != ("hidden",) else "awd-lstm"
+        config = load_config(None, [f"head.name={name}", f"model.backbone={family}"])
         expected = {k: v for k, v in head_knobs(name).items() if v is not None}
         expected = {k: v for k, v in expected.items() if k not in ("d_embed", "tied_weight")}
         assert config.head.knobs == expected
+
+
+def test_a_family_that_cannot_give_a_head_what_it_reads_says_so():
+    """AWD-LSTM gives a head its last layer only; the translation decoder its hidden states
+    alone (MFS and CPR also read the context's layers and tokens)."""
+    with pytest.raises(ConfigError, match=r"head.input_layers = 3 is more layers than "
+                       r'model.backbone = "awd-lstm" gives a head \(1: its last only'):
+        load_config(None, ["head.name=cpr"])
+    config = load_config(None, ["head.name=cpr", "head.input_layers=1"])
+    assert config.head.knobs["input_layers"] == 1
+    load_config(None, ["head.name=mfs", "head.multi_input=false"])  # the top layer alone
+    with pytest.raises(ConfigError, match=r"head.input_layers = 4 is more layers than "
+                       r'model.backbone = "transformer" gives a head \(3: model.n_layers \+ 1'):
+        load_config(None, ["head.name=mfs", "model.backbone=transformer", "model.n_layers=2",
+                           "head.input_layers=4"])
+    with pytest.raises(ConfigError, match=r'head.name = "cpr" reads hidden, layers, context_ids, '
+                       r'but model.backbone = "seq2seq" gives a head its hidden states alone'):
+        load_config(None, ["head.name=cpr", "model.backbone=seq2seq", "data.src_lang=de",
+                           "data.tgt_lang=en"])
+    with pytest.raises(ConfigError, match=r"head.time_dim is set by the model"):
+        load_config(None, ["head.name=cpr", "model.backbone=transformer", "head.time_dim=1"])
 
 
 def test_toml_file_is_merged_onto_defaults(mos_file):

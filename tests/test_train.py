@@ -113,6 +113,23 @@ def test_run_directory_holds_config_command_environment_vocab_metrics_checkpoint
     assert checkpoints == {"last.pt", "last.prev.pt", "best.pt"}
 
 
+def test_awd_lstm_gives_a_head_that_reads_layers_its_last_layer_only(corpus, tmp_path):
+    """CPR with input_layers = 1 trains on AWD-LSTM (its last layer and the segment's tokens);
+    more layers are refused when the model is built (the config's check: test_config.py)."""
+    from highrank.backbones.awd_lstm import AWDLSTM
+    from highrank.heads import build_head
+    from highrank.model import LanguageModel
+
+    overrides = ["head.name=cpr", "head.input_layers=1", "head.reranker_k1=5", "train.epochs=1"]
+    run = train(tiny_config(corpus, tmp_path / "run", *overrides), options=QUIET).run_dir
+    losses = [r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]
+    assert losses and all(math.isfinite(loss) for loss in losses)
+    backbone = AWDLSTM(31, d_embed=8, d_hidden=12, n_layers=2)
+    with pytest.raises(ValueError, match=r"reads the last 2 layers, but AWD-LSTM gives a head its "
+                       r"last layer only \(its layers differ in width: 12, 8\)"):
+        LanguageModel(backbone, build_head("mfs", d_in=8, vocab_size=31, input_layers=2))
+
+
 def test_metrics_have_a_line_per_logged_step_and_per_epoch(corpus, tmp_path):
     out = tmp_path / "run"
     train(tiny_config(corpus, out, "train.epochs=2", "train.log_every=5"), options=QUIET)

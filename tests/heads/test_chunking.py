@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from highrank.heads import HEADS
+from tests.conftest import head_inputs
 
 HEAD_NAMES = list(HEADS)
 
@@ -16,7 +17,7 @@ def _grads(head, hidden, target, **loss_kwargs):
     head.zero_grad()
     hidden = hidden.clone().requires_grad_(True)
     weights = loss_kwargs.pop("token_weights", None)
-    loss = head.loss(hidden, target, **loss_kwargs)
+    loss = head.loss(hidden, target, **loss_kwargs, **head_inputs(head, hidden))
     (loss * weights).sum().backward() if weights is not None else loss.backward()
     return loss.detach(), hidden.grad, {n: p.grad.clone() for n, p in head.named_parameters()}
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from highrank.heads import HEADS
+from tests.conftest import head_inputs
 
 HEAD_NAMES = list(HEADS)
 
@@ -25,20 +26,21 @@ def _inputs():
     return hidden, target
 
 
-def _step(head, hidden, target):
+def _step(head, hidden, target, inputs):
     """Everything a training or evaluation step asks of a head: log-probabilities, the
     whole-batch loss, the chunked scalar loss (gradients in forward, or checkpointing), with
-    ignored targets and label smoothing, and their gradients."""
-    log_p = head.log_prob(hidden)
-    whole = head.loss(hidden, target, label_smoothing=0.1)
-    chunked = head.loss(hidden, target, chunk_size=5, reduction="sum")
+    ignored targets and label smoothing, and their gradients. ``inputs``: what the head reads
+    besides hidden (made outside the graph: ``head_inputs`` draws from its own generator)."""
+    log_p = head.log_prob(hidden, **inputs)
+    whole = head.loss(hidden, target, label_smoothing=0.1, **inputs)
+    chunked = head.loss(hidden, target, chunk_size=5, reduction="sum", **inputs)
     return log_p, whole, chunked
 
 
 def _run(step, head, hidden, target):
     head.zero_grad()
     hidden = hidden.clone().requires_grad_(True)
-    log_p, whole, chunked = step(head, hidden, target)
+    log_p, whole, chunked = step(head, hidden, target, head_inputs(head, hidden))
     (log_p.logsumexp(0).sum() + whole + chunked).backward()
     grads = [hidden.grad] + [p.grad for p in head.parameters()]
     return [log_p.detach(), whole.detach(), chunked.detach()], grads
@@ -65,9 +67,11 @@ def test_fullgraph_compile_of_log_prob_without_gradients(make_head, name):
     torch._dynamo.reset()
     head = make_head(name).eval()
     hidden, _ = _inputs()
+    inputs = head_inputs(head, hidden)
     compiled = torch.compile(head.log_prob, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
-        torch.testing.assert_close(compiled(hidden), head.log_prob(hidden), atol=1e-5, rtol=1e-5)
+        expected = head.log_prob(hidden, **inputs)
+        torch.testing.assert_close(compiled(hidden, **inputs), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fullgraph_compile_in_training_mode(make_head):

@@ -10,10 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from highrank.heads import HEADS, build_head
+from tests.conftest import head_inputs
 
 HEAD_NAMES = list(HEADS)
 SHAPES = [(24,), (3, 8)]  # leading shapes: [N, d] and [B, T, d]
 HEADS_WITH_TRAINING_NOISE = {"moc", "mos", "mixtape", "mlp_softmax"}
+# Heads that read their sequence (heads/sequence.py) take the other inputs they read:
+# head_inputs(head, hidden) makes them for every call below.
 
 
 def _inputs(lead, d_in=12, vocab_size=50, scale=1.0):
@@ -27,7 +30,7 @@ def _inputs(lead, d_in=12, vocab_size=50, scale=1.0):
 def test_log_prob_is_normalised_float32(make_head, name, lead):
     head = make_head(name, stochastic=True)  # training mode: dropout and noise on
     hidden, _ = _inputs(lead)
-    log_p = head.log_prob(hidden)
+    log_p = head.log_prob(hidden, **head_inputs(head, hidden))
     assert log_p.shape == (*lead, 50)
     assert log_p.dtype == torch.float32
     torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(lead), atol=1e-5, rtol=0)
@@ -38,10 +41,11 @@ def test_large_hidden_states_give_finite_output_and_gradients(make_head, name):
     head = make_head(name)
     hidden, target = _inputs((3, 8), scale=100.0)
     hidden.requires_grad_(True)
-    log_p = head.log_prob(hidden)
+    inputs = head_inputs(head, hidden)
+    log_p = head.log_prob(hidden, **inputs)
     assert torch.isfinite(log_p).all()
     torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(3, 8), atol=1e-5, rtol=0)
-    head.loss(hidden, target).backward()
+    head.loss(hidden, target, **inputs).backward()
     assert torch.isfinite(hidden.grad).all()
 
 
@@ -50,18 +54,19 @@ def test_large_hidden_states_give_finite_output_and_gradients(make_head, name):
 def test_loss_is_negative_gathered_log_prob(make_head, name, lead):
     head = make_head(name).eval()
     hidden, target = _inputs(lead)
-    gathered = -head.log_prob(hidden).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(head.loss(hidden, target, reduction="none"), gathered)
-    torch.testing.assert_close(head.loss(hidden, target), gathered.mean())
-    torch.testing.assert_close(head.loss(hidden, target, reduction="sum"), gathered.sum())
-    torch.testing.assert_close(head(hidden, target), gathered.mean())
-    torch.testing.assert_close(head(hidden), head.log_prob(hidden))
+    inputs = head_inputs(head, hidden)
+    gathered = -head.log_prob(hidden, **inputs).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(head.loss(hidden, target, reduction="none", **inputs), gathered)
+    torch.testing.assert_close(head.loss(hidden, target, **inputs), gathered.mean())
+    torch.testing.assert_close(head.loss(hidden, target, reduction="sum", **inputs), gathered.sum())
+    torch.testing.assert_close(head(hidden, target, **inputs), gathered.mean())
+    torch.testing.assert_close(head(hidden, **inputs), head.log_prob(hidden, **inputs))
 
 
 def _loss_and_grads(head, hidden, target, chunk_size):
     head.zero_grad()
     hidden = hidden.clone().requires_grad_(True)
-    loss = head.loss(hidden, target, chunk_size=chunk_size)
+    loss = head.loss(hidden, target, chunk_size=chunk_size, **head_inputs(head, hidden))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in head.named_parameters()}
     return loss.detach(), hidden.grad, grads
@@ -123,7 +128,7 @@ def test_chunked_recomputation_replays_mixtape_gate_noise(make_head):
 def test_gradients_reach_every_parameter(make_head, name):
     head = make_head(name, stochastic=True)
     hidden, target = _inputs((3, 8))
-    head.loss(hidden, target).backward()
+    head.loss(hidden, target, **head_inputs(head, hidden)).backward()
     for param_name, param in head.named_parameters():
         assert param.grad is not None, f"{name}.{param_name} got no gradient"
         assert param.grad.abs().sum() > 0, f"{name}.{param_name} got an all-zero gradient"
@@ -133,13 +138,14 @@ def test_gradients_reach_every_parameter(make_head, name):
 def test_bf16_autocast_keeps_float32_normalised_output(make_head, name):
     head = make_head(name)
     hidden, target = _inputs((3, 8))
+    inputs = head_inputs(head, hidden)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        log_p = head.log_prob(hidden)
-        loss = head.loss(hidden, target)
+        log_p = head.log_prob(hidden, **inputs)
+        loss = head.loss(hidden, target, **inputs)
     assert log_p.dtype == torch.float32 and loss.dtype == torch.float32
     torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(3, 8), atol=1e-5, rtol=0)
     # bf16 matmuls cost precision, not correctness: close to the float32 result.
-    torch.testing.assert_close(loss, head.loss(hidden, target), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(loss, head.loss(hidden, target, **inputs), atol=0.05, rtol=0.02)
 
 
 @pytest.mark.parametrize("name", HEAD_NAMES)
@@ -151,7 +157,7 @@ def test_tying_shares_one_parameter(make_head, name):
     shared = [p for p in model.parameters() if p is embedding.weight]
     assert len(shared) == 1  # counted once, not twice
     hidden, target = _inputs((3, 8))
-    head.loss(hidden, target).backward()
+    head.loss(hidden, target, **head_inputs(head, hidden)).backward()
     assert embedding.weight.grad is not None and embedding.weight.grad.abs().sum() > 0
 
 
@@ -162,7 +168,10 @@ def test_tying_with_a_projection_when_sizes_differ(make_head, name):
     assert head.d_embed == 6
     hidden, _ = _inputs((5,))
     torch.testing.assert_close(
-        head.log_prob(hidden).logsumexp(-1), torch.zeros(5), atol=1e-5, rtol=0
+        head.log_prob(hidden, **head_inputs(head, hidden)).logsumexp(-1),
+        torch.zeros(5),
+        atol=1e-5,
+        rtol=0,
     )
 
 
@@ -170,9 +179,10 @@ def test_tying_with_a_projection_when_sizes_differ(make_head, name):
 def test_eval_turns_dropout_and_noise_off(make_head, name):
     head = make_head(name, stochastic=True)
     hidden, _ = _inputs((3, 8))
-    train_a, train_b = head.log_prob(hidden), head.log_prob(hidden)
+    inputs = head_inputs(head, hidden)
+    train_a, train_b = head.log_prob(hidden, **inputs), head.log_prob(hidden, **inputs)
     head.eval()
-    eval_a, eval_b = head.log_prob(hidden), head.log_prob(hidden)
+    eval_a, eval_b = head.log_prob(hidden, **inputs), head.log_prob(hidden, **inputs)
     torch.testing.assert_close(eval_a, eval_b, atol=0, rtol=0)
     if name in HEADS_WITH_TRAINING_NOISE:
         assert not torch.allclose(train_a, train_b), "training mode should draw fresh noise"
@@ -188,7 +198,8 @@ def test_deterministic_under_a_seed(make_head, name):
         torch.manual_seed(7)
         head = make_head(name, stochastic=True)
         hidden, target = _inputs((3, 8))
-        outputs.append((head.log_prob(hidden), head.loss(hidden, target)))
+        inputs = head_inputs(head, hidden)
+        outputs.append((head.log_prob(hidden, **inputs), head.loss(hidden, target, **inputs)))
     torch.testing.assert_close(outputs[0][0], outputs[1][0], atol=0, rtol=0)
     torch.testing.assert_close(outputs[0][1], outputs[1][1], atol=0, rtol=0)
 
@@ -198,16 +209,18 @@ def test_bad_input_gets_a_clear_error(make_head, name):
     head = make_head(name)
     with pytest.raises(ValueError, match=r"d_in=12"):
         head.log_prob(torch.randn(4, 11))
+    hidden = torch.randn(4, 12)
+    inputs = head_inputs(head, hidden)
     with pytest.raises(ValueError, match=r"target has shape \(5,\); expected \(4,\)"):
-        head.loss(torch.randn(4, 12), torch.zeros(5, dtype=torch.long))
+        head.loss(hidden, torch.zeros(5, dtype=torch.long), **inputs)
     with pytest.raises(ValueError, match=r"\[0, 50\)"):
-        head.loss(torch.randn(4, 12), torch.tensor([0, 1, 2, 50]))
+        head.loss(hidden, torch.tensor([0, 1, 2, 50]), **inputs)
     with pytest.raises(TypeError, match="integer token ids"):
-        head.loss(torch.randn(4, 12), torch.zeros(4))
+        head.loss(hidden, torch.zeros(4), **inputs)
     with pytest.raises(ValueError, match="reduction"):
-        head.loss(torch.randn(4, 12), torch.zeros(4, dtype=torch.long), reduction="avg")
+        head.loss(hidden, torch.zeros(4, dtype=torch.long), reduction="avg", **inputs)
     with pytest.raises(ValueError, match="chunk_size"):
-        head.loss(torch.randn(4, 12), torch.zeros(4, dtype=torch.long), chunk_size=0)
+        head.loss(hidden, torch.zeros(4, dtype=torch.long), chunk_size=0, **inputs)
 
 
 def test_build_head_rejects_unknown_names_and_knobs():
@@ -296,12 +309,14 @@ def test_a_head_cast_to_bf16_still_gives_float32_normalised_output(make_head, na
     head = make_head(name, stochastic=True).to(torch.bfloat16)  # training: dropout masks on
     hidden, target = _inputs((3, 8))
     hidden = hidden.to(torch.bfloat16).requires_grad_(True)
-    log_p = head.log_prob(hidden)
+    inputs = head_inputs(head, hidden)
+    log_p = head.log_prob(hidden, **inputs)
     assert log_p.dtype == torch.float32
     torch.testing.assert_close(log_p.logsumexp(-1), torch.zeros(3, 8), atol=1e-5, rtol=0)
     for chunk_size in (None, 5):  # whole batch, and the chunked (fused or generic) path
         head.zero_grad()
-        loss = head.loss(hidden, target, chunk_size=chunk_size, label_smoothing=0.1)
+        inputs = head_inputs(head, hidden)  # a fresh graph for each backward
+        loss = head.loss(hidden, target, chunk_size=chunk_size, label_smoothing=0.1, **inputs)
         assert loss.dtype == torch.float32 and torch.isfinite(loss)
         loss.backward()
         for param_name, param in head.named_parameters():
@@ -311,10 +326,11 @@ def test_a_head_cast_to_bf16_still_gives_float32_normalised_output(make_head, na
     # rounding of the intermediate activations.
     head.eval()
     wide = copy.deepcopy(head).float()
+    wide_hidden = hidden.float()
     for chunk_size in (None, 5):
         torch.testing.assert_close(
-            head.loss(hidden, target, chunk_size=chunk_size),
-            wide.loss(hidden.float(), target, chunk_size=chunk_size),
+            head.loss(hidden, target, chunk_size=chunk_size, **inputs),
+            wide.loss(wide_hidden, target, chunk_size=chunk_size, **head_inputs(wide, wide_hidden)),
             atol=0.05,
             rtol=0.02,
         )
@@ -332,7 +348,9 @@ def test_integer_or_mismatched_hidden_dtype_is_one_clear_error(make_head, name):
     with pytest.raises(TypeError, match=r"torch.float32 but the head's parameters are torch.bf"):
         narrow.log_prob(torch.randn(4, 12))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts both sides: allowed
-        assert head.log_prob(torch.randn(4, 12, dtype=torch.bfloat16)).dtype == torch.float32
+        narrow_hidden = torch.randn(4, 12, dtype=torch.bfloat16)
+        inputs = head_inputs(head, narrow_hidden)
+        assert head.log_prob(narrow_hidden, **inputs).dtype == torch.float32
 
 
 def test_plif_with_a_nan_input_returns_nan_instead_of_failing(make_head):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from highrank.heads import HEADS
+from tests.conftest import head_inputs
 
 HEAD_NAMES = list(HEADS)
 IGNORE = -100
@@ -51,7 +52,7 @@ def _backward(loss, weights):
 def _run(head, hidden, target, weights, **options):
     head.zero_grad()
     hidden = hidden.clone().requires_grad_(True)
-    loss = head.loss(hidden, target, **options)
+    loss = head.loss(hidden, target, **options, **head_inputs(head, hidden))
     _backward(loss, weights)
     return loss.detach(), hidden.grad, {n: p.grad.clone() for n, p in head.named_parameters()}
 
@@ -59,7 +60,8 @@ def _run(head, hidden, target, weights, **options):
 def _run_reference(head, hidden, target, weights, *, reduction, ignore_index, eps):
     reference = copy.deepcopy(head).double()
     hidden = hidden.double().requires_grad_(True)
-    losses, kept = _reference_losses(reference.log_prob(hidden), target, ignore_index, eps)
+    log_p = reference.log_prob(hidden, **head_inputs(reference, hidden))
+    losses, kept = _reference_losses(log_p, target, ignore_index, eps)
     loss = _reduce(losses, kept, reduction)
     _backward(loss, weights.double())
     grads = {n: p.grad for n, p in reference.named_parameters()}
@@ -124,6 +126,7 @@ def test_chunked_equals_unchunked_with_smoothing_and_ignored_targets(make_head, 
         for param_name, grad in whole[2].items():
             torch.testing.assert_close(chunked[2][param_name], grad, atol=1e-6, rtol=1e-5)
     with torch.no_grad():  # the gradient-free chunk loop
+        options.update(head_inputs(head, hidden))
         for reduction in ("mean", "none"):
             plain = head.loss(hidden, target, reduction=reduction, chunk_size=None, **options)
             looped = head.loss(hidden, target, reduction=reduction, chunk_size=7, **options)
@@ -170,9 +173,12 @@ def test_all_ignored_or_empty_batch_behaves_as_f_cross_entropy(make_head, name, 
             options = {"reduction": reduction, "label_smoothing": eps}
             expected = F.cross_entropy(logits[: len(target)], target, **options)
             for chunk_size in (None, 3):
-                got = head.loss(hidden, target, chunk_size=chunk_size, **options)
+                inputs = head_inputs(head, hidden)
+                got = head.loss(hidden, target, chunk_size=chunk_size, **options, **inputs)
                 torch.testing.assert_close(got, expected, equal_nan=True)
-    assert head.loss(torch.randn(4, 12), torch.full((4,), IGNORE)).isnan()  # documented: nan
+    hidden = torch.randn(4, 12)
+    ignored = torch.full((4,), IGNORE)
+    assert head.loss(hidden, ignored, **head_inputs(head, hidden)).isnan()  # documented: nan
 
 
 def target_0():
@@ -230,7 +236,8 @@ def test_the_loss_never_reads_a_value_on_the_host(make_head, name):
     hidden = torch.randn(4, 6, 12, device="meta", requires_grad=True)
     target = torch.randint(0, 50, (4, 6), device="meta")
     for chunk_size in (None, 5):  # whole, and chunked (fused or generic)
-        loss = head.loss(hidden, target, chunk_size=chunk_size, label_smoothing=0.1)
+        inputs = head_inputs(head, hidden)
+        loss = head.loss(hidden, target, chunk_size=chunk_size, label_smoothing=0.1, **inputs)
         loss.backward()
         assert loss.shape == () and hidden.grad.shape == hidden.shape
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from highrank.heads import HEADS, base_init_knobs, build_head
-from tests.conftest import SMALL_KNOBS
+from tests.conftest import SMALL_KNOBS, head_inputs
 
 CAN_START = [name for name in HEADS if HEADS[name].BASE_INIT_KNOBS is not None]
 
@@ -34,9 +34,12 @@ def test_a_warm_head_equals_the_softmax_it_replaces(name, d_embed):
     softmax, head = softmax_and_warm(name, d_in=12, d_embed=d_embed)
     hidden = 3.0 * torch.randn(40, 12)
     expected = softmax.log_prob(hidden)
-    torch.testing.assert_close(head.eval().log_prob(hidden), expected, atol=1e-5, rtol=0)
+    inputs = head_inputs(head, hidden)  # MFS and CPR: other layers and the context's ids
+    got = head.eval().log_prob(hidden, **inputs)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     # dropout and gate noise act only on the zeroed residual branch: training mode agrees too
-    torch.testing.assert_close(head.train().log_prob(hidden), expected, atol=1e-5, rtol=0)
+    got = head.train().log_prob(hidden, **inputs)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["mos", "moc", "mixtape", "mlp_softmax"])

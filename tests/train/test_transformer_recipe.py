@@ -272,6 +272,29 @@ def test_cli_train_eval_and_analyze_rank_on_a_tiny_transformer_run(corpus, tmp_p
     assert record["head"] == "softmax" and record["press_rank"] <= 8 + 2  # d + 2 for softmax
 
 
+@pytest.mark.parametrize(
+    "head", ["--head.name=mfs", "--head.name=cpr --head.reranker_k1=6 --head.reranker_k2=3"]
+)
+def test_heads_that_read_the_layers_and_tokens_train_and_evaluate(corpus, tmp_path, capsys, head):
+    """MFS and CPR get the window's last 3 layers (2 blocks and the embedding) and tokens;
+    eval scores the run; the analyses, which read rows of hidden states, refuse it in a line."""
+    import json
+
+    from highrank.cli import main
+    from highrank.model import load_run
+
+    out = train_tiny_run(corpus, tmp_path, *head.split())
+    model, config, _ = load_run(out)
+    assert model.head.time_dim == 0 and model.head.input_layers == 3
+    assert main(["eval", str(out), "--split", "test", "--no-progress"]) == 0
+    record = json.loads((out / "eval-test-best.json").read_text())
+    assert math.isfinite(record["loss"]) and record["loss"] < math.log(31) + 1
+    capsys.readouterr()
+    assert main(["analyze", "rank", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "reads hidden, layers" in err and "highrank eval" in err
+
+
 def test_eval_and_the_analyses_read_a_transformer_run_in_its_own_windows(corpus, tmp_path, capsys):
     """With no --bptt, eval, rank, kl and topk use the run's train.bptt (6 here: its learned
     positions cover no more, so the AWD-LSTM default of 70 would be refused)."""

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# highrank.heads: tuple(HEADS) and PAPER_HEADS (the seven papers' heads; mlp_softmax is the
-# rank-bounded capacity control)
+# highrank.heads: tuple(HEADS) and PAPER_HEADS (the seven papers' heads that read hidden states
+# alone; mlp_softmax is the rank-bounded capacity control; mfs and cpr also read other layers
+# and the context's tokens)
 HEAD_NAMES: tuple[str, ...] = (
     "softmax",
     "moc",
@@ -22,8 +23,12 @@ HEAD_NAMES: tuple[str, ...] = (
     "gss",
     "plif",
     "mlp_softmax",
+    "mfs",
+    "cpr",
 )
-PAPER_HEAD_NAMES: tuple[str, ...] = tuple(name for name in HEAD_NAMES if name != "mlp_softmax")
+PAPER_HEAD_NAMES: tuple[str, ...] = tuple(
+    name for name in HEAD_NAMES if name not in ("mlp_softmax", "mfs", "cpr")
+)
 
 # highrank.demo.DemoSettings(): the defaults `highrank demo` shows and uses
 DEMO_DEFAULTS: dict[str, object] = {

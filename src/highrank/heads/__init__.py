@@ -2,9 +2,12 @@
 
 ``HEADS`` maps a short name to each class; ``build_head(name, d_in=..., vocab_size=..., **knobs)``
 builds one and rejects unknown names and knobs with the valid choices listed.
-``PAPER_HEADS`` are the seven heads of the papers; ``mlp_softmax`` is the rank-bounded
-capacity control of the warm-start study. ``base_init_knobs`` gives the knobs with which a
-head can start exactly at a trained softmax (``OutputHead.start_at_base``).
+``PAPER_HEADS`` are the seven heads of the papers that read hidden states alone (the demo and
+the sweeps run them on rows); ``mfs`` and ``cpr`` (Multi-Facet Softmax, Softmax-CPR) also read
+other layers and the context's tokens (``heads/sequence.py``, ``OutputHead.reads``);
+``mlp_softmax`` is the rank-bounded capacity control of the warm-start study.
+``base_init_knobs`` gives the knobs with which a head can start exactly at a trained softmax
+(``OutputHead.start_at_base``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 import inspect
 
 from highrank.heads.base import OutputHead
+from highrank.heads.cpr import SoftmaxCPR
 from highrank.heads.gss import GeneralizedSigSoftmax
+from highrank.heads.mfs import MultiFacetSoftmax
 from highrank.heads.mixtape import Mixtape
 from highrank.heads.mlp_softmax import MLPSoftmax
 from highrank.heads.moc import MixtureOfContexts
@@ -30,8 +35,12 @@ HEADS: dict[str, type[OutputHead]] = {
     "gss": GeneralizedSigSoftmax,
     "plif": PiecewiseLinearSoftmax,
     "mlp_softmax": MLPSoftmax,
+    "mfs": MultiFacetSoftmax,
+    "cpr": SoftmaxCPR,
 }
-PAPER_HEADS: tuple[str, ...] = tuple(name for name in HEADS if name != "mlp_softmax")
+PAPER_HEADS: tuple[str, ...] = tuple(
+    name for name in HEADS if name != "mlp_softmax" and HEADS[name].reads == ("hidden",)
+)
 INITS = ("paper", "base")
 
 
@@ -109,4 +118,6 @@ __all__ = [
     "SigSoftmax",
     "GeneralizedSigSoftmax",
     "PiecewiseLinearSoftmax",
+    "MultiFacetSoftmax",
+    "SoftmaxCPR",
 ]
