@@ -45,7 +45,8 @@ from benchmarks.smollm2_warm_start import HEADS as STUDY_HEADS
 
 # knobs of each head type under --types (the study's own knobs are in STUDY_HEADS)
 KNOBS = {"mos": {"n_components": 2}, "moc": {"n_components": 2}, "mixtape": {"gate_dim": 64},
-         "mlp_softmax": {"mlp_width": 1152}, "plif": {}, "gss": {}, "softmax": {}}
+         "mlp_softmax": {"mlp_width": 1152}, "plif": {}, "gss": {}, "softmax": {},
+         "mfs": {}, "cpr": {}}  # MFS and CPR: their papers' knobs (issue 34)
 
 
 def names(value: str, known, what: str, parser) -> list[str]:

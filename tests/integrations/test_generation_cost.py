@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.generate_speed import decoder_products_class
-from tests.conftest import SMALL_KNOBS
+from tests.conftest import SMALL_KNOBS, head_inputs
 
 from .conftest import HIDDEN, VOCAB
 
@@ -29,7 +29,10 @@ def decoder_values(model, run) -> int:
 @pytest.mark.parametrize("base", ["gpt2", "llama"])
 def test_greedy_generate_runs_the_decoder_once_per_new_token(attached, base, head):
     model = attached(base, head)
-    one_position = decoder_values(model, lambda: model.head.log_prob(torch.randn(1, HIDDEN)))
+    row = torch.randn(1, 1, HIDDEN)  # (B, T, d); MFS, CPR: with the layers and ids they read
+    one_position = decoder_values(
+        model, lambda: model.head.log_prob(row, **head_inputs(model.head, row))
+    )
     assert one_position >= VOCAB  # the counter sees the decoder product at all
     batch, prompt_length, new_tokens = 2, 6, 5
     ids = torch.randint(3, VOCAB, (batch, prompt_length))

@@ -137,11 +137,18 @@ from highrank.heads import (
 from highrank.heads.mixtape import Mixtape
 from highrank.heads.softmax import PointwiseSoftmax
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
+from highrank.integrations.hf_context import (
+    head_inputs,
+    layers_read,
+    reads_more,
+    reorder,
+    shifted_targets,
+)
 from highrank.integrations.hf_fused import FIELDS as FUSED_FIELDS
 from highrank.integrations.hf_fused import FusedCausalLMOutput, fused_output, trl_fused_settings
 
 # Knobs the model wires itself; a user value would contradict the base model or the layout.
-WIRED_KNOBS = ("tied_weight", "dropout_time_dim")
+WIRED_KNOBS = ("tied_weight", "dropout_time_dim", "time_dim")
 # Fewest rows of V logits per chunk of the training loss (see loss_chunk_tokens).
 MIN_CHUNK_ROWS = 256
 # Keyword arguments of forward that belong to the loss, not to the body.
@@ -286,6 +293,10 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         if fused:
             use_cache = False  # as TRL's own fused forward: training needs no cache
         cache = _one_cache(cache, kwargs)
+        # MFS and CPR read the last layers (hf_context.py): asked of the body, returned if asked
+        forced_states = layers_read(self.head) > 1 and not kwargs.get("output_hidden_states")
+        if forced_states:
+            kwargs["output_hidden_states"] = True
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -297,23 +308,51 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden = outputs.last_hidden_state  # (B, T, d)
+        inputs = {}
+        if reads_more(self.head):  # the layers and tokens of the context so far
+            states = getattr(outputs, "hidden_states", None)
+            inputs = head_inputs(
+                self.head, hidden, states, input_ids, attention_mask, outputs.get(CACHE)
+            )
         if fused:
-            return self._fused_output(hidden, labels, **loss_kwargs)
+            return self._fused_output(hidden, labels, **loss_kwargs, **inputs)
         loss, logits = None, None
         if labels is not None or loss_kwargs.get("shift_labels") is not None:
-            loss = self._next_token_loss(hidden, labels, **loss_kwargs)
+            loss = self._next_token_loss(hidden, labels, **loss_kwargs, inputs=inputs)
         # The fused-loss convention: only training skips the (tokens x V) output; evaluation
         # (Trainer.evaluate / predict with compute_metrics) gets the loss and the log-probs.
         if loss is None or not _keeps_all(logits_to_keep) or not self.training:
-            kept = _keep_positions(hidden, logits_to_keep)
-            logits = self._generation_logits(kept) if generating else self.head.log_prob(kept)
+            logits = self._kept_logits(hidden, logits_to_keep, generating, inputs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            hidden_states=getattr(outputs, "hidden_states", None),
+            hidden_states=None if forced_states else getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
             **{CACHE: outputs.get(CACHE)},
         )
+
+    def _kept_logits(
+        self, hidden: torch.Tensor, logits_to_keep, generating: bool, inputs: dict
+    ) -> torch.Tensor:
+        """The logits of the positions ``logits_to_keep`` names. A head that reads its context
+        (``inputs``) scores the last positions directly (the context ends with them) and any
+        other choice of positions from all of them."""
+
+        def score(rows: torch.Tensor) -> torch.Tensor:
+            if generating:
+                return self._generation_logits(rows, inputs)
+            return self.head.log_prob(rows, **inputs)
+
+        if not inputs or isinstance(logits_to_keep, int):
+            return score(_keep_positions(hidden, logits_to_keep))
+        return _keep_positions(score(hidden), logits_to_keep)
+
+    def _reorder_cache(self, cache, beam_idx: torch.Tensor):
+        """Beam search's reordering: the cache's, and the head's context kept on it (MFS,
+        CPR: ``hf_context.py``)."""
+        cache.reorder_cache(beam_idx)
+        reorder(cache, beam_idx)
+        return cache
 
     # ---- TRL ------------------------------------------------------------------------------
 
@@ -334,8 +373,14 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         shift_labels: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         ignore_index: int = -100,
+        **inputs: object,
     ) -> FusedCausalLMOutput:
         """TRL's per-token fields (``log_probs``, ``entropy``, ``is_top1``, ...) and loss."""
+        if inputs:
+            raise ValueError(
+                f"fused_lm_head=True scores rows of hidden states; the {self.config.head_name!r} "
+                "head also reads its context's layers and tokens (not supported yet)"
+            )
         if labels is None and shift_labels is None:
             raise ValueError("fused_lm_head=True scores labels: pass labels or shift_labels")
         if ignore_index != -100:
@@ -358,7 +403,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         inputs[GENERATING] = True
         return inputs
 
-    def _generation_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _generation_logits(self, hidden: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
         """What ``generate`` sees as logits: the raw logits where the head is one softmax.
 
         Logits processors such as ``repetition_penalty`` and
@@ -372,7 +417,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         """
         if isinstance(self.head, PointwiseSoftmax):
             return self.head.transformed_logits(hidden).float()
-        return self.head.log_prob(hidden)
+        return self.head.log_prob(hidden, **(inputs or {}))
 
     def _next_token_loss(
         self,
@@ -382,8 +427,16 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         shift_labels: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         ignore_index: int = -100,
+        inputs: dict | None = None,
     ) -> torch.Tensor:
         """Mean NLL over the valid next tokens, as transformers' ``ForCausalLMLoss``."""
+        if inputs:  # a head that reads its context scores every row of it (hf_context.py)
+            if shift_labels is None:
+                labels = shifted_targets(labels.to(hidden.device), ignore_index)
+            return self._context_loss(
+                hidden, shift_labels if labels is None else labels, inputs,
+                num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+            )  # fmt: skip
         if shift_labels is None:
             # transformers pads labels with ignore_index and shifts them left: position t
             # predicts labels[t + 1] and the last position predicts nothing, so drop it.
@@ -399,6 +452,29 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         valid = targets != ignore_index
         total = self._nll_sum(hidden, targets, valid, ignore_index)
         count = valid.sum() if num_items_in_batch is None else num_items_in_batch
+        if torch.is_tensor(count):
+            count = count.to(total.device)
+        return total / count
+
+    def _context_loss(
+        self, hidden, targets, inputs, *, num_items_in_batch, ignore_index
+    ) -> torch.Tensor:
+        """Mean NLL of ``targets (B, T)`` (already shifted) for a head that reads its context:
+        (B, T, d) as it is, ignored rows zeroed by the head."""
+        if targets.shape != hidden.shape[:-1]:
+            raise ValueError(
+                f"labels give targets of shape {tuple(targets.shape)} for hidden states "
+                f"{tuple(hidden.shape[:-1])}; expected labels of shape (batch, sequence length)"
+            )
+        targets = targets.to(hidden.device)
+        chunk_size = loss_chunk_tokens(self.head, hidden.device)
+        total = self.head.loss(
+            hidden, targets, reduction="sum", chunk_size=chunk_size, ignore_index=ignore_index,
+            **inputs,
+        )  # fmt: skip
+        count = num_items_in_batch
+        if count is None:
+            count = (targets != ignore_index).sum()
         if torch.is_tensor(count):
             count = count.to(total.device)
         return total / count
@@ -517,8 +593,11 @@ def _build_head_for(config: HighrankConfig, body: PreTrainedModel) -> OutputHead
     wired: dict = {}
     if config.tie_word_embeddings:
         wired["tied_weight"] = body.get_input_embeddings().weight
-    if "dropout_time_dim" in inspect.signature(HEADS[config.head_name]).parameters:
+    parameters = inspect.signature(HEADS[config.head_name]).parameters
+    if "dropout_time_dim" in parameters:
         wired["dropout_time_dim"] = 1  # hidden states are (B, T, d)
+    if "time_dim" in parameters:
+        wired["time_dim"] = 1  # the sequences of heads that read their context (MFS, CPR)
     return build_head(
         config.head_name,
         d_in=config.head_d_in,

@@ -1,0 +1,119 @@
+"""What a head that reads more than the last hidden state gets inside a transformers model.
+
+Multi-Facet Softmax and Softmax-CPR (``OutputHead.reads``) read the last ``input_layers``
+layers of the body (its ``hidden_states``, the top one the final hidden state) and the
+context's token ids (``input_ids``; positions the attention mask leaves out are padding,
+id -1), over the whole context: with a key-value cache, the positions of earlier calls too.
+
+The cache holds those: each forward that uses a cache keeps the context's layers and ids on
+the cache object (``HISTORY``), and the next call puts them before its own positions, so a
+generation step sees exactly what a recomputation of the whole sequence would (tested: greedy
+``generate`` with the cache gives the tokens and scores of ``use_cache=False``). Beam search
+reorders them with the cache (``reorder``); a cache cropped by assisted decoding is cut to
+its length; a cache whose positions the head has not seen (filled by another model or by a
+forward of this one without the cache) is refused in one line.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from highrank.heads import OutputHead
+
+# The attribute of a transformers Cache object that keeps the head's context so far:
+# (layers (B, L, S, d), ids (B, S)).
+HISTORY = "_highrank_head_context"
+
+
+def reads_more(head: OutputHead) -> bool:
+    """Whether ``head`` reads more than the last hidden state."""
+    return head.reads != ("hidden",)
+
+
+def layers_read(head: OutputHead) -> int:
+    return head.input_layers if "layers" in head.reads else 0
+
+
+def head_inputs(
+    head: OutputHead,
+    hidden: torch.Tensor,
+    hidden_states: tuple[torch.Tensor, ...] | None,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    cache,
+) -> dict:
+    """The inputs ``head`` reads besides ``hidden (B, T, d)`` (module docstring), over the
+    context so far; ``cache`` (the body's, already holding this call's positions, or None)
+    gets the context for the next call."""
+    name = type(head).__name__
+    count = max(layers_read(head), 1)
+    if count > 1 and (hidden_states is None or len(hidden_states) < count):
+        have = "none" if hidden_states is None else len(hidden_states)
+        raise ValueError(f"{name} reads the last {count} layers; the body gave {have}")
+    top = [] if count == 1 else list(hidden_states[len(hidden_states) - count : -1])
+    layers = torch.stack([*(h.to(hidden.dtype) for h in top), hidden], dim=1)  # (B, L, T, d)
+    ids = _current_ids(name, head, hidden, input_ids, attention_mask)
+    layers, ids = _with_history(name, layers, ids, cache, hidden.shape[1])
+    inputs: dict = {}
+    if "layers" in head.reads:
+        inputs["layers"] = tuple(layers.unbind(1))
+    if "context_ids" in head.reads:
+        inputs["context_ids"] = ids
+    return inputs
+
+
+def _current_ids(name, head, hidden, input_ids, attention_mask) -> torch.Tensor:
+    """This call's token ids ``(B, T)``, -1 where the attention mask leaves a position out
+    (padding); zeros for a head that reads no ids (kept only for the cache's sake)."""
+    batch, length = hidden.shape[:2]
+    if "context_ids" not in head.reads:
+        return torch.zeros(batch, length, dtype=torch.long, device=hidden.device)
+    if input_ids is None:
+        raise ValueError(
+            f"{name} reads the context's token ids: pass input_ids (inputs_embeds alone "
+            "give it none)"
+        )
+    ids = input_ids.to(hidden.device).long()
+    if attention_mask is not None and attention_mask.dim() == 2:
+        kept = attention_mask[:, attention_mask.shape[1] - length :].to(ids.device).bool()
+        ids = torch.where(kept, ids, -1)
+    return ids
+
+
+def _with_history(name, layers, ids, cache, length):
+    """``layers (B, L, T, d)`` and ``ids (B, T)`` after the context that ``cache`` keeps of
+    its earlier positions; the whole context kept on ``cache`` for the next call."""
+    if cache is None:
+        return layers, ids
+    past = cache.get_seq_length() - length  # the body has added this call's positions
+    history = getattr(cache, HISTORY, None)
+    if past > 0:
+        if history is None or history[1].shape[1] < past or history[1].shape[0] != ids.shape[0]:
+            seen = 0 if history is None else history[1].shape[1]
+            raise ValueError(
+                f"the key-value cache holds {past} positions but {name} saw {seen} of them (it "
+                "reads their layers and tokens): generate with this model from the start, or "
+                "pass no cache"
+            )
+        old_layers, old_ids = history
+        layers = torch.cat([old_layers[:, :, :past].to(layers.dtype), layers], dim=2)
+        ids = torch.cat([old_ids[:, :past], ids], dim=1)
+    setattr(cache, HISTORY, (layers.detach(), ids))
+    return layers, ids
+
+
+def reorder(cache, beam_idx: torch.Tensor) -> None:
+    """The head's context on ``cache`` follows beam search's reordering of the cache."""
+    history = getattr(cache, HISTORY, None)
+    if history is not None:
+        layers, ids = history
+        index = beam_idx.to(ids.device)
+        setattr(cache, HISTORY, (layers.index_select(0, index), ids.index_select(0, index)))
+
+
+def shifted_targets(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """transformers' shift of ``labels (B, T)`` kept at length T: position t scores
+    ``labels[:, t + 1]``, the last position nothing (``ignore_index``), so that the rows stay
+    aligned with the context the head reads."""
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)

@@ -1,0 +1,139 @@
+"""Heads that read their context inside transformers models (integrations/hf_context.py):
+Multi-Facet Softmax and Softmax-CPR get the body's last layers and the token ids of the
+context so far; with the key-value cache, generation sees what a recomputation of the whole
+sequence sees (greedy and beam search, padded batches), and a cache the head has not seen is
+refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import VOCAB
+
+pytest.importorskip("transformers", reason="the hf extra is not installed")
+hf = pytest.importorskip("highrank.integrations.hf", reason="the hf extra is not installed")
+
+HEADS = ["mfs", "cpr"]
+GENERATE = {"max_new_tokens": 6, "do_sample": False, "output_scores": True}
+
+
+def padded_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 7 tokens, the second left-padded by 3, words repeating (C and P act)."""
+    ids = torch.randint(3, 20, (2, 7))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+def generate(model, ids, mask, **options):
+    out = model.generate(
+        ids, attention_mask=mask, return_dict_in_generate=True, **GENERATE, **options
+    )
+    return out.sequences, torch.stack(out.scores, dim=1)
+
+
+@pytest.mark.parametrize("base", ["gpt2", "llama"])
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_generation_with_the_cache_equals_the_recomputation(attached, base, head):
+    model = attached(base, head)
+    ids, mask = padded_prompts()
+    cached = generate(model, ids, mask, use_cache=True)
+    recomputed = generate(model, ids, mask, use_cache=False)
+    assert torch.equal(cached[0], recomputed[0])
+    torch.testing.assert_close(cached[1], recomputed[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_beam_search_with_the_cache_equals_the_recomputation(attached, head):
+    """Beams reorder the cache, and the head's context with it (HighrankForCausalLM's
+    _reorder_cache)."""
+    model = attached("llama", head)
+    ids, mask = padded_prompts()
+    options = {"num_beams": 3, "num_return_sequences": 2, "output_scores": False}
+    runs = [
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=5, do_sample=False, use_cache=use_cache,
+            return_dict_in_generate=True, **options,
+        )
+        for use_cache in (True, False)
+    ]  # fmt: skip
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    torch.testing.assert_close(runs[0].sequences_scores, runs[1].sequences_scores)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_a_step_on_the_returned_cache_continues_the_sequence(attached, head):
+    model = attached("gpt2", head)
+    ids = torch.randint(3, 20, (2, 6))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        for _ in range(2):  # two steps: the kept context grows with the cache
+            step = torch.randint(3, 20, (2, 1))
+            got = model(step, **{hf.CACHE: out[hf.CACHE]}, use_cache=True)
+            ids = torch.cat([ids, step], dim=1)
+            torch.testing.assert_close(got.logits[:, -1], model(ids).logits[:, -1])
+            out = got
+
+
+def test_the_context_reaches_the_partitions(attached):
+    """CPR's C and P read the earlier tokens: changing an earlier token changes the last
+    position's distribution only through them when the body cannot see it (here: the same
+    hidden states are fed to the head, with other context ids)."""
+    model = attached("llama", "cpr")
+    ids = torch.randint(3, 20, (1, 8))
+    with torch.no_grad():
+        out = model.model(ids, output_hidden_states=True)
+        hidden = out.last_hidden_state
+        layers = out.hidden_states[-2:-1] + (hidden,)
+        other = ids.clone()
+        other[0, 2] = (ids[0, 2] + 1) % VOCAB
+        first = model.head.log_prob(hidden, layers=layers, context_ids=ids)
+        second = model.head.log_prob(hidden, layers=layers, context_ids=other)
+    assert not torch.allclose(first[0, -1], second[0, -1])
+    torch.testing.assert_close(first[0, :3], second[0, :3])  # positions up to 2 see no change
+
+
+def test_a_cache_the_head_has_not_seen_is_refused_in_one_line(attached):
+    base = attached("llama", "softmax")
+    model = attached("llama", "cpr")
+    model.model = base.model  # the same body: the base's cache fits it
+    ids = torch.randint(3, 20, (1, 5))
+    with torch.no_grad():
+        cache = base(ids, use_cache=True)[hf.CACHE]
+        with pytest.raises(
+            ValueError,
+            match=r"^the key-value cache holds 5 positions but "
+            r"SoftmaxCPR saw 0 of them",
+        ):
+            model(torch.randint(3, 20, (1, 1)), **{hf.CACHE: cache})
+
+
+def test_inputs_embeds_without_ids_are_refused_for_cpr(attached):
+    model = attached("gpt2", "cpr")
+    embeds = model.get_input_embeddings()(torch.randint(3, 20, (1, 4)))
+    with pytest.raises(
+        ValueError, match="SoftmaxCPR reads the context's token ids: pass input_ids"
+    ):
+        model(inputs_embeds=embeds)
+    attached("gpt2", "mfs")(inputs_embeds=embeds)  # MFS reads layers only
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_logits_to_keep_and_hidden_states_as_asked(attached, token_batch, head):
+    model = attached("gpt2", head)
+    ids, _ = token_batch
+    with torch.no_grad():
+        every = model(ids).logits
+        assert model(ids).hidden_states is None  # asked of the body for the head only
+        assert len(model(ids, output_hidden_states=True).hidden_states) == 3
+        torch.testing.assert_close(model(ids, logits_to_keep=2).logits, every[:, -2:])
+        positions = torch.tensor([0, 4])
+        torch.testing.assert_close(model(ids, logits_to_keep=positions).logits, every[:, positions])
+
+
+def test_trl_fused_output_is_refused_in_one_line(attached, token_batch):
+    model = attached("gpt2", "mfs")
+    ids, labels = token_batch
+    with pytest.raises(ValueError, match="also reads its context's layers and tokens"):
+        model(ids, labels=labels, fused_lm_head=True)
