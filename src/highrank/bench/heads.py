@@ -18,6 +18,9 @@ What is measured, per head and vocabulary size:
 
 Shapes follow the papers' PTB models: softmax-family heads read hidden size 400 (AWD-LSTM);
 mixtures read 620 and use output embeddings of 280 (AWD-LSTM-MoS), MoS with 15 components.
+Multi-Facet Softmax and Softmax-CPR (named, not run by default) read 400 with their papers'
+knobs, and what they read besides: the last 3 layers (tanh states, the top one the hidden
+states) and the window's token ids (uniform over the vocabulary), time-major windows of 70.
 Hidden states are tanh outputs, decoder weights U(-0.1, 0.1): realistic logit scales (huge
 synthetic logits would send exp into slow denormal paths on CPU).
 """
@@ -67,12 +70,18 @@ HEAD_SHAPES: dict[str, tuple[int, dict]] = {
     "mos": (620, {**MIXTURE, "n_components": 15}),
     "mixtape": (620, dict(MIXTURE)),
 }
+# The heads that read their context (OutputHead.reads; run when named): layers and ids are
+# built for them too (_other_inputs), time-major.
+CONTEXT_HEAD_SHAPES: dict[str, tuple[int, dict]] = {
+    "mfs": (400, {"time_dim": 0}),
+    "cpr": (400, {"time_dim": 0}),
+}
 
 
 def _cases() -> dict[str, BenchCase]:
     """Every head on its default path ("auto" chunking) and whole-batch ("-unchunked")."""
     cases = {}
-    for name, (d_in, knobs) in HEAD_SHAPES.items():
+    for name, (d_in, knobs) in {**HEAD_SHAPES, **CONTEXT_HEAD_SHAPES}.items():
         cases[name] = BenchCase(name, name, d_in, knobs, chunk_size="auto")
         cases[f"{name}-unchunked"] = BenchCase(f"{name}-unchunked", name, d_in, knobs)
     no_sharing = {**HEAD_SHAPES["mixtape"][1], "frequent_fraction": 1.0}
@@ -106,12 +115,29 @@ def build_step(case: BenchCase, vocab_size: int, tokens: int, device: str, seed:
         return _naive_softmax_step(hidden, target, vocab_size)
     torch.manual_seed(seed)
     head = build_head(case.head, d_in=case.d_in, vocab_size=vocab_size, **case.knobs).to(device)
+    inputs = _other_inputs(head, hidden, vocab_size, generator)
 
     def step() -> None:
         with reference_paths(case.generic_loss):
-            head.loss(hidden, target, chunk_size=case.chunk_size).backward()
+            head.loss(hidden, target, chunk_size=case.chunk_size, **inputs).backward()
 
     return step
+
+
+def _other_inputs(head, hidden, vocab_size: int, generator) -> dict:
+    """What a head reads besides ``hidden (T, B, d)``: the layers below it (tanh states, no
+    gradient: the body's share of the step is not the head's) and the window's ids."""
+    inputs: dict = {}
+    if "layers" in head.reads:
+        below = [
+            torch.tanh(torch.randn(hidden.shape, generator=generator)).to(hidden.device)
+            for _ in range(head.input_layers - 1)
+        ]
+        inputs["layers"] = (*below, hidden)
+    if "context_ids" in head.reads:
+        ids = torch.randint(0, vocab_size, hidden.shape[:-1], generator=generator)
+        inputs["context_ids"] = ids.to(hidden.device)
+    return inputs
 
 
 def _naive_softmax_step(hidden, target, vocab_size) -> Callable[[], None]:

@@ -43,14 +43,14 @@ DEMO_DEFAULTS: dict[str, object] = {
     "threads": 1,
 }
 
-# highrank.bench.heads: tuple(CASES) and DEFAULT_CASES
-_BENCHED = ("softmax", "sigsoftmax", "gss", "plif", "moc", "mos", "mixtape")
+# highrank.bench.heads: tuple(CASES) and DEFAULT_CASES (MFS and CPR run when named)
+_BENCHED = ("softmax", "sigsoftmax", "gss", "plif", "moc", "mos", "mixtape", "mfs", "cpr")
 BENCH_CASES: tuple[str, ...] = (
     *(label for name in _BENCHED for label in (name, f"{name}-unchunked")),
     "mixtape-no-sharing",
     "mixtape-generic",
 )
-BENCH_DEFAULT_CASES: tuple[str, ...] = (*_BENCHED, "softmax-unchunked", "mixtape-no-sharing")
+BENCH_DEFAULT_CASES: tuple[str, ...] = (*_BENCHED[:7], "softmax-unchunked", "mixtape-no-sharing")
 
 # the analyses (highrank.analysis.<module>.<NAME>)
 MATRIX_KINDS = ("log_prob", "logits")  # logprob_matrix.MATRIX_KINDS
