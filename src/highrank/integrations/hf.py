@@ -102,6 +102,15 @@ Mixtape keeps its per-token gates for the same S ids and new ids join its rare b
 ``config.vocab_size`` (and the base config's); forward, generate and a save/reload round trip
 are tested for every head.
 
+Several processes and devices (``docs/distributed-training.md``): ``from_pretrained(folder,
+device_map="auto")`` places a saved model (the head is never split, ``_no_split_modules``; a
+tied head stays with its embedding, ``_tied_weights_keys`` in transformers 5's dict form); the
+model is built on the meta device without reading a tensor value (``from_pretrained`` does
+so); DDP and the ``Trainer`` under ``torchrun`` take it as any model; FSDP2 through
+``fully_shard_highrank(model)`` (the tied head grouped with the input embedding, the head's
+methods registered); ``save_pretrained_gathered(model, folder)`` writes one folder from every
+process (``hf_parallel.py``).
+
 Limits: the base model's body must be the class ``AutoModel`` builds from its config (true of
 every causal LM in transformers), since that is how ``from_pretrained`` rebuilds it.
 """
@@ -146,6 +155,7 @@ from highrank.integrations.hf_context import (
 )
 from highrank.integrations.hf_fused import FIELDS as FUSED_FIELDS
 from highrank.integrations.hf_fused import FusedCausalLMOutput, fused_output, trl_fused_settings
+from highrank.integrations.hf_parallel import fully_shard_highrank, save_pretrained_gathered
 
 # Knobs the model wires itself; a user value would contradict the base model or the layout.
 WIRED_KNOBS = ("tied_weight", "dropout_time_dim", "time_dim")
@@ -172,6 +182,11 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = HighrankConfig
     base_model_prefix = "model"
     _skip_keys_device_placement = [CACHE]
+    # device_map="auto" never splits a head across devices (its forward reads all its
+    # parameters at once); post_init adds the body's blocks (LlamaDecoderLayer, GPT2Block).
+    # A tied head stays with the embedding: _tied_weights_keys (set in __init__, the dict
+    # {"head.weight": "<embedding>.weight"} of transformers 5) tells accelerate so.
+    _no_split_modules = sorted({head.__name__ for head in HEADS.values()})
     # Attention runs in the body, which checks its own support; the wrapper must not veto it.
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -774,4 +789,10 @@ def _check_head_and_knobs(name: str, knobs: dict) -> None:
 AutoConfig.register(MODEL_TYPE, HighrankConfig, exist_ok=True)
 AutoModelForCausalLM.register(HighrankConfig, HighrankForCausalLM, exist_ok=True)
 
-__all__ = ["HighrankConfig", "HighrankForCausalLM", "attach_head"]
+__all__ = [
+    "HighrankConfig",
+    "HighrankForCausalLM",
+    "attach_head",
+    "fully_shard_highrank",
+    "save_pretrained_gathered",
+]
