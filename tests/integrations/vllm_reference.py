@@ -32,10 +32,15 @@ MODELS = {
     "llama-softmax-untied": ("llama", "softmax", {}, False),
     "qwen2-mixtape-tied": ("qwen2", "mixtape", {"gate_dim": 4, "frequent_fraction": 0.3}, True),
     "gpt2-moc-untied": ("gpt2", "moc", {"n_components": 3}, False),
+    "llama-sigsoftmax-untied": ("llama", "sigsoftmax", {}, False),
+    "llama-gss-tied": ("llama", "gss", {}, True),
+    "llama-plif-tied": ("llama", "plif", {"n_pieces": 1000}, True),
+    "llama-mlp_softmax-untied": ("llama", "mlp_softmax", {"mlp_width": 64}, False),
 }
-# A base architecture vLLM has no model of its own for (GPT-Neo, in vLLM 0.32): the plugin
-# must refuse the folder rather than let vLLM's Transformers backend read it.
-REFUSED = "gpt-neo-mos"
+# Folders the plugin must refuse in one line, and what the line must name: a base architecture
+# vLLM has no model of its own for (GPT-Neo, in vLLM 0.32), which vLLM's Transformers backend
+# would read with a plain softmax; a head that reads more than the last hidden state (MFS).
+REFUSED = {"gpt-neo-mos": "gpt_neo", "llama-mfs": "layers"}
 
 
 def tiny_base(kind: str, tied: bool):
@@ -102,7 +107,9 @@ def main(out_dir: Path) -> None:
             bos_token_id=None, eos_token_id=None,
         )
     )  # fmt: skip
-    attach_head(tiny_gpt_neo, "mos", n_components=3).save_pretrained(out_dir / REFUSED)
+    attach_head(tiny_gpt_neo, "mos", n_components=3).save_pretrained(out_dir / "gpt-neo-mos")
+    mfs = {"n_components": 2, "n_partitions": 3, "input_layers": 2}
+    attach_head(tiny_base("llama", True), "mfs", **mfs).save_pretrained(out_dir / "llama-mfs")
     record["refused"] = REFUSED
     (out_dir / "reference.json").write_text(json.dumps(record))
 

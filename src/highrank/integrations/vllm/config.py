@@ -11,10 +11,12 @@ configuration, from which vLLM sizes the attention, the KV cache and the context
 
 from __future__ import annotations
 
+import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from highrank.heads import HEADS, build_head
 from highrank.integrations.vllm.names import ARCHITECTURE, PLUGIN
 
 MODEL_TYPE = "highrank"
@@ -49,6 +51,7 @@ class HighrankConfig(PretrainedConfig):
         if self.base_config is not None:
             # Refused here, in the process that reads the folder, before any process starts.
             served_architecture(self.base_config)
+            check_head(self.head_name, self.head_knobs, self.head_d_in, self.vocab_size)
             text = self.base_config.get_text_config(decoder=True)
             if self.head_d_in is None:
                 self.head_d_in = text.hidden_size
@@ -85,6 +88,30 @@ def served_architecture(base_config: PretrainedConfig) -> str:
         f"{'/'.join(candidates) or 'no causal-LM class'}) has no model of vLLM's own, and "
         "vLLM's Transformers backend cannot run a highrank head"
     )
+
+
+def check_head(name: str, knobs: dict, d_in: int | None, vocab_size: int | None) -> None:
+    """A one-line ``ValueError`` naming the plugin unless head ``name`` (built on the meta
+    device: no memory) exists and reads the last hidden state alone, which is all vLLM hands
+    ``compute_logits``: heads that also read earlier layers or the context's tokens (MFS, CPR)
+    cannot be served."""
+    if name not in HEADS:
+        raise ValueError(
+            f"{PLUGIN}: config.json names the head {name!r}, which this highrank does not "
+            f"have (it has: {', '.join(HEADS)}); upgrade highrank in vLLM's environment"
+        )
+    try:
+        with torch.device("meta"):
+            head = build_head(name, d_in=d_in or 1, vocab_size=vocab_size or 1, **knobs)
+    except (TypeError, ValueError) as error:
+        message = f"{PLUGIN}: config.json's head {name!r} cannot be built: {error}"
+        raise ValueError(message) from None
+    if tuple(head.reads) != ("hidden",):
+        raise ValueError(
+            f"{PLUGIN} serves heads that read the last hidden state only; head {name!r} also "
+            f"reads {', '.join(r for r in head.reads if r != 'hidden')} of its context, which "
+            "vLLM does not hand a model's compute_logits"
+        )
 
 
 def register_config() -> None:

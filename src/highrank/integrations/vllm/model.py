@@ -25,7 +25,8 @@ is the first V rows of vLLM's input embedding (one tensor, not a copy).
 Refused in one line naming the plugin (``ValueError``): a base architecture vLLM has no
 model of its own for (it would need vLLM's Transformers backend, which cannot host the head;
 refused already when the configuration is read, ``config.served_architecture``), one that is
-not a text-only generator, a head this highrank does not have, pipeline parallelism, and
+not a text-only generator, a head this highrank does not have or one that reads more than the
+last hidden state (MFS, CPR: vLLM hands compute_logits nothing else), pipeline parallelism, and
 tensor parallelism for a tied head (its decoder would be a shard of the embedding). An untied
 head runs whole on every tensor-parallel rank (untested).
 """
@@ -43,9 +44,9 @@ from vllm.model_executor.models import ModelRegistry
 from vllm.model_executor.models.utils import init_vllm_registered_model, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from highrank.heads import HEADS, OutputHead, build_head
+from highrank.heads import OutputHead, build_head
 from highrank.heads.softmax import PointwiseSoftmax
-from highrank.integrations.vllm.config import served_architecture
+from highrank.integrations.vllm.config import check_head, served_architecture
 from highrank.integrations.vllm.names import PLUGIN
 
 # The prefix of the body's tensors in a folder saved by highrank.integrations.hf.
@@ -187,12 +188,7 @@ def _base_model_prefix(architecture: str) -> str:
 
 def _build_head(config, embedding: torch.Tensor) -> OutputHead:
     """The head ``config.json`` records; a tied head's decoder is ``embedding[:V]``."""
-    if config.head_name not in HEADS:
-        raise ValueError(
-            f"{PLUGIN}: config.json names the head {config.head_name!r}, which this highrank "
-            f"does not have (it has: {', '.join(HEADS)}); upgrade highrank in vLLM's "
-            "environment"
-        )
+    check_head(config.head_name, config.head_knobs, config.head_d_in, config.vocab_size)
     vocab_size = config.vocab_size
     wired = {}
     if config.tie_word_embeddings:
