@@ -194,10 +194,11 @@ def test_one_step_from_the_base_leaves_it(name):
 # ---- what the heads read ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mfs", "cpr"])
-def test_a_context_before_the_rows_gives_what_the_whole_window_gives(name):
-    """Generation with a cache hands the last positions and the context so far."""
-    head = make(name, "MFS" if name == "mfs" else "CPR", input_layers=3)
+@pytest.mark.parametrize("name, variant", [("mfs", "MFS"), ("cpr", "CPR"), ("cpr", "C")])
+def test_a_context_before_the_rows_gives_what_the_whole_window_gives(name, variant):
+    """Generation with a cache hands the last positions and the context so far (MFS and CPR
+    without a pointer compute Mi over the rows' windows only, CPR's pointer over it all)."""
+    head = make(name, variant, input_layers=3)
     randomise(head)
     hidden, layers, ids = context(length=10)
     hidden, layers = hidden.float(), [layer.float() for layer in layers]

@@ -137,15 +137,16 @@ class SoftmaxCPR(SequenceHead):
     # ---- rows ------------------------------------------------------------------------------
 
     def _sequence_rows(self, hidden, layers, ids):
-        q = self.inputs(layers)  # (B, S, width) over the context
-        length = hidden.shape[1]
-        if self.pointer:
+        length, context_length = hidden.shape[1], ids.shape[1]
+        if self.pointer:  # keys at every position of the context: Mi over all of it
+            q = self.inputs(layers)  # (B, S, width)
             keys = self.facets.one(q, self.facet_index["pointer_key"])  # f_PK(q_j): (B, S, d)
-        else:
-            keys = q.new_zeros(*q.shape[:2], 0)
-        context = ContextRows(ids, keys, length=length, history=q.shape[1] - length)
-        rows = q[:, q.shape[1] - length :].reshape(-1, self.inputs.width)  # (B T, width)
-        return rows, (context,)
+            q = q[:, context_length - length :]
+        else:  # Mi over the rows' windows only
+            q = self.inputs.rows(layers, length)
+            keys = q.new_zeros(q.shape[0], context_length, 0)
+        context = ContextRows(ids, keys, length=length, history=context_length - length)
+        return q.reshape(-1, self.inputs.width), (context,)  # rows (B T, width)
 
     # ---- the paper's equations ---------------------------------------------------------------
 

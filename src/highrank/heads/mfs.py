@@ -68,6 +68,13 @@ class MultiInput(nn.Module):
         self.width = 2 * d_in if enabled else d_in
         self.mlp = nn.Linear(d_in * n_layers * (window + 1), d_in) if enabled else None
 
+    def rows(self, layers: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+        """q of the last ``length`` positions only, ``(B, length, width)``: Mi over their
+        windows (the W positions before them), not over a whole generation's context."""
+        start = max(0, layers[-1].shape[1] - length - self.window)
+        q = self([layer[:, start:] for layer in layers])
+        return q[:, q.shape[1] - length :]
+
     def forward(self, layers: Sequence[torch.Tensor]) -> torch.Tensor:
         top = layers[-1]
         if self.mlp is None:
@@ -139,8 +146,7 @@ class MultiFacetSoftmax(SequenceHead):
         return self.n_components * self.vocab_size
 
     def _sequence_rows(self, hidden, layers, ids):
-        q = self.inputs(layers)  # (B, S, width) over the context
-        q = q[:, q.shape[1] - hidden.shape[1] :]  # hidden's positions: (B, T, width)
+        q = self.inputs.rows(layers, hidden.shape[1])  # hidden's positions: (B, T, width)
         return q.reshape(-1, self.inputs.width), ()
 
     def component_logits(self, q: torch.Tensor) -> torch.Tensor:
