@@ -198,3 +198,10 @@ def test_mixtape_gets_the_asked_share_of_tokens_with_their_own_gates():
     assert demo_knobs("mixtape", paper)["frequent_fraction"] == 0.1
     _, head = build_model("mixtape", paper)
     assert head.n_frequent == 25  # floor(0.1 x 256)
+
+
+def test_heads_that_read_a_sequence_are_refused_in_one_line():
+    from highrank.demo import check_head_names
+
+    with pytest.raises(ValueError, match=r"^head\(s\) mfs, cpr also read the layers and tokens"):
+        check_head_names(["softmax", "mfs", "cpr"])

@@ -143,8 +143,15 @@ class HeadResult:
 
 
 def check_head_names(names: tuple[str, ...] | list[str]) -> None:
-    """Reject an empty list, duplicates and unknown names, listing the valid ones."""
+    """Reject an empty list, duplicates and unknown names, listing the valid ones, and heads
+    that read more than a hidden state (MFS, CPR: the demo's contexts are rows, no sequence)."""
     check_names("head", names, HEADS)
+    sequential = [name for name in names if HEADS[name].reads != ("hidden",)]
+    if sequential:
+        raise ValueError(
+            f"head(s) {', '.join(sequential)} also read the layers and tokens of a sequence; "
+            "the demo's contexts are single vectors: choose heads that read hidden states alone"
+        )
 
 
 # ---- the true language ---------------------------------------------------------------------
