@@ -89,3 +89,26 @@ def test_an_attached_mos_head_goes_through_its_jacobian(llama, tmp_path):
     assert 0.0 < record["share"]["mean"] <= 1.0 and "share_w" not in record
     saturation = analyze_saturation_hf(folder, llama[1], window=20, max_contexts=10)
     assert saturation["checkpoints"][0]["head"] == "mos"
+
+
+def test_an_attached_head_that_reads_its_context_is_refused_in_one_line(llama, tmp_path, capsys):
+    """MFS and CPR read the body's layers and the context's tokens besides a hidden state:
+    the instruments on head inputs say so in one line; rank reads the model's own rows."""
+    import transformers
+
+    from highrank.integrations.hf import attach_head
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama[0])
+    folder = tmp_path / "cpr"
+    attach_head(base, "cpr", reranker_k1=10, reranker_k2=4).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(llama[0]).save_pretrained(folder)
+    for verb in ("gradient-bottleneck", "saturation"):
+        capsys.readouterr()
+        words = ["analyze", verb, "--hf", str(folder), "--text", str(llama[1]), "--window", "20"]
+        words += ["--out", str(tmp_path / verb)]
+        assert main([*words, "--max-contexts", "8", "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "SoftmaxCPR head reads hidden, layers" in err, err
+    out = tmp_path / "rank"
+    words = ["analyze", "rank", "--hf", str(folder), "--text", str(llama[1]), "--out", str(out)]
+    assert main([*words, "--window", "20", "--max-contexts", "16", "--no-progress"]) == 0

@@ -68,7 +68,21 @@ def output_linear(model: Any, name: str) -> nn.Linear:
 def output_layer(model: Any, name: str) -> nn.Module:
     """What a causal LM's next-token distribution is computed by: its highrank head
     (:func:`highrank_head`), else its linear ``lm_head`` (:func:`output_linear`)."""
-    return highrank_head(model) or output_linear(model, name)
+    head = highrank_head(model)
+    if head is not None:
+        check_reads_rows(head, name)
+    return head or output_linear(model, name)
+
+
+def check_reads_rows(head: nn.Module, name: str) -> None:
+    """One clear error for a head that reads more than a row of hidden states (MFS, CPR:
+    ``head.reads``), which the instruments on head inputs cannot give it."""
+    reads = tuple(getattr(head, "reads", ("hidden",)))
+    if reads != ("hidden",):
+        raise HFInputError(
+            f"{name}: its {type(head).__name__} head reads {', '.join(reads)}; this instrument "
+            "reads the output layer's input as rows of hidden states alone"
+        )
 
 
 @torch.no_grad()
@@ -81,6 +95,7 @@ def iter_causal_lm_head_inputs(
     model, ids = loaded.model, loaded.ids
     captured: list[torch.Tensor] = []
     if highrank_head(model) is not None:  # HighrankForCausalLM: the body alone gives h
+        check_reads_rows(model.head, loaded.name)
         body = model.model
         hook = body.register_forward_hook(
             lambda module, args, output: captured.append(output.last_hidden_state)
