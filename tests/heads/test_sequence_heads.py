@@ -259,6 +259,11 @@ def test_a_chunk_reads_only_the_sequences_of_its_rows():
     assert chunk.ids.shape == (3, 10)
     assert chunk.row_seq().tolist() == [0, 1, 1, 1, 1, 1, 1, 2]
     assert chunk.row_pos().tolist() == [9, 4, 5, 6, 7, 8, 9, 4]
+    assert chunk.sequence_runs() == [(0, 0, 1), (1, 1, 7), (2, 7, 8)]  # each row's own only
+    query, table = torch.randn(8, 3), torch.randn(3, 10, 3)
+    rows = zip(chunk.row_seq().tolist(), query, strict=True)
+    expected = torch.stack([table[s] @ q for s, q in rows])
+    torch.testing.assert_close(chunk.scores(query, table), expected)
 
 
 def test_padding_and_the_current_token_are_not_in_the_context():

@@ -143,11 +143,29 @@ class ContextRows(SharedRows):
     def scores(self, query: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """``query_r . table[seq(r), j]`` for every row r and context position j: ``(n, S)``.
 
-        query ``(n, d)``, table ``(k, S, d)`` over the k sequences held: one product per
-        sequence held (``n x k x S`` values, k about n / T + 2), then each row's own."""
-        every = torch.einsum("nd,ksd->nks", query, table.to(query.dtype))
-        index = self.row_seq().view(-1, 1, 1).expand(-1, 1, every.shape[2])
-        return every.gather(1, index).squeeze(1)
+        query ``(n, d)``, table ``(k, S, d)`` over the k sequences held: the rows of each
+        sequence (a contiguous run of rows) against that sequence's table only, ``n x S``
+        products in all."""
+        table = table.to(query.dtype)
+        pieces = [
+            query[start:stop] @ table[seq].transpose(0, 1)  # (rows of seq, S)
+            for seq, start, stop in self.sequence_runs()
+        ]
+        if not pieces:
+            return query.new_zeros(0, table.shape[1])
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def sequence_runs(self) -> list[tuple[int, int, int]]:
+        """``(sequence among those held, first row, stop row)`` of each sequence the held rows
+        cover, in order (Python integers: the layout is static)."""
+        runs, row = [], 0
+        length = max(self.length, 1)
+        while row < self.n_rows:
+            global_row = self.first + row
+            stop = min(self.n_rows, row + length - global_row % length)
+            runs.append((global_row // length - self.first_seq, row, stop))
+            row = stop
+        return runs
 
 
 def check_time_dim(value: object) -> int | None:
