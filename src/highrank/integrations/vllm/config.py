@@ -43,28 +43,28 @@ class HighrankConfig(PretrainedConfig):
             model_type = base.pop("model_type", "llama")
             if model_type not in CONFIG_MAPPING:
                 raise ValueError(
-                    f"the base model of this highrank model is a {model_type!r}, which the "
-                    "installed transformers does not know"
+                    f"{PLUGIN}: the base model of this highrank model is a {model_type!r}, which "
+                    "the installed transformers does not know"
                 )
             self.base_config = CONFIG_MAPPING[model_type](**base)
         self.head_knobs = dict(self.head_knobs or {})
         if self.base_config is not None:
             # Refused here, in the process that reads the folder, before any process starts.
             served_architecture(self.base_config)
-            check_head(self.head_name, self.head_knobs, self.head_d_in, self.vocab_size)
             text = self.base_config.get_text_config(decoder=True)
             if self.head_d_in is None:
                 self.head_d_in = text.hidden_size
             if self.vocab_size is None:
                 self.vocab_size = text.vocab_size
+            check_head(self.head_name, self.head_knobs, self.head_d_in, self.vocab_size)
         super().__post_init__(**kwargs)
 
     def get_text_config(self, decoder=None, encoder=None) -> PretrainedConfig:
         """The base model's text configuration (layers, heads, vocabulary, context length)."""
         if self.base_config is None:
             raise ValueError(
-                "config.json of this highrank model has no base_config; save the model with "
-                "highrank.integrations.hf (attach_head(...).save_pretrained)"
+                f"{PLUGIN}: config.json of this highrank model has no base_config; save the "
+                "model with highrank.integrations.hf (attach_head(...).save_pretrained)"
             )
         return self.base_config.get_text_config(decoder=decoder, encoder=encoder)
 
@@ -90,7 +90,7 @@ def served_architecture(base_config: PretrainedConfig) -> str:
     )
 
 
-def check_head(name: str, knobs: dict, d_in: int | None, vocab_size: int | None) -> None:
+def check_head(name: str, knobs: dict, d_in: int, vocab_size: int) -> None:
     """A one-line ``ValueError`` naming the plugin unless head ``name`` (built on the meta
     device: no memory) exists and reads the last hidden state alone, which is all vLLM hands
     ``compute_logits``: heads that also read earlier layers or the context's tokens (MFS, CPR)
@@ -102,7 +102,7 @@ def check_head(name: str, knobs: dict, d_in: int | None, vocab_size: int | None)
         )
     try:
         with torch.device("meta"):
-            head = build_head(name, d_in=d_in or 1, vocab_size=vocab_size or 1, **knobs)
+            head = build_head(name, d_in=d_in, vocab_size=vocab_size, **knobs)
     except (TypeError, ValueError) as error:
         message = f"{PLUGIN}: config.json's head {name!r} cannot be built: {error}"
         raise ValueError(message) from None
