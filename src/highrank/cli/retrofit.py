@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
             with _sigterm_raises():
                 retrofit(plan, restart=args.restart)
         except (RetrofitError, SavedFileError) as error:
-            print(f"highrank retrofit: error: {error}", file=sys.stderr)
+            if _speaks():
+                print(f"highrank retrofit: error: {error}", file=sys.stderr)
             return 2
         except Terminated:  # outside the training steps (loading a model takes minutes)
             return _stopped_by("SIGTERM")
@@ -180,11 +181,20 @@ def run(args: argparse.Namespace) -> int:
 def _stopped_by(name: str) -> int:
     """The last line after a signal, and the shell's status for it (143, 130)."""
     if name == "SIGTERM":
-        print(f"highrank retrofit: stopped by SIGTERM; {AFTER_INTERRUPT['retrofit']}",
-              file=sys.stderr)
+        if _speaks():
+            print(f"highrank retrofit: stopped by SIGTERM; {AFTER_INTERRUPT['retrofit']}",
+                  file=sys.stderr)
         return 128 + signal.SIGTERM
-    print(f"highrank retrofit: interrupted; {AFTER_INTERRUPT['retrofit']}", file=sys.stderr)
+    if _speaks():
+        print(f"highrank retrofit: interrupted; {AFTER_INTERRUPT['retrofit']}", file=sys.stderr)
     return 128 + signal.SIGINT
+
+
+def _speaks() -> bool:
+    """Whether this process prints the verb's last line: under torchrun process 0 only."""
+    from highrank.train.distributed import launched_rank
+
+    return launched_rank() in (None, 0)
 
 
 class Terminated(Exception):

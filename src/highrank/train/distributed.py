@@ -239,6 +239,18 @@ def average(value: float | torch.Tensor) -> float:
     return float(torch.cat(values).sum().cpu()) / len(values)
 
 
+def gathered(values: list[float]) -> list[list[float]]:
+    """Every process's ``values`` (as float64), in rank order, on every process (``[values]``
+    outside torchrun): sums and maxima taken from them are the same float everywhere."""
+    local = torch.tensor(values, dtype=torch.float64)
+    if not active():
+        return [local.tolist()]
+    local = local.to(_collective_device())
+    parts = [torch.empty_like(local) for _ in range(world_size())]
+    dist.all_gather(parts, local)
+    return [part.cpu().tolist() for part in parts]
+
+
 def all_finite(value: torch.Tensor) -> bool:
     """Whether ``value`` is finite on every process (so all skip a step, or none does)."""
     return average(torch.isfinite(value.detach()).all()) == 1.0
@@ -274,6 +286,25 @@ def on_writer(write: Callable[[], T], otherwise: Callable[[], T]) -> T:
     result = write() if is_writer() else None
     barrier()
     return result if is_writer() else otherwise()
+
+
+def from_writer(compute: Callable[[], T]) -> T:
+    """``compute()`` on process 0 (where it may write), its result sent to every process; an
+    exception it raises is raised on every process (so none waits for a result that never
+    comes). ``compute()`` itself outside torchrun."""
+    if not active():
+        return compute()
+    box: list[Any] = [None]
+    if is_writer():
+        try:
+            box[0] = ("value", compute())
+        except Exception as error:  # sent on, and raised here too
+            box[0] = ("error", error)
+    dist.broadcast_object_list(box, src=0)
+    kind, payload = box[0]
+    if kind == "error":
+        raise payload
+    return payload
 
 
 def writer_lock(lock: Callable[[], AbstractContextManager]) -> AbstractContextManager:
@@ -358,8 +389,10 @@ __all__ = [
     "average",
     "barrier",
     "distribute",
+    "from_writer",
     "gather_columns",
     "gather_rng",
+    "gathered",
     "init_from_env",
     "is_writer",
     "no_sync",

@@ -6,7 +6,9 @@ targets the same positions shifted by one, so every token but the first is predi
 once, from the ``t + 1`` tokens of its own window). The hidden states go to ``features.npy``
 (``(N, d)``; bfloat16 stored as its raw 16-bit pattern, or float32) and the targets to
 ``targets.npy``, both memory mapped; ``meta.json`` holds the settings and ``progress.json`` the
-windows done, so a killed run continues from the last finished batch of windows. A finished
+windows done, so a killed run continues from the last finished batch of windows. Under
+torchrun N processes cache a round of N batches at a time (process r the r-th), and process 0
+gathers the rows and writes every file. A finished
 cache's ``progress.json`` also holds the crc32 of its contents (``features.npy``'s rows and
 ``targets.npy``'s ids, as the token-id caches of :mod:`highrank.data.streaming` keep theirs).
 :func:`load_cache` opens a finished cache (:class:`FeatureCache`), verifying in one pass that
@@ -40,6 +42,7 @@ from torch import nn
 
 from highrank.causal_lm import first_line, window_tokens
 from highrank.heads import OutputHead, build_head
+from highrank.train import distributed
 from highrank.train.state import TrainingError
 from highrank.util.atomic import write_json
 from highrank.util.checks import check_positive_int
@@ -69,6 +72,9 @@ class CacheSettingsError(SavedFileError):
             f"{meta_path} was written with other settings ({', '.join(changed)} differ: "
             f"{old} vs {new}); delete that folder to cache again"
         )
+
+    def __reduce__(self):  # sent from process 0 to the others under torchrun
+        return type(self), (self.meta_path, self.changed)
 
 
 @dataclass(frozen=True)
@@ -130,51 +136,105 @@ def cache_hidden_states(
         "rows": "window-major: row i*window + t is position t of window i",
         "context": "position t of a window sees the t + 1 tokens of its window (1..window)",
     }
-    done = _start_or_resume(directory, meta, targets)
+    # Under torchrun process 0 writes the folder; every process computes its share of windows.
+    done = distributed.from_writer(lambda: _start_or_resume(directory, meta, targets))
     if done is None:
-        return load_cache(directory)
-    features = _open_array(directory, FEATURES_FILE, meta, "r+")
+        return _load_everywhere(directory)
+    writer = distributed.is_writer()
+    features = _open_array(directory, FEATURES_FILE, meta, "r+") if writer else None
     was_training = model.training
     model.eval()
     try:
-        _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress)
+        _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress,
+                       hidden_size)
     finally:
         model.train(was_training)
+    if not writer:
+        return _load_everywhere(directory)
     features.flush()
     del features
-    cache = _open_cache(directory, meta)
-    sums = _verify_contents(cache)  # one pass: the checksums of what is on disk now
-    expected = _crc32(np.ascontiguousarray(targets.reshape(-1).numpy().astype("<i4")))
-    if sums["targets_crc32"] != expected:  # targets.npy changed while the windows were cached
-        raise _changed(directory / TARGETS_FILE, sums["targets_crc32"], expected)
-    write_json(directory / PROGRESS_FILE,
-               {"windows_done": meta["n_windows"], "complete": True, **sums})
-    return cache
+
+    def finish() -> FeatureCache:
+        cache = _open_cache(directory, meta)
+        sums = _verify_contents(cache)  # one pass: the checksums of what is on disk now
+        expected = _crc32(np.ascontiguousarray(targets.reshape(-1).numpy().astype("<i4")))
+        if sums["targets_crc32"] != expected:  # targets.npy changed while being cached
+            raise _changed(directory / TARGETS_FILE, sums["targets_crc32"], expected)
+        write_json(directory / PROGRESS_FILE,
+                   {"windows_done": meta["n_windows"], "complete": True, **sums})
+        return cache
+
+    return _load_everywhere(directory, finish)
 
 
-def _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress):
-    """Run the body over windows ``done..W`` and write their rows, recording progress per batch."""
+def _load_everywhere(directory: Path, finish=None) -> FeatureCache:
+    """The finished cache in every process: ``finish()`` (else :func:`load_cache`, which
+    verifies the contents) on process 0; under torchrun the others open it once process 0 is
+    done, without a second verifying pass (an error on process 0 is raised on all)."""
+    opened = finish or (lambda: load_cache(directory))
+    held: dict[str, FeatureCache] = {}
+
+    def on_writer() -> None:
+        held["cache"] = opened()
+
+    distributed.from_writer(on_writer)
+    return held["cache"] if "cache" in held else load_cache(directory, verify=False)
+
+
+def _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress,
+                   width):
+    """Run the body over windows ``done..W`` and write their rows, recording progress per batch.
+
+    Under torchrun a round is N batches of ``batch_windows`` windows: process r runs the r-th
+    (the batches one process would run, so the rows are the same), process 0 gathers the rows
+    of the round, writes them and records the round done (``features`` is None elsewhere)."""
     n_windows, window = inputs.shape
+    rank, world = distributed.rank(), distributed.world_size()
     device = next(body.parameters()).device
     bar = progress_bar(total=n_windows, initial=done, desc=f"cache {directory.name}",
-                       unit="window", disable=not progress)
-    for first in range(done, n_windows, batch_windows):
-        last = min(first + batch_windows, n_windows)
-        with torch.no_grad():
-            output = body(input_ids=inputs[first:last].to(device), use_cache=False)
-        hidden = output.last_hidden_state  # (b, window, d)
-        rows = hidden.reshape(-1, hidden.shape[-1]).cpu()
-        if not bool(torch.isfinite(rows).all()):
+                       unit="window", disable=not (progress and distributed.is_writer()))
+    for first in range(done, n_windows, batch_windows * world):
+        last = min(first + batch_windows * world, n_windows)
+        starts = [min(first + r * batch_windows, last) for r in range(world + 1)]
+        mine = inputs[starts[rank] : starts[rank + 1]]
+        rows = _hidden_rows(body, mine, device, width)
+        if not distributed.all_finite(rows):
             raise TrainingError(
                 f"the model's final hidden states are not finite in windows {first}..{last - 1} "
                 f"of {directory.name}: the body itself overflows or holds NaN weights (load it "
                 "in float32?); nothing of those windows was cached"
             )
-        features[first * window : last * window] = _to_storage(rows, dtype)
-        features.flush()  # rows on disk before the progress record says so
-        write_json(directory / PROGRESS_FILE, {"windows_done": last, "complete": False})
+        counts = [(starts[r + 1] - starts[r]) * window for r in range(world)]
+        rows = _gathered_rows(rows, counts)
+        if features is not None:
+            features[first * window : last * window] = _to_storage(rows, dtype)
+            features.flush()  # rows on disk before the progress record says so
+            write_json(directory / PROGRESS_FILE, {"windows_done": last, "complete": False})
         bar.update(last - first)
     bar.close()
+
+
+def _hidden_rows(body, windows: torch.Tensor, device, width: int) -> torch.Tensor:
+    """The body's final hidden states of ``windows (b, L)`` as ``(b L, width)`` float32 CPU
+    rows (exact for a bf16 body; none for no windows: a process without a share of the last
+    round)."""
+    if windows.shape[0] == 0:
+        return torch.zeros(0, width)
+    with torch.no_grad():
+        output = body(input_ids=windows.to(device), use_cache=False)
+    hidden = output.last_hidden_state  # (b, window, d)
+    return hidden.reshape(-1, hidden.shape[-1]).cpu().float()
+
+
+def _gathered_rows(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Every process's ``rows`` in rank order, on every process (``counts[r]`` rows from
+    process r, padded to the largest for the exchange); ``rows`` itself in one process."""
+    if len(counts) == 1:
+        return rows
+    padded = rows.new_zeros(max(counts), rows.shape[1])
+    padded[: rows.shape[0]] = rows
+    parts = distributed.gather_columns(padded[None], dim=0)  # (N, max, d)
+    return torch.cat([parts[r, : counts[r]] for r in range(len(counts))])
 
 
 def _start_or_resume(directory: Path, meta: dict, targets: torch.Tensor) -> int | None:
@@ -201,10 +261,11 @@ def _start_or_resume(directory: Path, meta: dict, targets: torch.Tensor) -> int 
     return 0
 
 
-def load_cache(directory: str | os.PathLike) -> FeatureCache:
+def load_cache(directory: str | os.PathLike, *, verify: bool = True) -> FeatureCache:
     """Open a finished cache written by :func:`cache_hidden_states` (features memory mapped),
     verified in one pass: every row finite, the contents those the cache was finished with
-    (its checksums; a cache finished before they were kept is checked for finite rows only)."""
+    (its checksums; a cache finished before they were kept is checked for finite rows only).
+    ``verify=False`` skips that pass (processes 1..N-1 under torchrun: process 0 verified)."""
     directory = Path(directory)
     meta_path = directory / META_FILE
     if not meta_path.exists():
@@ -217,6 +278,8 @@ def load_cache(directory: str | os.PathLike) -> FeatureCache:
             f"{meta['n_windows']} windows): run cache_hidden_states again to finish it"
         )
     cache = _open_cache(directory, meta)
+    if not verify:
+        return cache
     sums = _verify_contents(cache)
     for key, name in (("features_crc32", FEATURES_FILE), ("targets_crc32", TARGETS_FILE)):
         if key in state and sums[key] != state[key]:

@@ -33,6 +33,20 @@ and ``generate()`` uses.
 (caching, training, evaluation); caches and states are stored on the CPU side, so a run may
 resume on another device.
 
+Several processes: ``torchrun --nproc-per-node N -m highrank retrofit ...`` runs every mode
+data-parallel (:mod:`highrank.train.distributed`: gloo on the CPU, NCCL on GPUs, process r on
+GPU ``LOCAL_RANK``). ``--batch-tokens`` is the global batch, split evenly (frozen: its cached
+rows; lora / full: its windows, ``batch_tokens // window``, must divide by N). Frozen mode
+caches each round of N batches of windows in N processes (process r runs the r-th batch, the
+one a single process would run, so the cache is the same bytes), process 0 gathers and writes
+them; the head, and in lora / full mode the model, trains in DistributedDataParallel; the
+valid/test scores are summed over each process's share of the rows. Only process 0 writes
+``OUT`` (plan, caches, ``state.pt`` with every process's random generators, results, model)
+and prints; a signal to any process stops all at the same step, saved; a process killed makes
+the others stop in one line at their next exchange (torchrun stops the rest), and the same
+command resumes from what was saved, ending bit-identical to an uninterrupted run of N
+processes (``tests/integrations/test_retrofit_distributed.py``).
+
 Resumable: the plan is kept in ``OUT/plan.json`` (a rerun with another plan is refused;
 the device and the folder's place may change), caches continue from their last batch of
 windows, training from its last checkpoint (``OUT/state.pt``, weights-only), and finished
@@ -89,6 +103,7 @@ from highrank.integrations.retrofit.train import (
     train_windows,
 )
 from highrank.runs.locks import run_lock
+from highrank.train import distributed
 from highrank.train.state import TrainingError
 from highrank.util.atomic import write_json
 from highrank.util.machine import available_memory
@@ -109,6 +124,8 @@ def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False
     A finished run is reported at once. ``restart`` trains again from the warm start with this
     plan (its settings may differ), keeping the feature caches, which check their own settings.
     """
+    distributed.init_from_env()  # under torchrun: join the other processes
+    progress = progress and distributed.is_writer()  # process 0 speaks for all
     out = Path(plan.out)
     say = print if progress else (lambda *a, **k: None)
     if not restart:
@@ -118,10 +135,32 @@ def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False
             say(f"{out} holds a finished retrofit ({out / 'model'}); nothing to do", flush=True)
             return finished
     check_before_loading(plan)
-    with run_lock(out):
-        if restart:
-            _forget_training(out)
+    with distributed.writer_lock(lambda: run_lock(out)), _peers_kept():
+        if restart:  # process 0 writes, and locks
+            distributed.from_writer(lambda: _forget_training(out))
         return _retrofit(plan, out, progress, say)
+
+
+# What torch.distributed's gloo and NCCL say when another process of the group is gone.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "gloo/transport",
+             "NCCL communicator was aborted", "Broken pipe")
+
+
+@contextmanager
+def _peers_kept() -> Iterator[None]:
+    """Under torchrun a process killed (or stopped by an error) makes the others' next
+    collective fail with a transport error and a traceback: it becomes one line (status 1)
+    saying what is kept; torchrun then stops the rest."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not (distributed.active() and any(text in str(error) for text in PEER_LOST)):
+            raise
+        raise TrainingError(
+            "another process of this torchrun stopped (its connection is gone); what was saved "
+            "is kept (caches to their last batch of windows, training to its last checkpoint): "
+            "run the same command again to continue"
+        ) from None
 
 
 def _finished_results(out: Path) -> dict | None:
@@ -154,19 +193,29 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say) -> dict:
         say(f"tokenising --{split} {getattr(plan, split)}", flush=True)
         ids[split] = _token_ids(plan, tokenizer, split)
     _check_plan_fits(plan, model, ids)
-    out.mkdir(parents=True, exist_ok=True)
-    stopped = _stopped(out)  # kept until the run finishes: lr may differ from the state's
-    write_json(out / "plan.json", {**asdict(plan), **stopped})
+
+    def start() -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        stopped = _stopped(out)  # kept until the run finishes: lr may differ from the state's
+        write_json(out / "plan.json", {**asdict(plan), **stopped})
+        return stopped
+
+    stopped = distributed.from_writer(start)
     run = _run_frozen if plan.mode == "frozen" else _run_end_to_end
     hf_model, summary, scores, base_scores = run(plan, model, ids, out, progress, bool(stopped))
     _refuse_non_finite(out, plan, hf_model, scores, summary)
     results = {"plan": asdict(plan), "effective": effective_budget(plan, summary["budget"]),
                "base": base_scores, "trained": scores,
-               "training": {k: v for k, v in summary.items() if k != "history"}}
-    _save_model(hf_model, tokenizer, out / "model")
-    write_json(out / "plan.json", asdict(plan))
-    write_json(out / "results.json", results)
-    write_json(out / "history.json", {"history": summary["history"]})
+               "training": {k: v for k, v in summary.items() if k != "history"},
+               **({"processes": distributed.world_size()} if distributed.active() else {})}
+
+    def save() -> None:
+        _save_model(hf_model, tokenizer, out / "model")
+        write_json(out / "plan.json", asdict(plan))
+        write_json(out / "results.json", results)
+        write_json(out / "history.json", {"history": summary["history"]})
+
+    distributed.from_writer(save)
     for split in ("valid", "test"):
         if split in scores:
             say(f"{split} perplexity: base {base_scores[split]['perplexity']:.3f}, "
@@ -186,6 +235,8 @@ def _stopped(out: Path) -> dict:
 
 
 def _mark_stopped(out: Path, error: TrainingError) -> None:
+    if not distributed.is_writer():  # every process stops; process 0 records it
+        return
     plan = json.loads((out / "plan.json").read_text())
     write_json(out / "plan.json", {**plan, "stopped": str(error)})
 
@@ -281,7 +332,13 @@ def _token_ids(plan: RetrofitPlan, tokenizer, split: str) -> torch.Tensor:
 
 
 def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
-    """Head and knobs valid, window within the model's positions, memory and disk enough."""
+    """Head and knobs valid, window within the model's positions, the batch shared evenly
+    among the processes under torchrun, memory and disk enough."""
+    if plan.mode == "frozen":
+        _check_share(plan, "--batch-tokens", plan.batch_tokens)
+    else:  # whole windows per step
+        _check_share(plan, f"--batch-tokens {plan.batch_tokens} // --window {plan.window}",
+                     max(1, plan.batch_tokens // plan.window))
     lm_head = model.get_output_embeddings()
     vocab, width = lm_head.weight.shape
     for split, split_ids in ids.items():
@@ -348,6 +405,18 @@ def _budget(plan: RetrofitPlan, train_tokens: int) -> TrainBudget:
     steps = plan.steps or max(1, train_tokens // plan.batch_tokens)
     return TrainBudget(steps=steps, batch_tokens=plan.batch_tokens, lr=plan.learning_rate,
                        warmup_steps=min(plan.warmup_steps, steps), clip=1.0, seed=plan.seed)
+
+
+def _check_share(plan: RetrofitPlan, what: str, rows: int) -> None:
+    """Under torchrun the batch is the global one, split evenly among the processes."""
+    n = distributed.world_size()
+    if rows % n:
+        unit = "tokens" if plan.mode == "frozen" else "windows"
+        raise RetrofitError(
+            f"{what} = {rows} {unit} per step is the global batch, split among {n} "
+            f"processes: it must divide by {n}; start as many processes as divide it "
+            "(torchrun --nproc-per-node), or give another --batch-tokens"
+        )
 
 
 # ---- frozen: cached features, the head alone ----------------------------------------------------

@@ -20,6 +20,7 @@ from torch import nn
 
 from highrank.heads import OutputHead
 from highrank.integrations.retrofit.cache import FeatureCache, check_head_fits
+from highrank.train import distributed
 from highrank.util.checks import check_positive_int
 from highrank.util.npy import write_matrix
 from highrank.util.progress import progress_bar
@@ -50,6 +51,16 @@ class Tally:
         self.nll -= float(log_probs.gather(-1, targets.unsqueeze(-1)).double().sum())
         self.tokens += targets.numel()
 
+    def summed(self) -> Tally:
+        """The tally of every process (tokens, NLL and KL summed in rank order, float64; the
+        seconds of the slowest): under torchrun each process scores its share of the rows;
+        ``self`` in one process."""
+        if not distributed.active():
+            return self
+        parts = distributed.gathered([self.tokens, self.nll, self.kl, self.seconds])
+        return Tally(int(sum(p[0] for p in parts)), sum(p[1] for p in parts),
+                     sum(p[2] for p in parts), max(p[3] for p in parts))
+
     def record(self) -> dict:
         """``tokens``, ``nll_per_token``, ``perplexity`` and ``seconds``."""
         nll = self.nll / self.tokens
@@ -74,6 +85,8 @@ def evaluate_head(
     KL(p_reference || p_head) in nats: how far ``head`` has moved from it."""
     check_head_fits(head, cache)
     check_positive_int("block_tokens", block_tokens)
+    if matrix_path is not None and distributed.active():
+        raise ValueError("evaluate_head writes a matrix in one process only, not under torchrun")
     rows = len(cache) if matrix_rows is None else matrix_rows
     if matrix_path is not None and not 0 < rows <= len(cache):
         raise ValueError(f"matrix_rows must lie in 1..{len(cache)}; got {matrix_rows!r}")
@@ -90,6 +103,7 @@ def evaluate_head(
     finally:
         for module, mode in modes:
             module.train(mode)
+    tally = tally.summed()
     record = tally.record()
     seconds = record.pop("seconds")
     return {**record, "kl_from_reference": tally.kl / tally.tokens if reference is not None
@@ -107,8 +121,9 @@ def _first_rows(blocks: Iterator[tuple[int, torch.Tensor]], rows: int) -> Iterat
 
 def _cache_blocks(head, cache, block_tokens, tally: Tally,
                   reference=None) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(start, log_probs (b, V))`` per block of cached tokens, each added to ``tally``."""
-    for start in range(0, len(cache), block_tokens):
+    """``(start, log_probs (b, V))`` per block of cached tokens, each added to ``tally``
+    (under torchrun this process's contiguous share of the blocks)."""
+    for start in _own_share(range(0, len(cache), block_tokens)):
         began = time.perf_counter()
         stop = min(start + block_tokens, len(cache))
         hidden = cache.rows(slice(start, stop)).to(next(head.parameters()).device)
@@ -126,12 +141,14 @@ def score_windows(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                   progress: bool = False) -> dict:
     """Perplexity over every token of the windows ``inputs (W, L)`` with their ``targets``:
     the ``log_softmax`` of a base model's logits (``base``), or a highrank model's
-    log-probabilities (its ``logits`` are already normalised)."""
+    log-probabilities (its ``logits`` are already normalised). Under torchrun each process
+    scores its contiguous share of the batches and the tallies are summed."""
     model.eval()
     tally, device = Tally(), next(model.parameters()).device
+    firsts = _own_share(range(0, inputs.shape[0], batch))
     bar = progress_bar(total=inputs.shape[0], desc=f"score {label}", unit="window",
-                       disable=not progress)
-    for first in range(0, inputs.shape[0], batch):
+                       disable=not (progress and distributed.is_writer()))
+    for first in firsts:
         began = time.perf_counter()
         bar.update(min(batch, inputs.shape[0] - first))
         logits = model(input_ids=inputs[first:first + batch].to(device)).logits.float()
@@ -139,7 +156,14 @@ def score_windows(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         tally.add(log_probs, targets[first:first + batch].to(device))
         tally.seconds += time.perf_counter() - began
     bar.close()
-    return tally.record()
+    return tally.summed().record()
+
+
+def _own_share(blocks: range) -> range:
+    """This process's contiguous share of ``blocks`` (all of them in one process): process r
+    of N takes blocks [r n / N, (r + 1) n / N)."""
+    n, world, rank = len(blocks), distributed.world_size(), distributed.rank()
+    return blocks[rank * n // world : (rank + 1) * n // world]
 
 
 __all__ = ["Tally", "evaluate_head", "finite_perplexity", "score_windows"]

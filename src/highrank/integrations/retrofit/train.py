@@ -20,11 +20,12 @@ on between two steps: the state is saved there and
 **The state file** (``state.pt``, written atomically, read weights-only) holds ``budget``,
 the trained weights, ``optimizer``, ``history`` (one record a step), ``rng`` and
 ``python_rng``, and ``data`` (the sha256 of the token ids trained on; states written before
-it was kept lack it); a rerun continues from it bit for bit, a finished one is loaded and
-nothing is trained. Everything in it is checked before it is used (:func:`load_train_state`:
-the budget, the data, a history of records no longer than the budget, weights of the
-trainee's names and shapes, the optimizer's moments of their parameters' shapes, the random
-generators' states): a damaged or foreign state is one
+it was kept lack it), and under torchrun ``ranks`` (every process's ``rng`` and
+``python_rng``) and ``world_size``; a rerun continues from it bit for bit, a finished one is
+loaded and nothing is trained. Everything in it is checked before it is used
+(:func:`load_train_state`: the budget, the data, a history of records no longer than the
+budget, weights of the trainee's names and shapes, the optimizer's moments of their
+parameters' shapes, the random generators' states): a damaged or foreign state is one
 :class:`~highrank.integrations.retrofit.cache.SavedFileError` line, never a traceback, and
 never taken as finished. The weights are a head's whole ``state_dict`` under ``head``
 (frozen mode) or the trainable parameters of the model by name under ``trainable`` (lora /
@@ -37,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -53,6 +55,7 @@ from highrank.integrations.retrofit.cache import (
     check_head_fits,
     tokens_sha256,
 )
+from highrank.train import distributed
 from highrank.train.interrupts import SignalCatcher
 from highrank.train.state import Interrupted, TrainingError
 from highrank.train.steps import backward_or_skip, clip_or_skip
@@ -186,7 +189,7 @@ class Trainee:
 def train_loop(
     trainee: Trainee,
     n_rows: int,
-    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor],
     budget: TrainBudget,
     state_path: str | Path,
     *,
@@ -199,13 +202,25 @@ def train_loop(
     data: str | None = None,
 ) -> dict:
     """Train ``trainee`` for ``budget``: step ``s`` draws ``batch_indices(budget, n_rows, s)``
-    and minimises ``loss_of(those rows)``. The state is saved to ``state_path`` every
-    ``checkpoint_every`` steps and at the end; an existing one is resumed (one trained on
-    other ``data``, a digest of the rows, is refused). ``stop_after`` returns after that many
-    steps of this call (the state saved), as an interruption would. Returns
-    :func:`training_summary`."""
+    and minimises ``loss_of(forward, those rows)``, where ``forward`` is the module to call
+    (``trainee.module``, or under torchrun its DistributedDataParallel wrapper). The state is
+    saved to ``state_path`` every ``checkpoint_every`` steps and at the end; an existing one is
+    resumed (one trained on other ``data``, a digest of the rows, is refused). ``stop_after``
+    returns after that many steps of this call (the state saved), as an interruption would.
+    Returns :func:`training_summary`.
+
+    Under torchrun (:mod:`highrank.train.distributed`) the batch is the global one: process r
+    takes the r-th contiguous share of its rows (``batch_tokens`` must divide by N), DDP
+    averages the gradients, the history records the loss averaged over the processes, the
+    non-finite guard and a signal to any process stop all at the same step, and process 0
+    writes the state, which holds every process's random generators (a resume with the same
+    N continues bit for bit)."""
     check_positive_int("checkpoint_every", checkpoint_every)
     state_path = Path(state_path)
+    _check_shares(budget)
+    # Wrapped first: DDP starts every process from process 0's weights and processes 1..N-1
+    # reseed their generators (dropout masks of their own); a saved state then restores both.
+    forward = distributed.distribute(trainee.module, budget.seed)
     optimizer = torch.optim.Adam(trainee.groups, lr=budget.lr)
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     history: list[dict] = []
@@ -216,28 +231,57 @@ def train_loop(
     save = functools.partial(save_train_state, state_path, trainee, optimizer, budget, history,
                              data=data)
     trainee.module.train()
+    shown = progress and distributed.is_writer()
     with progress_bar(total=budget.steps, initial=start, desc=desc, unit="step",
-                      disable=not progress) as bar, SignalCatcher(catch_signals) as caught:
+                      disable=not shown) as bar, \
+            SignalCatcher(catch_signals, once=not distributed.active()) as caught:
         for step in range(start, end):
             began = time.perf_counter()
             factor = budget.lr_factor(step)
             for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
                 group["lr"] = base * factor
-            rows = batch_indices(budget, n_rows, step)
+            rows = _own_share(batch_indices(budget, n_rows, step))
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_of(rows)
+            loss = loss_of(forward, rows)
             skipped = guard.backward_and_step(loss, optimizer, trainee.params, budget.clip)
-            history.append(step_record(step, loss, base_lrs[0] * factor, began, skipped))
+            history.append(step_record(step, _averaged(loss), base_lrs[0] * factor, began,
+                                       skipped))
             bar.update(1)
             bar.set_postfix(loss=_shown_loss(history[-1]))
             if guard.exhausted:
                 guard.stop(step + 1, trainee.module, save)
-            if (step + 1) % checkpoint_every == 0 or step + 1 == end or caught.signal:
+            number = distributed.any_rank(caught.signal)  # a signal to any process stops all
+            if (step + 1) % checkpoint_every == 0 or step + 1 == end or number:
                 save()
-            if caught.signal:  # between two steps, the state just saved: as the core's loop
-                raise Interrupted(caught.name, 128 + caught.signal, state_path, step + 1)
+            if number:  # between two steps, the state just saved: as the core's loop
+                name = signal.Signals(number).name
+                raise Interrupted(name, 128 + number, state_path, step + 1)
     trainee.module.eval()
     return training_summary(history, budget)
+
+
+def _check_shares(budget: TrainBudget) -> None:
+    n = distributed.world_size()
+    if budget.batch_tokens % n:
+        raise ValueError(
+            f"batch_tokens={budget.batch_tokens} is the global batch, split among {n} "
+            f"processes: it must divide by {n}"
+        )
+
+
+def _own_share(rows: torch.Tensor) -> torch.Tensor:
+    """This process's contiguous share of a step's rows (all of them in one process)."""
+    n = distributed.world_size()
+    share = rows.shape[0] // n
+    return rows[distributed.rank() * share : (distributed.rank() + 1) * share]
+
+
+def _averaged(loss: torch.Tensor) -> torch.Tensor:
+    """The step's loss as the history records it: the mean over the processes (each process's
+    loss is the mean over its equal share of the batch); ``loss`` itself in one process."""
+    if not distributed.active():
+        return loss
+    return torch.tensor(distributed.average(loss.detach()))
 
 
 def train_head(
@@ -267,9 +311,10 @@ def train_head(
     """
     check_head_fits(head, cache)
 
-    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+    def loss_of(forward: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         device = next(head.parameters()).device  # the cache lives on the CPU; the head may not
-        return head.loss(cache.rows(rows).to(device), cache.targets[rows].to(device))
+        # forward(hidden, target) is head.loss(hidden, target), through DDP under torchrun
+        return forward(cache.rows(rows).to(device), cache.targets[rows].to(device))
 
     return train_loop(Trainee.head(head, budget.lr), len(cache), loss_of, budget, state_path,
                       checkpoint_every=checkpoint_every, stop_after=stop_after,
@@ -293,9 +338,10 @@ def train_windows(
     batches of whole windows ``inputs (W, L)`` with their ``targets`` (``budget.batch_tokens``
     counts windows here), checkpointing every 10 steps; see :func:`train_loop`."""
 
-    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+    def loss_of(forward: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         device = next(model.parameters()).device
-        return model(input_ids=inputs[rows].to(device), shift_labels=targets[rows].to(device)).loss
+        return forward(input_ids=inputs[rows].to(device),
+                       shift_labels=targets[rows].to(device)).loss
 
     return train_loop(Trainee.model(model, budget.lr), inputs.shape[0], loss_of, budget,
                       state_path, checkpoint_every=10, progress=progress,
@@ -384,15 +430,21 @@ def all_finite_parameters(model: nn.Module) -> bool:
 
 def save_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudget,
                      history: list[dict], data: str | None = None) -> None:
-    """``state.pt`` (see the module docstring), replaced atomically."""
+    """``state.pt`` (see the module docstring), replaced atomically. Under torchrun every
+    process calls it: their random generators are gathered (``ranks``, in rank order, with
+    ``world_size``) and process 0 writes."""
+    own = {"rng": torch.get_rng_state(), "python_rng": random.getstate()}
+    ranks = distributed.gather_rng(own).get("ranks")  # a collective: every process is here
+    if not distributed.is_writer():
+        return
     state = {
         "budget": asdict(budget),
         trainee.key: trainee.weights(),
         "optimizer": optimizer.state_dict(),
         "history": history,
-        "rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
+        **own,
         **({} if data is None else {"data": data}),
+        **({} if ranks is None else {"ranks": ranks, "world_size": len(ranks)}),
     }
     with atomic_file(path) as handle:
         torch.save(state, handle)
@@ -420,21 +472,45 @@ def load_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudge
     if not (isinstance(weights, dict) and all(torch.is_tensor(v) for v in weights.values())):
         raise SavedFileError(f"{path} holds no weights under {trainee.key!r}; {TRAIN_AGAIN}")
     check_finite_tensors(path, weights)
-    rng = state["rng"]
-    if not (torch.is_tensor(rng) and rng.dtype == torch.uint8 and rng.ndim == 1):
-        raise SavedFileError(f"{path} holds no random generator state (rng); {TRAIN_AGAIN}")
+    generators = _own_generators(path, state)
     trainee.load_weights(path, weights)
     _load_optimizer(path, optimizer, state["optimizer"])
     try:
-        torch.set_rng_state(rng)  # dropout masks continue as they would have
-        random.setstate(state["python_rng"])
-    except (TypeError, ValueError, RuntimeError) as error:
+        if generators is not None:  # dropout masks continue as they would have
+            torch.set_rng_state(generators["rng"])
+            random.setstate(generators["python_rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise SavedFileError(
             f"{path} holds a random generator state that cannot be restored ("
             f"{type(error).__name__}: {_first_line(error)}); {TRAIN_AGAIN}"
         ) from None
     history.extend(state["history"])
     return len(history)
+
+
+def _own_generators(path: Path, state: dict) -> dict | None:
+    """The random generator states this process restores from ``state``: its own when as
+    many processes wrote it (``ranks``), process 0's where the number differs (one line
+    says so; the others keep their fresh streams: None), the top-level ones in one process."""
+    saved_world = state.get("world_size", 1)
+    ranks = state.get("ranks")
+    if saved_world != 1 and not (isinstance(ranks, list) and len(ranks) == saved_world
+                                 and all(isinstance(r, dict) for r in ranks)):
+        raise SavedFileError(
+            f"{path} holds no random generator states of its {saved_world!r} processes; "
+            f"{TRAIN_AGAIN}"
+        )
+    distributed.note_world_size(saved_world, str(path))
+    if saved_world == distributed.world_size() and ranks is not None:
+        own = ranks[distributed.rank()]
+    elif distributed.is_writer():
+        own = state
+    else:
+        return None
+    rng = own.get("rng")
+    if not (torch.is_tensor(rng) and rng.dtype == torch.uint8 and rng.ndim == 1):
+        raise SavedFileError(f"{path} holds no random generator state (rng); {TRAIN_AGAIN}")
+    return own
 
 
 def check_history(path: Path, history, budget: TrainBudget) -> None:
