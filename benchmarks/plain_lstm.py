@@ -2,8 +2,8 @@
 language model of the same size, on the same Penn Treebank batches.
 
 A benchmark's peer model, not part of the library: run by ``benchmarks/plain_lstm_vs_awd.py``
-(which puts ``src/`` and this folder on ``sys.path``) and tested by
-``tests/bench/test_plain_lstm_vs_awd.py``.
+(``python -m benchmarks.plain_lstm_vs_awd`` from the repository root, highrank installed) and
+tested by ``tests/bench/test_plain_lstm_vs_awd.py``.
 
 *Ours* is the model a recipe builds (:func:`highrank.model.build_model`, default
 ``configs/ptb/small-softmax.toml``) with every AWD regulariser off: no embedding dropout, no
