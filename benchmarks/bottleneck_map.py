@@ -474,6 +474,12 @@ def summary_markdown(cells: list[dict], gains: list[dict]) -> str:
         rank = f"{c['press_rank_mean']:.0f}" if c["press_rank_mean"] is not None else "-"
         lines.append(f"| {c['d']} | {c['arm']} | {c['seeds']} | {c['lr']:g} | "
                      f"{c['params']:,} | {c['epochs']} | {c['test_ppl_mean']:.2f}{sd} | {rank} |")
+    lines += ["", "Learning rates chosen by the pilots (validation perplexity after "
+              f"{PILOT_STEPS} steps at each lr of the grid; `pilots/`):", "",
+              "| d | arm | lr | grid: validation perplexity |", "| ---: | --- | ---: | --- |"]
+    for choice in pilot_choices():
+        grid = ", ".join(f"{lr}: {ppl:,.0f}" for lr, ppl in choice["valid_ppl"].items())
+        lines.append(f"| {choice['d']} | {choice['arm']} | {choice['lr']:g} | {grid} |")
     lines += ["", "Gain of a head over the softmax and the controls: 100 (exp(log ppl_other - "
               "log ppl_head) - 1) per seed (positive: the head is better); paired t-test over "
               "the seeds.", "", "| d | head | against | per seed (%) | mean (%) | paired p |",
@@ -484,6 +490,12 @@ def summary_markdown(cells: list[dict], gains: list[dict]) -> str:
         lines.append(f"| {g['d']} | {g['head']} | {g['against']} | {per_seed} | "
                      f"{g['mean_gain_percent']:+.2f} | {p} |")
     return "\n".join(lines) + "\n"
+
+
+def pilot_choices() -> list[dict]:
+    """The records of the finished learning-rate stages, by d then arm."""
+    choices = [json.loads(p.read_text()) for p in (OUT / "records").glob("lr-*.json")]
+    return sorted(choices, key=lambda c: (c["d"], ARMS.index(c["arm"])))
 
 
 def figures(rows: list[dict], cells: list[dict]) -> None:
