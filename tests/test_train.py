@@ -598,3 +598,14 @@ def test_without_patience_a_run_goes_to_its_epochs(corpus, tmp_path):
     result = train(tiny_config(corpus, tmp_path / "run", "train.epochs=3",
                                "train.patience_min_delta=10"), options=QUIET)
     assert result.stop_reason == "epochs" and result.epochs_completed == 3
+
+
+def test_patience_counts_again_from_a_switch_to_averaged_sgd(corpus, tmp_path):
+    """NT-ASGD switches when validation stalls, when patience would run out too: the count
+    starts again in the averaged phase, so the averages get their epochs. ET-ASGD switching
+    after epoch 2: without the restart patience 2 stopped after epoch 3, now after epoch 4."""
+    overrides = ("train.epochs=8", "train.patience=2", "train.patience_min_delta=10",
+                 "train.optimizer=et-asgd", "train.switch_epoch=2")
+    result = train(tiny_config(corpus, tmp_path / "run", *overrides), options=QUIET)
+    assert result.stop_reason == "patience" and result.epochs_completed == 4
+    assert result.phase == "asgd"

@@ -182,7 +182,8 @@ class TrainConfig:
             before the run stops with an error.
         patience: stop the stage when this many epoch-end validations in a row did not lower
             the best validation loss by more than patience_min_delta (early stopping; it
-            applies to finetuning too); None (unset): run to train.epochs.
+            applies to finetuning too), counted within the optimizer's phase (a switch to
+            averaged SGD starts the count again); None (unset): run to train.epochs.
         patience_min_delta: the improvement in nats per token that counts for patience.
 
     The ``seq2seq`` family (:mod:`highrank.train.seq2seq`; lr is the peak learning rate):

@@ -189,9 +189,17 @@ class Trainer:
 
     def _out_of_patience(self, val_loss: float) -> bool:
         """train.patience: whether this many epoch-end validations in a row have not lowered
-        the best loss by more than train.patience_min_delta."""
+        the best loss by more than train.patience_min_delta, counted within the recipe's
+        phase: a switch (SGD -> averaged SGD, which NT-ASGD makes when validation stalls, the
+        moment patience would also run out) starts the count again, so that a run is never
+        stopped at the switch before the averaged weights had their epochs."""
         p, train = self.progress, self.config.train
         if train.patience is None:
+            return False
+        if self.recipe.phase != p.patience_phase:
+            p.patience_phase, p.patience_loss, p.patience_epoch = (
+                self.recipe.phase, val_loss, p.epoch,
+            )  # fmt: skip
             return False
         if val_loss < p.patience_loss - train.patience_min_delta:
             p.patience_loss, p.patience_epoch = val_loss, p.epoch

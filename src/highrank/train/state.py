@@ -64,7 +64,9 @@ class Progress:
     step: int = 0
     best_val_loss: float = math.inf
     best_epoch: int = 0
-    # train.patience: the best loss by more than patience_min_delta, and its epoch
+    # train.patience: the recipe's phase it counts in, the best loss by more than
+    # patience_min_delta in that phase, and its epoch
+    patience_phase: str = ""
     patience_loss: float = math.inf
     patience_epoch: int = 0
     consecutive_skips: int = 0
