@@ -9,6 +9,7 @@
     write_json(path, payload)      a JSON record, written atomically (highrank.util.atomic)
     commit(path, message)          commit ``path`` (the study's results) to git, retrying while
                                    another process holds the index lock
+    module_name(__file__)          the dotted name ``python -m`` runs a benchmark module by
 
 The library is installed (``pip install -e .``): nothing here edits ``sys.path``.
 """
@@ -62,6 +63,14 @@ def highrank(
     command = [sys.executable, "-m", "highrank", *words]
     run_kwargs.setdefault("env", run_env(threads))
     return subprocess.run(command, cwd=cwd, check=check, **run_kwargs)
+
+
+def module_name(file: str | os.PathLike) -> str:
+    """The dotted name ``python -m`` runs the benchmark module at ``file`` (its ``__file__``)
+    by: ``benchmarks/studies/bottleneck_map.py`` -> ``benchmarks.studies.bottleneck_map``. How a
+    script names itself in the child commands it starts and the commands it records (under
+    ``python -m`` its ``__name__`` is ``"__main__"``), so that moving it moves them too."""
+    return ".".join(Path(file).resolve().relative_to(REPO).with_suffix("").parts)
 
 
 def machine(threads: int | None = None, note: str | None = SHARED_MACHINE) -> dict[str, Any]:
