@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import REPO, machine, module_name, write_json
+from benchmarks._common import REPO, machine, module_name, write_json, write_text
 
 MODULE = module_name(__file__)  # benchmarks.checks.engines_gpu_check
 
@@ -249,7 +249,7 @@ def _retrofit_inputs(root: Path) -> tuple[Path, dict]:
     rng, texts = random.Random(0), {}
     for split, n in (("train", 4000), ("valid", 400)):
         texts[split] = root / f"{split}.txt"
-        texts[split].write_text(" ".join(rng.choice(words) for _ in range(n)) + "\n")
+        write_text(texts[split], " ".join(rng.choice(words) for _ in range(n)) + "\n")
     return root / "model", texts
 
 

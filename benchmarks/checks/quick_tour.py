@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import REPO, machine, write_json
+from benchmarks._common import REPO, machine, write_json, write_text
 
 
 def tour(steps: int, runs: str, data: str, reports: str) -> list[list[str]]:
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     write_json(Path(args.out) / "times.json", {"machine": machine(None), "rows": rows})
     table = ["| command | seconds | load average before |", "| --- | ---: | ---: |"]
     table += [f"| `{r['command']}` | {r['seconds']:.0f} | {r['load_before']:.1f} |" for r in rows]
-    (Path(args.out) / "times.md").write_text("\n".join(table) + "\n", encoding="utf-8")
+    write_text(Path(args.out) / "times.md", "\n".join(table) + "\n")
     print("\n".join(table))
     return 0
 

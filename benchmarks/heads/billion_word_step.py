@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import multiprocessing
 import os
 import statistics
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import REPO, module_name
+from benchmarks._common import REPO, module_name, write_json, write_text
 from highrank.bench.heads import proc_status_kib, reset_peak_rss
 from highrank.config import load_config
 from highrank.model import build_model, count_parameters
@@ -233,8 +232,8 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "billion-word-step.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / "billion-word-step.md").write_text(markdown(record))
+    write_json(out / "billion-word-step.json", record, indent=1)
+    write_text(out / "billion-word-step.md", markdown(record))
     print(markdown(record))
     return 0
 

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import REPO, machine, write_json
+from benchmarks._common import REPO, machine, write_json, write_text
 
 VARIANTS = {
     "base": None,
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         "seconds": {label: {k: raw[label][k] for k in PARTS} for label in raw},
     }  # fmt: skip
     write_json(args.out / "generate.json", result)
-    (args.out / "generate.md").write_text(markdown(result))
+    write_text(args.out / "generate.md", markdown(result))
     print(markdown(result))
     return 0
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import REPO
+from benchmarks._common import REPO, write_json, write_text
 from highrank.bench.heads import BPTT, HEAD_SHAPES, time_interleaved
 from highrank.heads import build_head
 from highrank.util.machine import describe_machine
@@ -173,17 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>10}: already measured, skipped", flush=True)
             continue
         results["heads"][name] = measure_head(name, args)
-        _write(record_path, json.dumps(results, indent=2) + "\n")
-        _write(out / "heads-compile.md", markdown(results))
+        write_json(record_path, results)
+        write_text(out / "heads-compile.md", markdown(results))
     print(markdown(results))
     return 0
-
-
-def _write(path: Path, text: str) -> None:
-    """Atomic: a killed run never leaves half a file."""
-    temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(text)
-    temporary.replace(path)
 
 
 if __name__ == "__main__":

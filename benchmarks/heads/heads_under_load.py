@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import REPO, module_name
+from benchmarks._common import REPO, module_name, write_json, write_text
 
 MODULE = module_name(__file__)  # benchmarks.heads.heads_under_load
 
@@ -305,8 +305,8 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "heads-under-load.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "heads-under-load.md").write_text(markdown(result))
+    write_json(out / "heads-under-load.json", result, indent=1)
+    write_text(out / "heads-under-load.md", markdown(result))
     print(markdown(result))
     return 0
 

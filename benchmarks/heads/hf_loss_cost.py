@@ -50,7 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
 
 import torch
 
-from benchmarks._common import REPO, module_name
+from benchmarks._common import REPO, module_name, write_json, write_text
 from highrank.bench.heads import proc_status_kib, reset_peak_rss, time_interleaved
 from highrank.util.machine import describe_machine
 
@@ -262,11 +262,8 @@ def _new_record(base, settings: dict) -> dict:
 
 def _save(record: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "hf_loss_cost.json"
-    temporary = json_path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    temporary.replace(json_path)
-    (out_dir / "hf_loss_cost.md").write_text(markdown(record), encoding="utf-8")
+    write_json(out_dir / "hf_loss_cost.json", record)
+    write_text(out_dir / "hf_loss_cost.md", markdown(record))
 
 
 def markdown(record: dict) -> str:

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import REPO, machine, write_json
+from benchmarks._common import REPO, machine, write_json, write_text
 
 D_MODEL, VOCAB = 576, 49_152
 HEADS = {
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
             for shape, t in timings.items()
         )
         table += "\n" + load_line({"GEMMs": load})
-        (args.out / "gemm-columns.md").write_text(table)
+        write_text(args.out / "gemm-columns.md", table)
         print(table)
         return 0
     if args.profile:
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
                     "other jobs while it ran"), "load_average": load,
                     "variants": profiles})  # fmt: skip
         table = profile_markdown(profiles, args.profile) + "\n" + load_line({"profile": load})
-        (args.out / f"profile-{args.profile}.md").write_text(table)
+        write_text(args.out / f"profile-{args.profile}.md", table)
         print(table)
         return 0
     result = {
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
             for h, c in result["rows"][str(rows)].items()
         ), flush=True)  # fmt: skip
     write_json(args.out / "log_prob.json", result)
-    (args.out / "log_prob.md").write_text(markdown(result))
+    write_text(args.out / "log_prob.md", markdown(result))
     print(markdown(result))
     return 0
 

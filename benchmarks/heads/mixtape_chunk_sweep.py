@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
+from benchmarks._common import write_json, write_text
 from highrank.bench.heads import BASELINE, CASES, build_step, time_interleaved
 from highrank.util.machine import describe_machine
 
@@ -72,8 +72,8 @@ def main() -> None:
             f"| {row['case']} | {row['head_ms']:.0f} | {row['baseline_ms']:.0f} | "
             f"{row['time_ratio']:.2f} |"
         )
-    json_path.with_suffix(".md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_text(json_path.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_json(json_path, result)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks._common import write_json, write_text
 from highrank.bench.heads import BASELINE, CASES, build_step
 from highrank.util.machine import describe_machine
 
@@ -75,8 +76,8 @@ def main() -> None:
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "runs_ms"}))
         args.out.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        json_path.with_suffix(".md").write_text(_markdown(result), encoding="utf-8")
+        write_json(json_path, result)
+        write_text(json_path.with_suffix(".md"), _markdown(result))
 
 
 def _markdown(result: dict) -> str:

@@ -35,7 +35,7 @@ import numpy as np
 import scipy.linalg  # noqa: F401  imported before timing: the gram method uses it
 import scipy.linalg.blas  # noqa: F401
 
-from benchmarks._common import module_name
+from benchmarks._common import module_name, save_array, write_json
 from highrank.analysis.rank import (
     EFFECTIVE_RANK_EPSILONS,
     effective_rank,
@@ -65,7 +65,7 @@ def child(method: str, path: str, values_out: str) -> dict:
         report = rank_report_file(path, backend=backend)
         values, shape, dtype = report["singular_values"], report["shape"], np.float32
     seconds = time.perf_counter() - began
-    np.save(values_out, values)
+    save_array(values_out, values)
     return {
         "method": method,
         "seconds": seconds,
@@ -81,7 +81,7 @@ def prefix_file(path: Path, rows: int, folder: Path) -> Path:
     if rows > matrix.shape[0]:
         raise SystemExit(f"--rows {rows} exceeds the {matrix.shape[0]} rows of {path}")
     target = folder / f"first{rows}.npy"
-    np.save(target, np.ascontiguousarray(matrix[:rows]))
+    save_array(target, np.ascontiguousarray(matrix[:rows]))
     return target
 
 
@@ -148,8 +148,7 @@ def main() -> None:
     }
     print(json.dumps(result["summary"], indent=2))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out, result)
         print(f"wrote {args.out}")
 
 

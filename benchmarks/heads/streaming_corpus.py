@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import REPO, module_name
+from benchmarks._common import REPO, module_name, write_json, write_text
 
 MODULE = module_name(__file__)  # benchmarks.heads.streaming_corpus
 
@@ -320,7 +320,7 @@ def write_readme(results: list[dict]) -> None:
         ],
         "",
     ]
-    (RESULTS / "README.md").write_text("\n".join(text))
+    write_text(RESULTS / "README.md", "\n".join(text))
 
 
 def main() -> None:
@@ -348,7 +348,7 @@ def main() -> None:
             print(f"{path} exists; skipping (--force redoes it)")
             continue
         result = measure(tokens, args)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(path, result)
         print(json.dumps(result, indent=2))
     results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("tokens-*.json"))]
     write_readme(sorted(results, key=lambda r: r["corpus"]["tokens"]["train"]))

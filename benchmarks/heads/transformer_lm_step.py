@@ -16,7 +16,6 @@ per-token time to the AWD-LSTM's, and the epoch time implied by the per-token me
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import REPO, module_name
+from benchmarks._common import REPO, module_name, write_json
 from highrank.config import load_config
 from highrank.model import build_model, count_parameters
 from highrank.train.transformer import ADAM_BETA1, ADAM_EPSILON, adamw_groups
@@ -110,8 +109,7 @@ def main() -> None:
         "rows": rows,
     }
     out = REPO / "benchmarks" / "results" / "transformer-lm-step"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{platform.node() or 'machine'}.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_json(out / f"{platform.node() or 'machine'}.json", record)
 
 
 if __name__ == "__main__":

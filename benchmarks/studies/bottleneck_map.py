@@ -57,7 +57,17 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import DATA, REPO, RESULTS, highrank, machine, module_name, write_json
+from benchmarks._common import (
+    DATA,
+    REPO,
+    RESULTS,
+    highrank,
+    machine,
+    module_name,
+    save_figure,
+    write_json,
+    write_text,
+)
 from benchmarks.study import Stage, Study
 
 MODULE = module_name(__file__)  # benchmarks.studies.bottleneck_map
@@ -407,7 +417,7 @@ def summarize() -> None:
     cells = cell_table(rows)
     gains = gain_table(rows)
     write_json(OUT / "cells.json", {"cells": cells, "gains": gains})
-    (OUT / "summary.md").write_text(summary_markdown(cells, gains))
+    write_text(OUT / "summary.md", summary_markdown(cells, gains))
     figures(rows, cells)
     print(f"{len(rows)} finished run(s): {OUT / 'summary.json'}, {OUT / 'summary.md'}")
 
@@ -530,7 +540,7 @@ def figures(rows: list[dict], cells: list[dict]) -> None:
         axis.set_ylabel(label)
         axis.legend(fontsize=8)
         figure.tight_layout()
-        figure.savefig(OUT / name, dpi=110)
+        save_figure(figure, OUT / name, dpi=110)
         plt.close(figure)
     _curves(plt, [r for r in rows if not r["arm"].startswith("long-")], "curves.png", colours)
     _curves(plt, [r for r in rows if r["arm"].startswith("long-")], "long-curves.png",
@@ -556,7 +566,7 @@ def _curves(plt, rows: list[dict], name: str, colours: dict) -> None:
     axes[0][0].set_ylabel("validation perplexity")
     axes[0][-1].legend(fontsize=6)
     figure.tight_layout()
-    figure.savefig(OUT / name, dpi=110)
+    save_figure(figure, OUT / name, dpi=110)
     plt.close(figure)
 
 

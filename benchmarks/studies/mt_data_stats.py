@@ -22,7 +22,6 @@ deterministic.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks._common import DATA, REPO, module_name
+from benchmarks._common import DATA, REPO, module_name, write_json, write_text
 from highrank.data import load_corpus
 from highrank.data.chars import bits_per_char
 from highrank.mt.bitext import SpecialIds, TokenBatches, encode_pairs, load_bitext
@@ -205,8 +204,8 @@ def main() -> int:
         "multi30k": mt,
         "ptb_char": chars,
     }
-    (out / "stats.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    (out / "stats.txt").write_text(text + "\n", encoding="utf-8")
+    write_json(out / "stats.json", record, indent=1)
+    write_text(out / "stats.txt", text + "\n")
     return 0
 
 

@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import DATA, REPO, machine, module_name, run_env, write_json
+from benchmarks._common import DATA, REPO, machine, module_name, run_env, write_json, write_text
 from benchmarks.study import Stage, Study, module_command
 
 MODULE = module_name(__file__)  # benchmarks.studies.multi30k_table
@@ -385,7 +385,7 @@ def table(heads, out: Path, args) -> None:
             f"| {per if per is None else f'{per:.1f}'} ({ratio}) |"
         )
     lines += ["", f"sacreBLEU signature: {rows[0]['signature']}"]
-    (out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_text(out / "table.md", "\n".join(lines) + "\n")
     write_json(out / "table.json", {"rows": rows, "tiny": args.tiny})
     print("\n".join(lines))
 

@@ -17,11 +17,10 @@ step), less at the default 2 threads. ``--set KEY=VALUE`` changes the recipe fur
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from benchmarks._common import DATA, REPO, module_name
+from benchmarks._common import DATA, REPO, module_name, write_json
 from benchmarks.studies.plain_lstm import (
     Settings,
     benchmark_config,
@@ -76,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         ["python", "-m", MODULE, *(sys.argv[1:] if argv is None else argv)]
     )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_json(out, result)
     print(markdown_table(result))
     print(f"wrote {out}")
     return 0

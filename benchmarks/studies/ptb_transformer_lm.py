@@ -35,7 +35,7 @@ import shlex
 from pathlib import Path
 
 from benchmarks import _common
-from benchmarks._common import DATA, REPO, machine, write_json
+from benchmarks._common import DATA, REPO, append_line, machine, write_json, write_text
 from benchmarks.studies.multi30k_table import train_seconds
 from benchmarks.study import Stage, Study
 
@@ -89,7 +89,7 @@ def train(args, experiment: str, head: str, run: Path) -> None:
             *spec["overrides"],
             "--no-progress",
         )
-    done.write_text("")
+    write_text(done, "")
 
 
 def record(path: Path) -> dict:
@@ -111,8 +111,8 @@ def evaluate(args, run: Path) -> dict:
         if not path.is_file():
             line = shlex.join(["highrank", "eval", str(run), "--split", split, "--no-progress"])
             print(f"+ {line}", flush=True)
-            with open(Path(args.out) / "commands.txt", "a", encoding="utf-8") as log:
-                log.write(f"{line}  # in process: highrank.evaluate.evaluate_run\n")
+            append_line(Path(args.out) / "commands.txt",
+                        f"{line}  # in process: highrank.evaluate.evaluate_run")
             threads = torch.get_num_threads()
             torch.set_num_threads(args.threads)
             try:
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         }
         name = experiment if not args.heads else f"{experiment}-{'-'.join(heads)}"
         write_json(Path(args.out) / f"{name}.json", summary)
-        (Path(args.out) / f"{name}.md").write_text(table_markdown(experiment, rows))
+        write_text(Path(args.out) / f"{name}.md", table_markdown(experiment, rows))
         print(table_markdown(experiment, rows))
     return 0
 

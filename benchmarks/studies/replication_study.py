@@ -70,7 +70,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks._common import REPO
+from benchmarks import _common
+from benchmarks._common import REPO, append_line, write_json, write_text
 from benchmarks.study import Stage, Study
 from highrank.runs.locks import LOCK_FILE, LockedError, exclusive
 
@@ -193,7 +194,7 @@ def load_timings(args: argparse.Namespace) -> dict[str, list[float]]:
 def record_timing(args: argparse.Namespace, task: Task, seconds: float) -> None:
     timings = load_timings(args)
     timings.setdefault(timing_key(task), []).append(round(seconds, 1))
-    _write_text(timings_path(args), json.dumps(timings, indent=1, sort_keys=True))
+    write_json(timings_path(args), timings, indent=1, sort_keys=True)
 
 
 def timing_key(task: Task) -> str:
@@ -229,8 +230,7 @@ def highrank(args: argparse.Namespace, *words: str, check: bool = True) -> int:
     command = [sys.executable, "-m", "highrank", *words]
     line = shlex.join(["highrank", *words])
     print(f"+ {line}", flush=True)
-    with open(Path(args.results) / "commands.txt", "a", encoding="utf-8") as log:
-        log.write(line + "\n")
+    append_line(Path(args.results) / "commands.txt", line)
     status = subprocess.run(command, cwd=REPO).returncode
     if status != 0 and check:
         raise SystemExit(f"the study stopped: `{line}` exited with {status}; rerun to continue")
@@ -297,7 +297,7 @@ def run_task(args: argparse.Namespace, task: Task, d_hidden: int) -> None:
     directory = str(run_dir(args, task.run))
     if task.stage == "train":
         highrank(args, *train_words(args, task.run, d_hidden))
-        (run_dir(args, task.run) / "study-train.done").write_text("")
+        write_text(run_dir(args, task.run) / "study-train.done", "")
     elif task.stage == "eval":
         highrank(args, "eval", directory, "--split", "test", "--no-progress")
     elif task.stage == "rank":
@@ -372,9 +372,9 @@ def summarize(args: argparse.Namespace, runs: list[Run]) -> dict | None:
         print("summary: `highrank report` failed (above); the table and figures are still written")
     table = summary_table(args, runs, finished)
     table["figures"] = draw_figures(args, table, finished)
-    _write_text(results / "summary.json", json.dumps(table, indent=1))
+    write_json(results / "summary.json", table, indent=1)
     markdown = summary_markdown(args, table)
-    _write_text(results / "summary.md", markdown)
+    write_text(results / "summary.md", markdown + "\n")
     print(markdown)
     return table
 
@@ -800,8 +800,7 @@ def save_figure(figure, path: Path) -> str:
     import matplotlib.pyplot as plt
 
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
+    _common.save_figure(figure, path)
     plt.close(figure)
     return path.name
 
@@ -811,14 +810,7 @@ def record_hidden_sizes(path: Path, sizes: dict[str, int]) -> None:
     side by side) keep every head's width in one file."""
     known = json.loads(path.read_text()) if path.is_file() else {}
     ordered = {head: {**known, **sizes}[head] for head in HEADS if head in {**known, **sizes}}
-    _write_text(path, json.dumps(ordered, indent=1))
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text + "\n", encoding="utf-8")
-    partial.replace(path)
+    write_json(path, ordered, indent=1)
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:

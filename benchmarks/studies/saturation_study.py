@@ -39,7 +39,17 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import DATA, REPO, RESULTS, highrank, machine, module_name, write_json
+from benchmarks._common import (
+    DATA,
+    REPO,
+    RESULTS,
+    highrank,
+    machine,
+    module_name,
+    save_figure,
+    write_json,
+    write_text,
+)
 
 MODULE = module_name(__file__)  # benchmarks.studies.saturation_study
 
@@ -183,7 +193,7 @@ def train_replication_run(head: str, args: argparse.Namespace, seconds: dict) ->
     if not (directory / "study-train.done").is_file():
         words = study.train_words(options, run, d_hidden)
         seconds[f"train {run.name}"] = timed(*words, threads=args.threads)
-        (directory / "study-train.done").write_text("")
+        write_text(directory / "study-train.done", "")
     return directory
 
 
@@ -243,7 +253,7 @@ def replication_figure(out: Path) -> Path | None:
                     "head's inputs over training (* best.pt)", fontsize=10)
     figure.tight_layout()
     path = out / "saturation-curves.png"
-    figure.savefig(path, dpi=110)
+    save_figure(figure, path, dpi=110)
     plt.close(figure)
     return path
 
@@ -287,7 +297,7 @@ def main(argv=None) -> None:
     locks = args.out / ".locks"
     locks.mkdir(parents=True, exist_ok=True)
     # two --heads processes may finish together: one reads, merges and writes at a time
-    with open(locks / "summary.lock", "w") as lock:
+    with open(locks / "summary.lock", "a") as lock:  # a lock file: its contents are nothing
         fcntl.flock(lock, fcntl.LOCK_EX)
         replication_figure(args.out)
         previous = json.loads(summary_path.read_text()) if summary_path.is_file() else {}

@@ -136,7 +136,7 @@ def summarize(out: Path) -> str:
                      f"| {base} | {spread(score['valid'])} | {spread(score['test'])} "
                      f"| {spread(steps)} |")
     table = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(table)
+    _common.write_text(out / "results.md", table)
     return table
 
 

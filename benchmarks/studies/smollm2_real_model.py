@@ -34,7 +34,8 @@ import resource
 import time
 from pathlib import Path
 
-from benchmarks._common import DATA, REPO
+from benchmarks import _common
+from benchmarks._common import DATA, REPO, save_array, write_text
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STEPS = ("matrix", "perplexity", "rank", "hidden-size", "unargmaxable")
@@ -132,14 +133,13 @@ def step_perplexity(args, model: Model) -> dict:
 
 
 def step_rank(args, model: Model) -> dict:
-    import numpy as np
 
     from highrank.analysis.rank import rank_report_file
     from highrank.analysis.spectrum import plot_spectrum
 
     report = rank_report_file(matrix_path(args), backend="scipy", progress=True)
     values = report.pop("singular_values")
-    np.save(args.out / "singular-values.npy", values)
+    save_array(args.out / "singular-values.npy", values)
     plot_spectrum({"SmolLM2-135M (softmax, d = 576)": values}, args.out / "spectrum.png",
                   press_thresholds={"SmolLM2-135M (softmax, d = 576)":
                                     report["press_threshold"] / float(values[0])},
@@ -242,13 +242,12 @@ def summarize(args) -> None:
         lines.append(f"| unargmaxable tokens ({u['domain']}) | {u['unargmaxable']} of "
                      f"{u['vocab_size']} ({u['undecided']} undecided) "
                      f"| {u['step_seconds']:.0f} |")
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    write_text(args.out / "results.md", "\n".join(lines) + "\n")
 
 
 def write_json(path: Path, payload: dict) -> None:
-    temporary = path.with_name(f".{path.name}.partial")
-    temporary.write_text(json.dumps(payload, indent=1, default=str))
-    os.replace(temporary, path)
+    """A step's record as this study has always written it (indent 1, no final newline)."""
+    _common.write_json(path, payload, indent=1, end="")
 
 
 if __name__ == "__main__":

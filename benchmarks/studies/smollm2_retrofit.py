@@ -141,15 +141,14 @@ def head_knobs(name: str, args) -> tuple[str, dict, bool]:
 
 def stage_cache(args) -> dict:
     """Load SmolLM2, tokenise the three splits, cache their hidden states; save lm_head."""
-    import torch
 
     from highrank.integrations.retrofit import cache_hidden_states
 
     started = time.perf_counter()
     model, tokenizer = load_model(args)
     load_seconds = time.perf_counter() - started
-    torch.save({"weight": model.get_output_embeddings().weight.detach().clone()},
-               args.work_dir / "lm_head.pt")
+    _common.save_torch(args.work_dir / "lm_head.pt",
+                       {"weight": model.get_output_embeddings().weight.detach().clone()})
     record = {"load_seconds": load_seconds, "splits": {}}
     for split in SPLITS:
         text = (args.data_dir / "wikitext-2" / f"{split}.txt").read_text(encoding="utf-8")
@@ -246,7 +245,6 @@ def stage_eval(name: str, args) -> dict:
 
 
 def stage_rank(name: str, args) -> dict:
-    import numpy as np
 
     from highrank.analysis.rank import rank_report_file
 
@@ -255,7 +253,7 @@ def stage_rank(name: str, args) -> dict:
     report = rank_report_file(matrix, backend="scipy", progress=True)
     report["seconds"] = time.perf_counter() - began
     values = report.pop("singular_values")
-    np.save(args.out / f"singular-values-{name}.npy", values)
+    _common.save_array(args.out / f"singular-values-{name}.npy", values)
     report["singular_values_file"] = f"singular-values-{name}.npy"
     report["s_max"] = float(values[0])
     report["method"] = ("float64 Gram matrix A A^T on the context side (rows < columns), "
@@ -347,7 +345,7 @@ def summarize(args) -> None:
 
             curves[name] = np.load(args.out / rank["singular_values_file"])
             thresholds[name] = rank["press_threshold"] / rank["s_max"]
-    (args.out / "results.md").write_text("\n".join(rows) + "\n")
+    _common.write_text(args.out / "results.md", "\n".join(rows) + "\n")
     if curves:
         from highrank.analysis.spectrum import plot_spectrum
 

@@ -48,12 +48,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
-from benchmarks._common import DATA, REPO, module_name, write_json
+from benchmarks._common import (
+    DATA,
+    REPO,
+    module_name,
+    save_array,
+    save_figure,
+    save_torch,
+    write_json,
+    write_text,
+)
 from benchmarks.studies.smollm2_retrofit import GGUF_NAME, load_model, machine
 from benchmarks.study import Stage, Study, wikitext_missing, wikitext_study
 
@@ -143,7 +151,6 @@ def settings(args) -> dict:
 
 
 def stage_cache(split: str, args) -> dict:
-    import torch
 
     from highrank.integrations.retrofit import cache_hidden_states
 
@@ -151,9 +158,7 @@ def stage_cache(split: str, args) -> dict:
     model, tokenizer = load_model(args)
     lm_head = args.cache_dir / "lm_head.pt"
     if not lm_head.exists():
-        temporary = lm_head.with_name(f".{lm_head.name}.{os.getpid()}")
-        torch.save({"weight": model.get_output_embeddings().weight.detach().clone()}, temporary)
-        os.replace(temporary, lm_head)
+        save_torch(lm_head, {"weight": model.get_output_embeddings().weight.detach().clone()})
     load_seconds = time.perf_counter() - began
     text = (args.data_dir / "wikitext-2" / f"{split}.txt").read_text(encoding="utf-8")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -245,14 +250,13 @@ def matrix_path(name: str, seed: int, args) -> Path:
 
 
 def stage_rank(name: str, seed: int, args) -> dict:
-    import numpy as np
 
     from highrank.analysis.rank import rank_report_file
 
     matrix = matrix_path(name, seed, args)
     report = rank_report_file(matrix, backend="scipy", progress=True)
     values = report.pop("singular_values")
-    np.save(args.out / f"singular-values-{name}-s{seed}.npy", values)
+    save_array(args.out / f"singular-values-{name}-s{seed}.npy", values)
     report["singular_values_file"] = f"singular-values-{name}-s{seed}.npy"
     report["s_max"] = float(values[0])
     matrix.unlink()
@@ -359,8 +363,8 @@ def summarize(args) -> None:
     write_json(args.out / "summary.json",
                {"settings": settings(args), "heads": rows, "against_controls": against},
                indent=1, end="")
-    (args.out / "results.md").write_text(
-        "\n".join(table + ["", *against_controls_table(against)]) + "\n")
+    write_text(args.out / "results.md",
+               "\n".join(table + ["", *against_controls_table(against)]) + "\n")
     plot_curves(records, args.out / "curves.png")
     del np
 
@@ -467,7 +471,7 @@ def plot_curves(records: dict, path: Path) -> None:
     axes.set_title("SmolLM2-135M, frozen body, warm-started heads on WikiText-2")
     axes.legend(fontsize=7, ncol=2)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path, dpi=120)
     plt.close(figure)
 
 

@@ -28,7 +28,7 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks._common import REPO, machine, write_json
+from benchmarks._common import REPO, machine, save_figure, write_json, write_text
 from benchmarks.study import Stage, Study
 
 
@@ -131,7 +131,7 @@ def plot(args, summary: dict, path: Path) -> None:
     axes[0].set_ylabel("KL(P* || P_theta), nats")
     axes[-1].legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path, dpi=120)
     plt.close(figure)
 
 
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     cells = {cell: json.loads(study.record_path(name).read_text()) for name, cell in grid.items()}
     summary = summarize(args, cells)
     write_json(out / "summary.json", summary)
-    (out / "summary.md").write_text(summary_markdown(args, summary), encoding="utf-8")
+    write_text(out / "summary.md", summary_markdown(args, summary))
     plot(args, summary, out / "sweep.png")
     print(summary_markdown(args, summary))
     return 0

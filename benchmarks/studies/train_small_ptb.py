@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import DATA, REPO
+from benchmarks._common import DATA, REPO, write_json
 from highrank.runs.run_dir import read_metrics
 from highrank.util.machine import describe_machine
 
@@ -71,7 +71,7 @@ def main() -> int:
         "machine": describe_machine(),
         "rows": [row for row in kept if row["head"] not in fresh] + rows,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_json(out, result)
     print(json.dumps(rows, indent=2))
     return 0
 
