@@ -4,7 +4,7 @@
         [Stage("cache"), Stage("train-a", needs=("cache",)), Stage("eval-a", needs=("train-a",))],
         work=lambda name: {...},          # does the stage here; returns its record
         records=OUT,                       # OUT/<stage>.json: the record, written atomically
-        child=lambda name: [sys.executable, "-m", "benchmarks.x", *argv, "--stage", name],
+        child=lambda name: [sys.executable, "-m", "benchmarks.studies.x", *argv, "--stage", name],
     )
     return study.run()                     # rounds until every stage has its record
 

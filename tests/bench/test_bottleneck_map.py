@@ -1,6 +1,6 @@
-"""benchmarks.bottleneck_map: the cells differ by their output layer alone, the controls reach
-MoS's parameter count, the learning-rate pilot's grid grows past a winning end, and the summary
-pairs seeds (issue 30)."""
+"""benchmarks.studies.bottleneck_map: the cells differ by their output layer alone, the controls
+reach MoS's parameter count, the learning-rate pilot's grid grows past a winning end, and the
+summary pairs seeds (issue 30)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-import benchmarks.bottleneck_map as bm
+import benchmarks.studies.bottleneck_map as bm
 
 
 def body(overrides) -> set[str]:

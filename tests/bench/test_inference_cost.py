@@ -1,4 +1,4 @@
-"""benchmarks.inference_cost at tiny shapes: every timing run records the machine's load."""
+"""benchmarks.heads.inference_cost at tiny shapes: every timing run records the machine's load."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from benchmarks import inference_cost
+from benchmarks.heads import inference_cost
 
 
 def tiny(monkeypatch):

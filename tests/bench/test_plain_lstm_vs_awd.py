@@ -1,5 +1,5 @@
-"""Smoke tests of benchmarks/plain_lstm_vs_awd.py and benchmarks/plain_lstm.py on a tiny
-synthetic corpus (the real numbers come from the script on Penn Treebank)."""
+"""Smoke tests of benchmarks/studies/plain_lstm_vs_awd.py and benchmarks/studies/plain_lstm.py
+on a tiny synthetic corpus (the real numbers come from the script on Penn Treebank)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import plain_lstm
+from benchmarks.studies import plain_lstm
 from highrank.data import load_corpus
 from highrank.model import build_model, count_parameters
 
@@ -32,7 +32,7 @@ def corpus(tmp_path) -> Path:
 
 
 def load_script():
-    from benchmarks import plain_lstm_vs_awd
+    from benchmarks.studies import plain_lstm_vs_awd
 
     return plain_lstm_vs_awd
 
@@ -52,7 +52,7 @@ def test_script_writes_the_json_and_prints_the_table(corpus, tmp_path, capsys):
     assert result["settings"]["layer_sizes"] == [12, 8] and result["settings"]["threads"] == 1
     assert {"cpu", "torch", "torch_threads"} <= result["machine"].keys()
     assert "one nn.LSTM per layer" in plain["description"]
-    assert result["command"].startswith("python -m benchmarks.plain_lstm_vs_awd --data-dir")
+    assert result["command"].startswith("python -m benchmarks.studies.plain_lstm_vs_awd --data-dir")
     printed = capsys.readouterr().out
     assert "| ours (highrank AWD-LSTM) |" in printed and "Ours / plain:" in printed
 

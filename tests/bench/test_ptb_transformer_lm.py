@@ -1,4 +1,5 @@
-"""benchmarks/ptb_transformer_lm.py: a table row gathers a run's records (no training here)."""
+"""benchmarks/studies/ptb_transformer_lm.py: a table row gathers a run's records (no training
+here)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 
 def test_a_row_holds_the_evaluations_the_rank_and_the_training_time(tmp_path):
-    from benchmarks import ptb_transformer_lm
+    from benchmarks.studies import ptb_transformer_lm
 
     records = [
         {"kind": "step", "stage": "train", "epoch": 1, "step": 5, "seconds": 1.0},
@@ -33,7 +34,7 @@ def test_evaluate_writes_the_records_highrank_eval_writes(tmp_path):
     byte for byte those of `highrank eval`, and the command is logged."""
     import argparse
 
-    from benchmarks import ptb_transformer_lm
+    from benchmarks.studies import ptb_transformer_lm
     from highrank.cli import main
     from highrank.train import TrainOptions, train
     from tests.train.test_interrupts import tiny

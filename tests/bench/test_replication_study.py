@@ -1,4 +1,4 @@
-"""benchmarks/replication_study.py: equal parameter counts, the plan, resumability, the
+"""benchmarks/studies/replication_study.py: equal parameter counts, the plan, resumability, the
 results layer (--summarize on finished runs only, t-tests, Pearson, figures), the dynamic
 evaluation stage, and (slow) the whole pipeline on a tiny corpus."""
 
@@ -16,12 +16,12 @@ from scipy import stats
 from highrank.config import load_config, save_config
 from highrank.train import parameter_count
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "replication_study.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "studies" / "replication_study.py"
 
 
 @pytest.fixture(scope="module")
 def study():
-    from benchmarks import replication_study
+    from benchmarks.studies import replication_study
 
     return replication_study
 

@@ -1,7 +1,7 @@
-"""benchmarks/saturation_study.py --steps replication: the replication study's runs trained in
-segments, a snapshot of last.pt at every REPLICATION_SNAPSHOTS step, resumable, and refusing a
-run already past a snapshot step (its copy would be mislabelled). Training is simulated: the
-``highrank train`` calls are recorded and write the checkpoint a real run would."""
+"""benchmarks/studies/saturation_study.py --steps replication: the replication study's runs
+trained in segments, a snapshot of last.pt at every REPLICATION_SNAPSHOTS step, resumable, and
+refusing a run already past a snapshot step (its copy would be mislabelled). Training is
+simulated: the ``highrank train`` calls are recorded and write the checkpoint a real run would."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import highrank.runs.checkpoint as checkpoint
 
 @pytest.fixture()
 def study(monkeypatch, tmp_path):
-    from benchmarks import saturation_study
+    from benchmarks.studies import saturation_study
 
     calls: list[tuple[str, ...]] = []
     state = {"step": 0}

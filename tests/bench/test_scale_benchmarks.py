@@ -1,4 +1,4 @@
-"""benchmarks/billion_word_step.py and benchmarks/heads_under_load.py on tiny shapes."""
+"""benchmarks/heads/billion_word_step.py and benchmarks/heads/heads_under_load.py on tiny shapes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 
 def test_the_billion_word_models_have_the_asked_shape():
-    from benchmarks import billion_word_step as bws
+    from benchmarks.heads import billion_word_step as bws
 
     shape = bws.Shape(batch=2, bptt=3, vocab=500, width=32)
     softmax, optimizer, (tokens, target), chunk, _ = bws.build("softmax", shape)
@@ -28,7 +28,7 @@ def test_the_billion_word_models_have_the_asked_shape():
 
 
 def test_the_billion_word_benchmark_writes_its_table(tmp_path):
-    from benchmarks import billion_word_step as bws
+    from benchmarks.heads import billion_word_step as bws
 
     arguments = ["--vocab", "300", "--width", "16", "--batch", "2", "--bptt", "3"]
     assert (
@@ -47,7 +47,7 @@ def test_the_billion_word_benchmark_writes_its_table(tmp_path):
 
 
 def test_under_load_summary_compares_each_condition_quiet_and_loaded():
-    from benchmarks import heads_under_load as hul
+    from benchmarks.heads import heads_under_load as hul
 
     def condition(load, policy, threads, head_ms, naive_ms):
         rows = {
@@ -81,7 +81,7 @@ def test_under_load_summary_compares_each_condition_quiet_and_loaded():
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_pausing_stops_a_process_and_its_children_and_continues_them():
-    from benchmarks import heads_under_load as hul
+    from benchmarks.heads import heads_under_load as hul
 
     script = (
         "import subprocess, sys, time\n"
@@ -129,7 +129,7 @@ def _state(pid: int) -> str:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_paused_processes_are_continued_when_the_benchmark_fails(monkeypatch):
-    from benchmarks import heads_under_load as hul
+    from benchmarks.heads import heads_under_load as hul
 
     parent, child = _sleeper_family()
     try:
@@ -156,7 +156,7 @@ def test_paused_processes_are_continued_when_the_benchmark_fails(monkeypatch):
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_pause_refuses_the_benchmark_itself_and_unknown_processes():
-    from benchmarks import heads_under_load as hul
+    from benchmarks.heads import heads_under_load as hul
 
     with pytest.raises(SystemExit, match="this benchmark or one of its parents"):
         hul.processes_to_pause([os.getppid()])

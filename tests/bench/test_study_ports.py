@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from benchmarks import (
+from benchmarks import study
+from benchmarks.studies import (
     multi30k_table,
     ptb_transformer_lm,
     smollm2_retrofit,
     smollm2_warm_start,
-    study,
 )
 
 
@@ -64,7 +64,7 @@ def test_the_retrofit_plan_orders_its_stages_after_their_inputs():
     assert names[0] == "cache" and names[-1] == "rank-own"
     for stage in study.stages:
         assert all(names.index(need) < names.index(stage.name) for need in stage.needs)
-    assert study.child("eval-own")[1:3] == ["-m", "benchmarks.smollm2_retrofit"]
+    assert study.child("eval-own")[1:3] == ["-m", "benchmarks.studies.smollm2_retrofit"]
 
 
 def test_the_multi30k_plan_runs_each_stage_in_its_own_process_after_its_inputs(tmp_path):

@@ -1,4 +1,5 @@
-"""benchmarks/synthetic_sweep.py on a tiny grid: cells written, reused on a rerun, summarised."""
+"""benchmarks/studies/synthetic_sweep.py on a tiny grid: cells written, reused on a rerun,
+summarised."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ pytest.importorskip("matplotlib", reason="the sweep's figure needs matplotlib")
 
 
 def test_a_tiny_sweep_writes_cells_and_a_summary_and_resumes(tmp_path, capsys):
-    from benchmarks import synthetic_sweep
+    from benchmarks.studies import synthetic_sweep
 
     argv = ["--ranks", "4,8", "--dims", "2", "--seeds", "0,1", "--steps", "3",
             "--heads", "softmax,mos", "--out", str(tmp_path)]  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.generate_speed import decoder_products_class
+from benchmarks.heads.generate_speed import decoder_products_class
 from tests.conftest import SMALL_KNOBS, head_inputs
 
 from .conftest import HIDDEN, VOCAB

@@ -10,7 +10,7 @@ torchrun launch. Each matches one process's step losses (1e-5) and final weights
 its one saved folder reloads in this process with those weights. ``Trainer(fsdp=...)`` on
 the CPU runs DDP: accelerate 1.15 turns FSDP on only for accelerator devices (documented in
 docs/distributed-training.md), so FSDP through the Trainer is a GPU check
-(benchmarks/engines_gpu_check.py).
+(benchmarks/checks/engines_gpu_check.py).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def let_idle_openmp_threads_sleep() -> None:
     often off its core while its partner spins on the core it needs, once per operator; the
     heads whose chunked loss runs thousands of small operators per step (MoS, Mixtape, the
     chunked softmax) lost far more than the naive softmax's few large ones
-    (``benchmarks/heads_under_load.py``, results in ``benchmarks/results/heads-under-load``).
+    (``benchmarks/heads/heads_under_load.py``, results in ``benchmarks/results/heads-under-load``).
     libgomp reads the variable once, when torch loads it: this runs before any verb imports
     torch, and changes nothing in a process that already has (a script importing highrank
     sets it itself, before ``import torch``). It does change ``os.environ`` of the calling

@@ -28,7 +28,7 @@ like any other (tied weights stored once, ``config.architectures`` ``HighrankFor
 
 Not covered: TRL's ``fused_lm_head=True`` path reads the head's rows directly and is not
 registered here; DeepSpeed ZeRO-3 and NCCL have not run on this project's machines
-(``docs/distributed-training.md``, ``benchmarks/engines_gpu_check.py``).
+(``docs/distributed-training.md``, ``benchmarks/checks/engines_gpu_check.py``).
 """
 
 from __future__ import annotations

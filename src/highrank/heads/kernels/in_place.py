@@ -174,7 +174,7 @@ def mixtape_logits_(head, h, contexts, shared_pre, mixed, gate_mask) -> torch.Te
 # The CPU GEMM (MKL, AVX2, one thread) ran 1.5x slower per value when the number of output
 # columns was not a multiple of 16: 44,237 rare ids 361 ms, 44,240 ids 245 ms (256 rows);
 # 4,915 frequent ids 126 ms, 4,928 ids 81 ms (1,024 rows; `python -m
-# benchmarks.inference_cost --gemm-columns`). Mixtape's inference path computes a few more
+# benchmarks.heads.inference_cost --gemm-columns`). Mixtape's inference path computes a few more
 # ids than it needs instead.
 GEMM_COLUMNS = 16
 

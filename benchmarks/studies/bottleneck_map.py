@@ -1,0 +1,665 @@
+"""Where the softmax bottleneck binds on real text: Penn Treebank over the output width d.
+
+    python -m benchmarks.studies.bottleneck_map               # run what is not done yet, in order
+    python -m benchmarks.studies.bottleneck_map --first long  # the 15-epoch runs before the map
+    python -m benchmarks.studies.bottleneck_map --plan        # the stages left, at measured rates
+    python -m benchmarks.studies.bottleneck_map --summarize   # summary.json / .md / figures
+
+Every number comes from highrank's own commands, run as subprocesses as a user would type them
+(each line kept in ``commands.txt``), one thread per process (``OMP_NUM_THREADS=1``):
+
+    highrank train configs/ptb/small-<head>.toml --run.out_dir=RUN <BODY> --model.d_project=D
+        --train.lr=LR --train.seed=S <STOP> [head knobs]
+    highrank eval RUN --split valid --which last          # a pilot's score
+    highrank eval RUN --split test --batch-size 10        # the whole test split
+    highrank analyze rank RUN --split test --max-contexts 2000 --batch-size 10
+    highrank analyze gradient-bottleneck RUN --split test --max-contexts 2000
+    highrank analyze saturation RUN --which best --split test --max-contexts 2000
+
+**The body** (every cell; :data:`BODY`): the small PTB recipe's AWD-LSTM cut to one LSTM layer of
+400 units over a 200-wide input embedding, its output projected linearly to width d
+(``model.d_project``), the head untied from the input embedding. A cell differs from another by
+its output layer alone: the projection to d and the head.
+
+**The arms** at every d: ``softmax``; ``mos`` (K = 4, the small recipe's latent dropout 0.29);
+``mixtape`` (K = 4, its small recipe's gate); ``sigsoftmax``; and two controls, both at least the
+MoS model's parameter count: ``mlp_softmax`` (a softmax over a residual MLP, rank-bounded: its
+width the smallest that reaches MoS's count) and ``wide_softmax`` (a softmax whose output width
+d' is the smallest that reaches it). :func:`cell` gives each arm's command.
+
+**Fair training** (:data:`STOP`): SGD then averaged SGD (NT-ASGD, n = 3) from the recipe, each
+(arm, d) at its own learning rate, chosen by a pilot (:func:`choose_lr`): :data:`PILOT_STEPS`
+steps at each of :data:`PILOT_LRS`, scored on the whole validation split; when the best is at an
+end of the grid the grid is extended by a factor of 2 that way (at most :data:`MAX_EXTENSIONS`
+times). A run stops at one rule: ``train.patience = 3`` epoch-end validations without an
+improvement of more than ``patience_min_delta = 0.002`` nats (0.2% perplexity), or 30 epochs.
+
+**The 15-epoch runs** (``long-<head>-seed<S>``): the replication study's small recipes of softmax
+and MoS (``configs/ptb/small-<head>.toml``, d_hidden matched to the softmax model's parameter
+count, :func:`benchmarks.studies.replication_study.matched_hidden_sizes`) for 15 epochs with
+validation every epoch, 2 seeds each.
+
+Resumable: a stage's record in ``records/`` marks it done; a killed training run resumes from its
+last checkpoint (``highrank train --resume``). Run directories are kept under ``runs/`` without
+their checkpoints (.gitignore). Several processes may share the study (each takes a stage's lock
+before running it): ``--first long`` and ``--first map`` give two processes different starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks._common import (
+    DATA,
+    REPO,
+    RESULTS,
+    highrank,
+    machine,
+    module_name,
+    save_figure,
+    write_json,
+    write_text,
+)
+from benchmarks.study import Stage, Study
+
+MODULE = module_name(__file__)  # benchmarks.studies.bottleneck_map
+
+OUT = RESULTS / "bottleneck-map"
+PTB_VOCAB = 10_000
+D_VALUES = (8, 16, 32, 64, 128, 256)
+HEADS = ("softmax", "mos", "mixtape", "sigsoftmax")
+CONTROLS = ("mlp_softmax", "wide_softmax")
+ARMS = HEADS + CONTROLS
+SEEDS = (1, 2)
+LONG_HEADS = ("softmax", "mos")
+LONG_EPOCHS = 15
+PILOT_LRS = (5.0, 10.0, 20.0, 40.0)
+PILOT_STEPS = 300
+MAX_EXTENSIONS = 2
+RANK_CONTEXTS = 2000
+THREADS = 1
+
+# The one body of every cell (on top of the small recipe's dropouts, AR/TAR and batching).
+BODY = (
+    "model.d_embed=200",
+    "model.n_layers=1",
+    "model.d_last=400",
+    "model.tie_weights=false",
+    "model.weight_drop=0.3",
+    "model.dropout_input=0.3",
+    "model.dropout_output=0.3",
+    "train.test_batch_size=10",
+    "run.device=cpu",
+)
+STOP = (
+    "train.optimizer=nt-asgd",
+    "train.nonmono=3",
+    "train.patience=3",
+    "train.patience_min_delta=0.002",
+    "train.epochs=30",
+)
+# arm -> (the small recipe it starts from, its head overrides)
+RECIPE = {
+    "softmax": ("softmax", ()),
+    "mos": ("mos", ("head.n_components=4",)),
+    "mixtape": ("mixtape", ()),
+    "sigsoftmax": ("sigsoftmax", ()),
+    "mlp_softmax": ("softmax", ("head.name=mlp_softmax",)),
+    "wide_softmax": ("softmax", ()),
+}
+
+
+# ---- the cells --------------------------------------------------------------------------------
+
+
+def config_path(recipe: str) -> Path:
+    return REPO / "configs" / "ptb" / f"small-{recipe}.toml"
+
+
+def parameter_count(recipe: str, overrides: tuple[str, ...]) -> int:
+    from highrank.config import load_config
+    from highrank.train import parameter_count as count
+
+    config = load_config(config_path(recipe), [f"data.dir={DATA / 'ptb'}", *overrides])
+    return count(config, PTB_VOCAB)
+
+
+def arm_overrides(arm: str, d: int) -> tuple[str, ...]:
+    """The overrides that make ``arm`` at output width ``d`` (its body, projection and head):
+    the controls sized to at least the MoS model's parameter count."""
+    recipe, head = RECIPE[arm]
+    base = (*BODY, *head)
+    if arm not in CONTROLS:
+        return (*base, f"model.d_project={d}")
+    target = parameter_count("mos", arm_overrides("mos", d))
+    if arm == "wide_softmax":
+        width = _smallest(lambda w: parameter_count(recipe, (*base, f"model.d_project={w}")),
+                          target, start=d)
+        return (*base, f"model.d_project={width}")
+    projected = (*base, f"model.d_project={d}")
+    width = _smallest(lambda w: parameter_count(recipe, (*projected, f"head.mlp_width={w}")),
+                      target, start=1)
+    return (*projected, f"head.mlp_width={width}")
+
+
+def _smallest(count, target: int, start: int) -> int:
+    """The smallest integer w >= start with count(w) >= target (count increasing in w)."""
+    high = max(start, 1)
+    while count(high) < target:
+        high *= 2
+    low = start
+    while low < high:
+        middle = (low + high) // 2
+        if count(middle) >= target:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def train_words(arm: str, d: int, lr: float, seed: int, directory: Path,
+                extra: tuple[str, ...] = STOP) -> list[str]:
+    """``highrank train`` for one cell (``--resume`` when it has a checkpoint)."""
+    if (directory / "checkpoints" / "last.pt").is_file():
+        return ["train", "--resume", str(directory), "--no-progress"]
+    if directory.exists():  # stopped before its first checkpoint: nothing to keep
+        shutil.rmtree(directory)
+    recipe, _ = RECIPE[arm]
+    overrides = (*arm_overrides(arm, d), *extra, f"train.lr={lr:g}", f"train.seed={seed}")
+    return ["train", str(config_path(recipe).relative_to(REPO)), f"--run.out_dir={directory}",
+            f"--data.dir={DATA / 'ptb'}", *(f"--{o}" for o in overrides), "--no-progress"]
+
+
+def run(*words: str) -> None:
+    highrank(*words, threads=THREADS, log=OUT / "commands.txt")
+
+
+# ---- pilots: each (arm, d)'s learning rate -----------------------------------------------------
+
+
+def pilot(arm: str, d: int, lr: float) -> dict:
+    """``PILOT_STEPS`` steps at ``lr``, then the whole validation split on the last weights;
+    its record is kept in ``pilots/`` (a rerun reads it)."""
+    record_path = OUT / "pilots" / f"{arm}-d{d}-lr{lr:g}.json"
+    if record_path.is_file():
+        return json.loads(record_path.read_text())
+    directory = OUT / "pilot-runs" / f"{arm}-d{d}-lr{lr:g}"
+    shutil.rmtree(directory, ignore_errors=True)
+    began = time.perf_counter()
+    words = train_words(arm, d, lr, 1, directory, extra=())
+    run(*words, "--max-steps", str(PILOT_STEPS))
+    run("eval", str(directory), "--split", "valid", "--which", "last", "--batch-size", "10",
+        "--no-progress")
+    score = json.loads((directory / "eval-valid-last.json").read_text())
+    steps = [r for r in _metrics(directory) if r.get("kind") == "step"]
+    record = {"arm": arm, "d": d, "lr": lr, "steps": PILOT_STEPS,
+              "valid_loss": score["loss"], "valid_ppl": score["perplexity"],
+              "train_loss_last": steps[-1]["train_loss"] if steps else None,
+              "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps) if steps
+              else None, "seconds": time.perf_counter() - began, "load_average": os.getloadavg()}
+    write_json(record_path, record)
+    shutil.rmtree(directory, ignore_errors=True)  # its checkpoints are large; the record stays
+    return record
+
+
+def choose_lr(arm: str, d: int) -> dict:
+    """Pilots over :data:`PILOT_LRS`, extended by x2 past an end that wins (at most
+    :data:`MAX_EXTENSIONS` times); the lr of the lowest validation loss (a non-finite one
+    loses)."""
+    lrs = list(PILOT_LRS)
+    records = {lr: pilot(arm, d, lr) for lr in lrs}
+    for _ in range(MAX_EXTENSIONS):
+        best = min(lrs, key=lambda lr: _finite(records[lr]["valid_loss"]))
+        if best == lrs[0]:
+            lrs.insert(0, lrs[0] / 2)
+            records[lrs[0]] = pilot(arm, d, lrs[0])
+        elif best == lrs[-1]:
+            lrs.append(lrs[-1] * 2)
+            records[lrs[-1]] = pilot(arm, d, lrs[-1])
+        else:
+            break
+    best = min(lrs, key=lambda lr: _finite(records[lr]["valid_loss"]))
+    return {"arm": arm, "d": d, "lr": best, "grid": lrs,
+            "valid_ppl": {f"{lr:g}": records[lr]["valid_ppl"] for lr in lrs},
+            "tokens_per_s": {f"{lr:g}": records[lr]["tokens_per_s"] for lr in lrs},
+            "at_an_end": best in (lrs[0], lrs[-1])}
+
+
+def _finite(value) -> float:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else math.inf
+
+
+# ---- stages ---------------------------------------------------------------------------------
+
+
+def cell_dir(arm: str, d: int, seed: int) -> Path:
+    return OUT / "runs" / f"{arm}-d{d}-seed{seed}"
+
+
+def long_dir(head: str, seed: int) -> Path:
+    return OUT / "runs" / f"long-{head}-seed{seed}"
+
+
+def map_stages() -> list[Stage]:
+    stages = []
+    for d in D_VALUES:
+        stages += [Stage(f"lr-{arm}-d{d}") for arm in ARMS]
+        for seed in SEEDS:
+            stages += [Stage(f"train-{arm}-d{d}-seed{seed}", needs=(f"lr-{arm}-d{d}",))
+                       for arm in ARMS]
+        for seed in SEEDS:
+            stages += [Stage(f"test-{arm}-d{d}-seed{seed}",
+                             needs=(f"train-{arm}-d{d}-seed{seed}",)) for arm in ARMS]
+    return stages
+
+
+def long_stages() -> list[Stage]:
+    stages = [Stage(f"long-{head}-seed{seed}") for seed in SEEDS for head in LONG_HEADS]
+    return stages + [Stage(f"test-long-{head}-seed{seed}", needs=(f"long-{head}-seed{seed}",))
+                     for seed in SEEDS for head in LONG_HEADS]
+
+
+def stages(first: str) -> list[Stage]:
+    return long_stages() + map_stages() if first == "long" else map_stages() + long_stages()
+
+
+def work(name: str) -> dict:
+    kind, rest = name.split("-", 1)
+    if kind == "lr":
+        arm, d = rest.rsplit("-d", 1)
+        return choose_lr(arm, int(d))
+    if kind == "train":
+        arm, d, seed = _cell(rest)
+        lr = json.loads((OUT / "records" / f"lr-{arm}-d{d}.json").read_text())["lr"]
+        directory = cell_dir(arm, d, seed)
+        run(*train_words(arm, d, lr, seed, directory))
+        return training_record(directory, {"arm": arm, "d": d, "seed": seed, "lr": lr})
+    if kind == "long":
+        head, seed = rest.rsplit("-seed", 1)
+        directory = long_dir(head, int(seed))
+        run(*long_words(head, int(seed), directory))
+        return training_record(directory, {"arm": f"long-{head}", "seed": int(seed)})
+    if kind == "test":
+        directory = (long_dir(*_long(rest)) if rest.startswith("long-")
+                     else cell_dir(*_cell(rest)))
+        return test_record(directory)
+    raise ValueError(f"unknown stage {name!r}")
+
+
+def _cell(rest: str) -> tuple[str, int, int]:
+    arm_d, seed = rest.rsplit("-seed", 1)
+    arm, d = arm_d.rsplit("-d", 1)
+    return arm, int(d), int(seed)
+
+
+def _long(rest: str) -> tuple[str, int]:
+    head, seed = rest.removeprefix("long-").rsplit("-seed", 1)
+    return head, int(seed)
+
+
+def long_words(head: str, seed: int, directory: Path) -> list[str]:
+    if (directory / "checkpoints" / "last.pt").is_file():
+        return ["train", "--resume", str(directory), "--no-progress"]
+    if directory.exists():
+        shutil.rmtree(directory)
+    from benchmarks.studies.replication_study import matched_hidden_sizes
+
+    d_hidden = matched_hidden_sizes((head,))[head]
+    return ["train", str(config_path(head).relative_to(REPO)), f"--run.out_dir={directory}",
+            f"--data.dir={DATA / 'ptb'}", f"--train.seed={seed}",
+            f"--train.epochs={LONG_EPOCHS}", f"--model.d_hidden={d_hidden}",
+            "--train.test_batch_size=10", "--run.device=cpu", "--no-progress"]
+
+
+def _metrics(directory: Path) -> list[dict]:
+    path = directory / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def training_record(directory: Path, facts: dict) -> dict:
+    """The run's learning curve (epoch-end validations), its stop and its rate."""
+    from highrank.config import load_config
+    from highrank.train import parameter_count as count
+
+    rows = _metrics(directory)
+    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    steps = [r for r in rows if r.get("kind") == "step" and r.get("tokens_per_s")]
+    config = load_config(directory / "config.toml")
+    model = config.model
+    width = model.d_project or model.d_last or model.d_embed  # what the head reads
+    return {**facts, "params": count(config, PTB_VOCAB), "output_width": width,
+            "curve": [{"epoch": r["epoch"], "train_loss": r.get("train_loss"),
+                       "valid_loss": r.get("val_loss"), "phase": r.get("phase")}
+                      for r in epochs],
+            "epochs": len(epochs),
+            "best_valid_ppl": math.exp(min(r["val_loss"] for r in epochs)) if epochs else None,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps) if steps
+            else None}
+
+
+def test_record(directory: Path) -> dict:
+    """Test perplexity (whole split) and the Press rank of the test log-prob matrix."""
+    run("eval", str(directory), "--split", "test", "--batch-size", "10", "--no-progress")
+    score = json.loads((directory / "eval-test-best.json").read_text())
+    run("analyze", "rank", str(directory), "--split", "test", "--max-contexts",
+        str(RANK_CONTEXTS), "--batch-size", "10", "--no-progress")
+    rank = _rank_record(directory)
+    run("analyze", "gradient-bottleneck", str(directory), "--split", "test", "--max-contexts",
+        str(RANK_CONTEXTS), "--no-progress")
+    gradient = _analysis(directory, "gradient-bottleneck-test-best*.json")
+    run("analyze", "saturation", str(directory), "--which", "best", "--split", "test",
+        "--max-contexts", str(RANK_CONTEXTS), "--no-progress")
+    saturation = _analysis(directory, "saturation-test*.json").get("checkpoints", [{}])[0]
+    return {"test_ppl": score["perplexity"], "test_loss": score["loss"],
+            "press_rank": rank.get("press_rank"), "effective_rank": rank.get("effective_rank"),
+            "rank_contexts": RANK_CONTEXTS,
+            "gradient_share": gradient.get("share", {}).get("mean"),
+            "decoder_top10_energy": saturation.get("top_mass", {}).get("10"),
+            "decoder_entropy_rank": saturation.get("entropy_effective_rank"),
+            "anisotropy": saturation.get("anisotropy", {}).get("mean_cosine")}
+
+
+def _rank_record(directory: Path) -> dict:
+    return _analysis(directory, "rank-test-best*.json")
+
+
+def _analysis(directory: Path, pattern: str) -> dict:
+    found = sorted((directory / "analysis").glob(pattern))
+    return json.loads(found[-1].read_text()) if found else {}
+
+
+# ---- summary ----------------------------------------------------------------------------------
+
+
+def summary_rows() -> list[dict]:
+    """summary.json: one object per finished run (map cells and 15-epoch runs)."""
+    records = OUT / "records"
+    rows = []
+    for path in sorted(records.glob("train-*.json")) + sorted(records.glob("long-*.json")):
+        train = json.loads(path.read_text())
+        test_path = records / f"test-{path.stem.removeprefix('train-')}.json"
+        test = json.loads(test_path.read_text()) if test_path.is_file() else {}
+        arm = train["arm"]
+        curve = [c["valid_loss"] for c in train["curve"] if c["valid_loss"] is not None]
+        rows.append({
+            "head": "softmax" if arm == "wide_softmax" else arm.removeprefix("long-"),
+            "arm": arm,
+            # the cell's output width d (a wide softmax's own width is output_width)
+            "d": train.get("d", train["output_width"]),
+            "output_width": train["output_width"],
+            "seed": train["seed"], "lr": train.get("lr"), "params": train["params"],
+            "epochs": train["epochs"],
+            "valid_ppl": math.exp(min(curve)) if curve else None,
+            "test_ppl": test.get("test_ppl"), "press_rank": test.get("press_rank"),
+            "gradient_share": test.get("gradient_share"),
+            "decoder_top10_energy": test.get("decoder_top10_energy"),
+            "anisotropy": test.get("anisotropy"),
+            "control": arm if arm in CONTROLS else None,
+        })
+    return rows
+
+
+def summarize() -> None:
+    """summary.json, summary.md (per-cell means and spreads, gains with paired t-tests) and the
+    figures, from the runs finished so far."""
+    rows = summary_rows()
+    write_json(OUT / "summary.json", rows)
+    cells = cell_table(rows)
+    gains = gain_table(rows)
+    write_json(OUT / "cells.json", {"cells": cells, "gains": gains})
+    write_text(OUT / "summary.md", summary_markdown(cells, gains))
+    figures(rows, cells)
+    print(f"{len(rows)} finished run(s): {OUT / 'summary.json'}, {OUT / 'summary.md'}")
+
+
+def _tested(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["test_ppl"] is not None and not r["arm"].startswith("long-")]
+
+
+def cell_table(rows: list[dict]) -> list[dict]:
+    """Per (arm, d): test perplexity's mean and sample standard deviation over the seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in _tested(rows):
+        groups.setdefault((row["arm"], row["d"]), []).append(row)
+    table = []
+    for (arm, d), group in sorted(groups.items(), key=lambda item: (item[0][1],
+                                                                      ARMS.index(item[0][0]))):
+        ppl = [r["test_ppl"] for r in group]
+        ranks = [r["press_rank"] for r in group if r["press_rank"] is not None]
+        table.append({"arm": arm, "d": d, "seeds": sorted(r["seed"] for r in group),
+                      "test_ppl_mean": statistics.fmean(ppl),
+                      "test_ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else None,
+                      "press_rank_mean": statistics.fmean(ranks) if ranks else None,
+                      "params": group[0]["params"], "lr": group[0]["lr"],
+                      "epochs": [r["epochs"] for r in group]})
+    return table
+
+
+def gain_table(rows: list[dict]) -> list[dict]:
+    """Each high-rank head against the softmax and each control at every d: the per-seed
+    differences of test log-perplexity (paired by seed: a positive gain is the head lower) and
+    the paired t-test's two-sided p (None below 2 pairs)."""
+    from scipy import stats
+
+    by_cell = {(r["arm"], r["d"], r["seed"]): r for r in _tested(rows)}
+    table = []
+    for d in D_VALUES:
+        for head in HEADS[1:]:
+            for other in ("softmax", *CONTROLS):
+                seeds = sorted(seed for arm, dd, seed in by_cell
+                               if arm == head and dd == d and (other, d, seed) in by_cell)
+                if not seeds:
+                    continue
+                gains = [math.log(by_cell[(other, d, s)]["test_ppl"])
+                         - math.log(by_cell[(head, d, s)]["test_ppl"]) for s in seeds]
+                p = None
+                if len(gains) > 1 and statistics.stdev(gains) > 0:
+                    p = float(stats.ttest_rel([math.log(by_cell[(other, d, s)]["test_ppl"])
+                                               for s in seeds],
+                                              [math.log(by_cell[(head, d, s)]["test_ppl"])
+                                               for s in seeds]).pvalue)
+                table.append({"d": d, "head": head, "against": other, "seeds": seeds,
+                              "gain_percent": [100 * (math.exp(g) - 1) for g in gains],
+                              "mean_gain_percent": 100 * (math.exp(statistics.fmean(gains)) - 1),
+                              "paired_p": p})
+    return table
+
+
+def summary_markdown(cells: list[dict], gains: list[dict]) -> str:
+    lines = [f"# Bottleneck map: summary (written by `python -m {MODULE} "
+             "--summarize`)", "", "Test perplexity (whole PTB test split) per cell, mean ± sd "
+             "over seeds; Press rank of the first 2,000 test contexts' log-prob matrix.", "",
+             "| d | arm | seeds | lr | params | epochs | test ppl | Press rank |",
+             "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: |"]
+    for c in cells:
+        sd = f" ± {c['test_ppl_sd']:.2f}" if c["test_ppl_sd"] is not None else ""
+        rank = f"{c['press_rank_mean']:.0f}" if c["press_rank_mean"] is not None else "-"
+        lines.append(f"| {c['d']} | {c['arm']} | {c['seeds']} | {c['lr']:g} | "
+                     f"{c['params']:,} | {c['epochs']} | {c['test_ppl_mean']:.2f}{sd} | {rank} |")
+    lines += ["", "Learning rates chosen by the pilots (validation perplexity after "
+              f"{PILOT_STEPS} steps at each lr of the grid; `pilots/`):", "",
+              "| d | arm | lr | grid: validation perplexity |", "| ---: | --- | ---: | --- |"]
+    for choice in pilot_choices():
+        grid = ", ".join(f"{lr}: {ppl:,.0f}" for lr, ppl in choice["valid_ppl"].items())
+        lines.append(f"| {choice['d']} | {choice['arm']} | {choice['lr']:g} | {grid} |")
+    lines += ["", "Gain of a head over the softmax and the controls: 100 (exp(log ppl_other - "
+              "log ppl_head) - 1) per seed (positive: the head is better); paired t-test over "
+              "the seeds.", "", "| d | head | against | per seed (%) | mean (%) | paired p |",
+              "| ---: | --- | --- | --- | ---: | ---: |"]
+    for g in gains:
+        per_seed = ", ".join(f"{x:+.2f}" for x in g["gain_percent"])
+        p = f"{g['paired_p']:.3f}" if g["paired_p"] is not None else "-"
+        lines.append(f"| {g['d']} | {g['head']} | {g['against']} | {per_seed} | "
+                     f"{g['mean_gain_percent']:+.2f} | {p} |")
+    return "\n".join(lines) + "\n"
+
+
+def pilot_choices() -> list[dict]:
+    """The records of the finished learning-rate stages, by d then arm."""
+    choices = [json.loads(p.read_text()) for p in (OUT / "records").glob("lr-*.json")]
+    return sorted(choices, key=lambda c: (c["d"], ARMS.index(c["arm"])))
+
+
+def figures(rows: list[dict], cells: list[dict]) -> None:
+    """test-ppl-vs-d.png, press-rank-vs-d.png, curves.png and long-curves.png."""
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    for key, name, label in (("test_ppl_mean", "test-ppl-vs-d.png", "test perplexity"),
+                             ("press_rank_mean", "press-rank-vs-d.png", "Press rank")):
+        if not cells:
+            break
+        figure, axis = plt.subplots(figsize=(6.4, 4.2))
+        for arm in ARMS:
+            points = [c for c in cells if c["arm"] == arm and c[key] is not None]
+            if not points:
+                continue
+            errors = [c["test_ppl_sd"] or 0 for c in points] if key == "test_ppl_mean" else None
+            axis.errorbar([c["d"] for c in points], [c[key] for c in points], yerr=errors,
+                          marker="o", capsize=3, label=arm, color=colours[arm])
+        if key == "press_rank_mean":
+            axis.plot(D_VALUES, [d + 1 for d in D_VALUES], "k:", label="d + 1")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("output width d")
+        axis.set_ylabel(label)
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        save_figure(figure, OUT / name, dpi=110)
+        plt.close(figure)
+    _curves(plt, [r for r in rows if not r["arm"].startswith("long-")], "curves.png", colours)
+    _curves(plt, [r for r in rows if r["arm"].startswith("long-")], "long-curves.png",
+            {"long-softmax": "C0", "long-mos": "C1"})
+
+
+def _curves(plt, rows: list[dict], name: str, colours: dict) -> None:
+    """Validation perplexity per epoch of every finished run (one panel per d)."""
+    if not rows:
+        return
+    ds = sorted({r["d"] for r in rows})
+    figure, axes = plt.subplots(1, len(ds), figsize=(3.2 * len(ds), 3.2), squeeze=False)
+    for axis, d in zip(axes[0], ds, strict=True):
+        for row in (r for r in rows if r["d"] == d):
+            record = json.loads((OUT / "records" / _train_record_name(row)).read_text())
+            curve = [c for c in record["curve"] if c["valid_loss"] is not None]
+            axis.plot([c["epoch"] for c in curve], [math.exp(c["valid_loss"]) for c in curve],
+                      color=colours[row["arm"]], linestyle="-" if row["seed"] == 1 else "--",
+                      label=f"{row['arm']} s{row['seed']}")
+        axis.set_title(f"d = {d}")
+        axis.set_yscale("log")
+        axis.set_xlabel("epoch")
+    axes[0][0].set_ylabel("validation perplexity")
+    axes[0][-1].legend(fontsize=6)
+    figure.tight_layout()
+    save_figure(figure, OUT / name, dpi=110)
+    plt.close(figure)
+
+
+def _train_record_name(row: dict) -> str:
+    if row["arm"].startswith("long-"):
+        return f"{row['arm']}-seed{row['seed']}.json"
+    return f"train-{row['arm']}-d{row['d']}-seed{row['seed']}.json"
+
+
+PTB_TRAIN_TOKENS = 929_589
+PRIOR_EPOCHS = 12  # epochs a map run is assumed to take before any has finished
+PRIOR_TOKENS_PER_S = {"softmax": 3000.0, "mos": 1000.0}  # the 15-epoch runs, before measured
+
+
+def plan(study: Study) -> None:
+    """The stages left and their estimated process-hours, from the rates measured so far:
+    each (arm, d)'s pilot tokens/s (its nearest measured d until then), the median epochs of
+    the finished map runs (:data:`PRIOR_EPOCHS` before), and 10% more for validation."""
+    pending = study.pending()
+    records = {p.stem: json.loads(p.read_text()) for p in (OUT / "records").glob("*.json")}
+    epochs = [r["epochs"] for name, r in records.items() if name.startswith("train-")]
+    per_run = statistics.median(epochs) if epochs else PRIOR_EPOCHS
+    rates = _pilot_rates()
+    hours: dict[str, float] = {}
+    for name in pending:
+        kind = name.split("-", 1)[0]
+        if kind == "train":
+            arm, d, _ = _cell(name.removeprefix("train-"))
+            seconds = per_run * PTB_TRAIN_TOKENS / _rate(rates, arm, d) * 1.1
+        elif kind == "long":
+            head = name.removeprefix("long-").rsplit("-seed", 1)[0]
+            seconds = LONG_EPOCHS * PTB_TRAIN_TOKENS / PRIOR_TOKENS_PER_S[head] * 1.1
+        elif kind == "lr":
+            arm, d = name.removeprefix("lr-").rsplit("-d", 1)
+            seconds = len(PILOT_LRS) * PILOT_STEPS * 1120 / _rate(rates, arm, int(d)) + 60
+        else:
+            seconds = 300
+        hours[kind] = hours.get(kind, 0.0) + seconds / 3600
+    print(f"{len(pending)} of {len(study.stages)} stages left; a map run takes {per_run} epochs "
+          f"({'median of ' + str(len(epochs)) + ' finished' if epochs else 'assumed'})")
+    for kind, value in sorted(hours.items()):
+        print(f"  {kind}: about {value:.1f} process-hours")
+    print(f"  in all about {sum(hours.values()):.1f} process-hours "
+          f"({sum(hours.values()) / 2:.1f} h with two processes)")
+    for name in pending[:6]:
+        print(f"  next: {name}")
+
+
+def _pilot_rates() -> dict[tuple[str, int], float]:
+    rates: dict[tuple[str, int], list[float]] = {}
+    for path in (OUT / "pilots").glob("*.json"):
+        record = json.loads(path.read_text())
+        if record.get("tokens_per_s"):
+            rates.setdefault((record["arm"], record["d"]), []).append(record["tokens_per_s"])
+    return {key: statistics.median(values) for key, values in rates.items()}
+
+
+def _rate(rates: dict, arm: str, d: int) -> float:
+    """The pilot rate of (arm, d), else of the arm's nearest measured d (scaled by the output
+    layer's width, the cost that grows with d), else 3,000 tokens/s."""
+    if (arm, d) in rates:
+        return rates[(arm, d)]
+    known = [dd for a, dd in rates if a == arm] or [dd for a, dd in rates if a == "softmax"]
+    if not known:
+        return 3000.0
+    nearest = min(known, key=lambda dd: abs(math.log(dd / d)))
+    rate = rates.get((arm, nearest), rates.get(("softmax", nearest)))
+    factor = {"mos": 5.0, "mixtape": 1.5}.get(arm, 1.0)  # output-layer cost per unit of d
+    return rate * (1 + factor * nearest / 256) / (1 + factor * d / 256)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--first", choices=("map", "long"), default="map",
+                        help="which part this process starts with (default: the map)")
+    parser.add_argument("--plan", action="store_true", help="print the stages left")
+    parser.add_argument("--summarize", action="store_true", help="only write the summary")
+    parser.add_argument("--stage", help=argparse.SUPPRESS)  # one stage, in a child process
+    args = parser.parse_args(argv)
+    if not (DATA / "ptb" / "train.txt").is_file():
+        print(f"skipped: Penn Treebank not found at {DATA / 'ptb'}", file=sys.stderr)
+        return 0
+    study = Study(
+        stages(args.first), work, records=OUT / "records", locks=OUT / ".locks",
+        child=lambda name: [sys.executable, "-m", MODULE, "--stage", name],
+        extra=lambda: {"load_average": os.getloadavg(), "machine": machine(threads=THREADS)},
+        after=lambda name: summarize(), cwd=REPO,
+    )
+    if args.plan:
+        plan(study)
+        return 0
+    return study.main(args.stage, summarize=summarize, only_summary=args.summarize)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

