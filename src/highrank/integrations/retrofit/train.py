@@ -9,8 +9,9 @@ What is trained (a :class:`Trainee`) differs by mode; how it is trained does not
 :func:`train_loop` runs Adam for ``budget.steps`` steps on batches drawn without replacement
 (:func:`batch_indices`: a pure function of the seed and the step, so a resumed run draws the
 batches an uninterrupted one would), the learning rate warmed up linearly and decayed along a
-cosine (:func:`highrank.train.schedule.lr_factor_from_zero`), the gradient norm clipped. The core's non-finite guard
-(:mod:`highrank.train.steps`) skips a step whose loss or gradient norm is not finite;
+cosine (:func:`highrank.train.schedule.lr_factor_from_zero`), the gradient norm clipped. The
+core's non-finite guard (:mod:`highrank.train.steps`) skips a step whose loss or gradient norm
+is not finite;
 more than :data:`MAX_NONFINITE_STEPS` in a row stop training with the last finite state kept
 (:class:`NonFiniteSteps`). With ``catch_signals`` a SIGINT or SIGTERM
 (:class:`highrank.train.interrupts.SignalCatcher`, as the training loop of the core) is acted
@@ -301,15 +302,27 @@ def train_head(
     a row raise :class:`~highrank.train.state.TrainingError`, with the last finite state saved
     (:class:`NonFiniteSteps`). ``lr_may_change`` resumes a state saved with another ``lr``
     (the one such a stop advised to lower).
+
+    A head that reads its context (``head.reads``: MFS, CPR) trains on whole windows of a
+    sequence cache instead (``budget.batch_tokens`` counts windows, as in lora / full mode),
+    each window its own context, batch first (the head's ``time_dim`` is 1, as
+    ``attach_head`` builds it).
     """
     check_head_fits(head, cache)
+    device = next(head.parameters()).device  # the cache lives on the CPU; the head may not
 
-    def loss_of(forward: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        device = next(head.parameters()).device  # the cache lives on the CPU; the head may not
+    def token_loss(forward: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         # forward(hidden, target) is head.loss(hidden, target), through DDP under torchrun
         return forward(cache.rows(rows).to(device), cache.targets[rows].to(device))
 
-    return train_loop(Trainee.head(head, budget.lr), len(cache), loss_of, budget, state_path,
+    def window_loss(forward: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+        hidden, inputs, targets = cache.windows(windows, device, head.reads)
+        return forward(hidden, targets, **inputs)
+
+    whole_windows = head.reads != ("hidden",)
+    n_rows, loss_of = (cache.n_windows, window_loss) if whole_windows else (len(cache),
+                                                                            token_loss)
+    return train_loop(Trainee.head(head, budget.lr), n_rows, loss_of, budget, state_path,
                       checkpoint_every=checkpoint_every, stop_after=stop_after,
                       progress=progress, lr_may_change=lr_may_change,
                       catch_signals=catch_signals, desc="train head",
