@@ -1,19 +1,30 @@
-"""`highrank retrofit` with the heads that read their context (MFS, CPR): the modes that
-train on windows (lora, full) give them the body's layers and the windows' tokens through
-HighrankForCausalLM; frozen mode, which caches one final hidden state per token, refuses them
-in one line."""
+"""`highrank retrofit` with the heads that read their context (MFS, CPR), in every mode: lora
+and full train on windows through HighrankForCausalLM; frozen mode caches the layers those
+heads read with the windows' first token (a *sequence cache*) and trains the head on whole
+windows of it. Either way the saved model, reloaded, scores what the run recorded."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers", reason="retrofit needs the hf extra")
 
 from highrank.cli import main  # noqa: E402
+from highrank.integrations.hf import attach_head  # noqa: E402
+from highrank.integrations.retrofit import (  # noqa: E402
+    TrainBudget,
+    cache_hidden_states,
+    load_cache,
+    train_head,
+    window_tokens,
+)
 from tests.analysis.test_hf_contexts import save_tiny_model, write_text  # noqa: E402
 from tests.integrations.test_retrofit_command import command, reloaded_perplexity  # noqa: E402
+
+CPR_KNOBS = ("--knob", "reranker_k1=10", "--knob", "reranker_k2=4")
 
 
 @pytest.fixture(scope="module")
@@ -26,27 +37,85 @@ def texts(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("mode", "head"),
-    [("full", "cpr"), ("full", "mfs"), ("lora", "cpr")],
+    [("full", "cpr"), ("full", "mfs"), ("lora", "cpr"), ("frozen", "cpr"), ("frozen", "mfs")],
 )
-def test_the_window_modes_retrofit_heads_that_read_their_context(texts, tmp_path, mode, head):
+def test_every_mode_retrofits_heads_that_read_their_context(texts, tmp_path, mode, head):
     if mode == "lora":
         pytest.importorskip("peft", reason="--mode lora needs peft")
     model, files = texts
     out = tmp_path / "out"
-    extra = ("--knob", "reranker_k1=10", "--knob", "reranker_k2=4") if head == "cpr" else ()
+    extra = CPR_KNOBS if head == "cpr" else ()
     assert main(command(model, files, out, "--head", head, "--mode", mode, "--lr", "1e-2",
                         *extra)) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["training"]["complete"]
+    if mode == "frozen":  # whole windows a step: --batch-tokens 16 // --window 8
+        assert results["training"]["budget"]["batch_tokens"] == 2
+        assert load_cache(out / "cache-train").layers == 3  # both read 3 layers by default
     for split in ("valid", "test"):
         assert results["trained"][split]["perplexity"] == pytest.approx(
             reloaded_perplexity(out / "model", files[split]), rel=1e-4)
 
 
-def test_frozen_mode_refuses_them_in_one_line(texts, tmp_path, capsys):
-    model, files = texts
-    assert main(command(model, files, tmp_path / "out", "--head", "cpr")) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert "--mode frozen caches one final hidden state per token" in err
-    assert "use --mode lora or --mode full" in err
+@pytest.fixture(scope="module")
+def tiny_llama():
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_a_sequence_cache_gives_the_head_what_the_live_model_does(tiny_llama, tmp_path):
+    ids = torch.randint(0, 50, (5 * 8 + 1,), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(1)
+    model = attach_head(tiny_llama, "cpr", init="base", untie=True, input_layers=3,
+                        reranker_k1=10, reranker_k2=4)
+    cache = cache_hidden_states(tiny_llama, ids, tmp_path / "cache", window=8, dtype="float32",
+                                layers=3)
+    inputs, targets = window_tokens(ids, 8)
+    with torch.no_grad():
+        live = model(input_ids=inputs).logits  # (W, 8, V), normalised
+        hidden, head_inputs, cached_targets = cache.windows(torch.arange(5), reads=model.head.reads)
+        cached = model.head.log_prob(hidden, **head_inputs)
+    torch.testing.assert_close(cached_targets, targets, rtol=0, atol=0)
+    torch.testing.assert_close(head_inputs["context_ids"], inputs, rtol=0, atol=0)
+    torch.testing.assert_close(cached, live, rtol=1e-5, atol=1e-5)
+    assert load_cache(tmp_path / "cache").layers == 3  # and it reopens as one
+
+
+def test_a_context_head_refuses_a_cache_without_its_layers(tiny_llama, tmp_path):
+    ids = torch.randint(0, 50, (3 * 8 + 1,), generator=torch.Generator().manual_seed(4))
+    tokens = cache_hidden_states(tiny_llama, ids, tmp_path / "tokens", window=8)
+    model = attach_head(tiny_llama, "mfs", init="base", untie=True, input_layers=2)
+    budget = TrainBudget(steps=2, batch_tokens=1, lr=1e-3)
+    with pytest.raises(ValueError, match="reads the last 2 layers.*final hidden states only"):
+        train_head(model.head, tokens, budget, tmp_path / "state.pt")
+    three = cache_hidden_states(tiny_llama, ids, tmp_path / "three", window=8, layers=3)
+    with pytest.raises(ValueError, match="holds the last 3 layers: cache again with layers=2"):
+        train_head(model.head, three, budget, tmp_path / "state.pt")
+
+
+def test_a_context_head_resumes_bit_for_bit(tiny_llama, tmp_path):
+    ids = torch.randint(0, 50, (6 * 8 + 1,), generator=torch.Generator().manual_seed(5))
+    cache = cache_hidden_states(tiny_llama, ids, tmp_path / "cache", window=8, layers=2)
+    budget = TrainBudget(steps=6, batch_tokens=2, lr=1e-2, warmup_steps=2)
+
+    def head():
+        torch.manual_seed(7)
+        return attach_head(tiny_llama, "mfs", init="base", untie=True, input_layers=2).head
+
+    straight = head()
+    train_head(straight, cache, budget, tmp_path / "straight.pt")
+    resumed = head()
+    first = train_head(resumed, cache, budget, tmp_path / "resumed.pt", stop_after=4,
+                       checkpoint_every=2)
+    assert first["steps_done"] == 4
+    fresh = head()
+    train_head(fresh, cache, budget, tmp_path / "resumed.pt")
+    for (key, a), b in zip(straight.state_dict().items(), fresh.state_dict().values(),
+                           strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=key)
+    assert any(not torch.equal(a, b) for a, b in zip(
+        straight.state_dict().values(), head().state_dict().values(), strict=True))

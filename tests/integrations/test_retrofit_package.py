@@ -77,7 +77,7 @@ def test_the_schedule_is_the_cores_warm_up_and_a_cosine_recorded_runs_resume_on(
                                  total_steps=total + 1)
                 assert ours == pytest.approx(core, rel=1e-13, abs=1e-15)
                 differ += ours != core
-    assert differ > 0  # why the two are not one function (yet)
+    assert differ > 0  # why train/schedule.py keeps both curves
 
 
 def test_state_files_keep_the_keys_folders_were_written_with(tmp_path):

@@ -69,12 +69,22 @@ from highrank.heads.kernels.chunking import (
     chunked_loss_sum,
 )
 from highrank.heads.kernels.in_place import log_softmax_fresh
+from highrank.heads.kernels.paths import REMOVED_SWITCHES, refuse_removed_switch
 from highrank.util.checks import check_positive_int, is_number
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-class OutputHead(nn.Module):
+class _HeadClass(type(nn.Module)):
+    """The type of head classes: refuses the removed path switches when set on a class
+    (``MoS.fused_loss = False`` changed the path once; now it would change nothing)."""
+
+    def __setattr__(cls, name: str, value: object) -> None:
+        refuse_removed_switch(name)
+        super().__setattr__(name, value)
+
+
+class OutputHead(nn.Module, metaclass=_HeadClass):
     """Base class of every output layer (see the module docstring for the contract).
 
     Args:
@@ -96,6 +106,16 @@ class OutputHead(nn.Module):
     reads: tuple[str, ...] = ("hidden",)
     # How many of the last layers a head that reads "layers" wants (0: it reads none).
     input_layers: int = 0
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in REMOVED_SWITCHES:
+            if name in vars(cls):
+                refuse_removed_switch(name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        refuse_removed_switch(name)  # on one head object, as on its class
+        super().__setattr__(name, value)
 
     def __init__(
         self,

@@ -13,6 +13,12 @@ The learning rate of update ``t = 1, 2, ..`` is ``lr * lr_factor(t, ...)``::
                                                                  to 0 at t = T, then 0)
 
 With ``w = 0`` there is no warm-up and inverse-sqrt is ``t^-1/2``.
+
+The retrofit's curve, :func:`lr_factor_from_zero`, counts updates from 0 and is the same shape
+a step later: linear warm-up, then a cosine over the ``T - w`` updates after it, ending above 0.
+It is kept as it is, not folded into ``lr_factor``: every recorded retrofit and the warm-start
+study trained on it, and an interrupted retrofit resumes bit for bit only on the same floats
+(the shifted ``lr_factor`` differs in the last bit in about one update in five).
 """
 
 from __future__ import annotations
@@ -71,10 +77,30 @@ def lr_factor(step: int, *, warmup_steps: int, schedule: str, total_steps: int |
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def lr_factor_from_zero(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """The retrofit's multiplier of the peak lr at update ``step`` (0-based, ``< total_steps``):
+    ``(step + 1) / w`` during the warm-up, then ``(1 + cos(pi (step - w) / (T - w))) / 2``.
+
+    Against :func:`lr_factor`: the peak is held for two updates (``step = w - 1`` and ``w``),
+    the last update's factor is above 0, and the cosine's argument is evaluated as
+    ``pi * a / b`` (not ``pi * (a / b)``); see the module docstring for why both exist."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup_steps) / decay_steps))
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Every group's lr to ``lr``."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 
 
-__all__ = ["SCHEDULES", "adamw_param_groups", "build_adamw", "lr_factor", "set_lr"]
+__all__ = [
+    "SCHEDULES",
+    "adamw_param_groups",
+    "build_adamw",
+    "lr_factor",
+    "lr_factor_from_zero",
+    "set_lr",
+]

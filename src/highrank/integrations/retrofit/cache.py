@@ -16,6 +16,15 @@ every row is finite and the contents have those checksums: a zero-filled ``featu
 changed targets are refused (they trained and scored silently before). A cache whose records
 are damaged, missing or of another shape is one :class:`SavedFileError` naming the file.
 
+A *sequence cache* (``layers=L``) is what a head that reads its context needs (Multi-Facet
+Softmax and Softmax-CPR: ``OutputHead.reads``): each row holds the last ``L`` layers of the
+body at that token (``(N, L d)``, bottom first, the top one the final hidden state, as
+:mod:`highrank.integrations.hf_context` gives them to the head live), and ``meta.json`` the
+first token of the stream, so that every window's input ids are known (the stream is that id
+followed by the targets: windows are contiguous). Such a head trains and is scored on whole
+windows of it (:meth:`FeatureCache.windows`), each seeing its own window as its context, as in
+the live model.
+
 :func:`head_from_lm_head` builds any highrank head whose decoder E starts as a copy of the
 model's ``lm_head`` (an untied copy: the model's embedding is never changed). A softmax head
 built so, untrained, gives the model's own log-probabilities.
@@ -92,11 +101,47 @@ class FeatureCache:
 
     @property
     def hidden_size(self) -> int:
-        return self.features.shape[1]
+        return self.features.shape[1] // (self.layers or 1)
+
+    @property
+    def layers(self) -> int | None:
+        """Layers per row of a sequence cache (module docstring); None for a token cache."""
+        return self.meta.get("layers")
+
+    @property
+    def window(self) -> int:
+        return self.meta["window"]
+
+    @property
+    def n_windows(self) -> int:
+        return self.meta["n_windows"]
 
     def rows(self, index: torch.Tensor | slice) -> torch.Tensor:
-        """Float32 hidden states of the cached tokens at ``index``: ``(n, d)``."""
-        return self.features[index].float()
+        """Float32 final hidden states of the cached tokens at ``index``: ``(n, d)`` (of a
+        sequence cache, the top layer)."""
+        return self.features[index, -self.hidden_size :].float()
+
+    def windows(self, index: torch.Tensor, device: torch.device | str = "cpu",
+                reads: tuple[str, ...] = ("hidden", "layers", "context_ids"),
+                ) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """Whole windows ``index (b,)`` of a sequence cache, batch first, on ``device``, as a
+        head that reads its context takes them: ``(hidden (b, L, d), inputs, targets (b,
+        L))``, ``inputs`` holding what ``reads`` names of ``layers`` (each ``(b, L, d)``
+        float32, top last) and ``context_ids`` (``(b, L)``, the windows' input ids)."""
+        if self.layers is None:
+            raise ValueError(
+                f"{self.directory} caches final hidden states only; a head that reads its "
+                "context needs a sequence cache (cache_hidden_states(..., layers=L))"
+            )
+        window, width = self.window, self.hidden_size
+        positions = (index[:, None] * window + torch.arange(window)).reshape(-1)  # (b L,)
+        rows = self.features[positions].to(device, torch.float32)
+        rows = rows.reshape(-1, window, self.layers, width)  # (b, L, layers, d)
+        stream = torch.cat([torch.tensor([self.meta["first_token_id"]]), self.targets])
+        ids = stream[positions].view(-1, window).to(device)  # the input ids: the stream before
+        inputs = {"layers": tuple(rows.unbind(2)), "context_ids": ids}
+        inputs = {name: value for name, value in inputs.items() if name in reads}
+        return rows[:, :, -1], inputs, self.targets[positions].view(-1, window).to(device)
 
 
 def cache_hidden_states(
@@ -109,10 +154,12 @@ def cache_hidden_states(
     dtype: str = "bfloat16",
     source: str = "",
     progress: bool = False,
+    layers: int | None = None,
 ) -> FeatureCache:
     """Cache ``model``'s final hidden states (the input of its output layer) for ``token_ids``
     read in non-overlapping windows of ``window`` tokens (see the module docstring), computed
-    ``batch_windows`` windows at a time with the body frozen, under ``torch.no_grad``.
+    ``batch_windows`` windows at a time with the body frozen, under ``torch.no_grad``. With
+    ``layers`` a sequence cache of the last ``layers`` layers (module docstring).
 
     Resumable: the settings (``window``, ``dtype``, ``source`` — e.g. the model's path — and a
     hash of the token ids) are kept in ``meta.json``; a rerun with the same settings
@@ -122,6 +169,8 @@ def cache_hidden_states(
     if dtype not in CACHE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(CACHE_DTYPES)}; got {dtype!r}")
     check_positive_int("batch_windows", batch_windows)
+    if layers is not None:
+        check_positive_int("layers", layers)
     inputs, targets = window_tokens(token_ids, window)
     body, hidden_size = _body_and_hidden_size(model)
     directory = Path(directory)
@@ -136,6 +185,10 @@ def cache_hidden_states(
         "rows": "window-major: row i*window + t is position t of window i",
         "context": "position t of a window sees the t + 1 tokens of its window (1..window)",
     }
+    if layers is not None:  # only then: token caches keep the settings they were made with
+        meta["layers"] = layers
+        meta["first_token_id"] = int(inputs[0, 0])
+        meta["rows"] += f"; each row the last {layers} layers (bottom first), {hidden_size} each"
     # Under torchrun process 0 writes the folder; every process computes its share of windows.
     done = distributed.from_writer(lambda: _start_or_resume(directory, meta, targets))
     if done is None:
@@ -146,7 +199,7 @@ def cache_hidden_states(
     model.eval()
     try:
         _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress,
-                       hidden_size)
+                       hidden_size, layers)
     finally:
         model.train(was_training)
     if not writer:
@@ -182,7 +235,7 @@ def _load_everywhere(directory: Path, finish=None) -> FeatureCache:
 
 
 def _fill_features(body, inputs, features, directory, done, batch_windows, dtype, progress,
-                   width):
+                   width, layers):
     """Run the body over windows ``done..W`` and write their rows, recording progress per batch.
 
     Under torchrun a round is N batches of ``batch_windows`` windows: process r runs the r-th
@@ -197,7 +250,7 @@ def _fill_features(body, inputs, features, directory, done, batch_windows, dtype
         last = min(first + batch_windows * world, n_windows)
         starts = [min(first + r * batch_windows, last) for r in range(world + 1)]
         mine = inputs[starts[rank] : starts[rank + 1]]
-        rows = _hidden_rows(body, mine, device, width)
+        rows = _hidden_rows(body, mine, device, width, layers)
         if not distributed.all_finite(rows):
             raise TrainingError(
                 f"the model's final hidden states are not finite in windows {first}..{last - 1} "
@@ -214,15 +267,25 @@ def _fill_features(body, inputs, features, directory, done, batch_windows, dtype
     bar.close()
 
 
-def _hidden_rows(body, windows: torch.Tensor, device, width: int) -> torch.Tensor:
+def _hidden_rows(body, windows: torch.Tensor, device, width: int,
+                 layers: int | None = None) -> torch.Tensor:
     """The body's final hidden states of ``windows (b, L)`` as ``(b L, width)`` float32 CPU
     rows (exact for a bf16 body; none for no windows: a process without a share of the last
-    round)."""
+    round); with ``layers``, its last ``layers`` layers side by side, ``(b L, layers width)``,
+    the top one its final hidden state."""
     if windows.shape[0] == 0:
-        return torch.zeros(0, width)
+        return torch.zeros(0, width * (layers or 1))
+    many = layers is not None and layers > 1
     with torch.no_grad():
-        output = body(input_ids=windows.to(device), use_cache=False)
+        output = body(input_ids=windows.to(device), use_cache=False, output_hidden_states=many)
     hidden = output.last_hidden_state  # (b, window, d)
+    if many:  # the layers below the top as hf_context.head_inputs reads them
+        states = output.hidden_states
+        if states is None or len(states) < layers:
+            raise ValueError(f"the body gave {0 if states is None else len(states)} layers; "
+                             f"the head reads the last {layers}")
+        below = [h.to(hidden.dtype) for h in states[len(states) - layers : -1]]
+        hidden = torch.cat([*below, hidden], dim=-1)  # (b, window, layers d)
     return hidden.reshape(-1, hidden.shape[-1]).cpu().float()
 
 
@@ -251,7 +314,7 @@ def _start_or_resume(directory: Path, meta: dict, targets: torch.Tensor) -> int 
         _open_array(directory, FEATURES_FILE, meta, "r")  # there, of its shape: refused if not
         return state["windows_done"]
     directory.mkdir(parents=True, exist_ok=True)
-    shape = (meta["n_tokens"], meta["hidden_size"])
+    shape = (meta["n_tokens"], _row_width(meta))
     np.lib.format.open_memmap(
         directory / FEATURES_FILE, mode="w+", dtype=CACHE_DTYPES[meta["dtype"]], shape=shape
     ).flush()
@@ -313,11 +376,19 @@ def read_record(path: Path, directory: Path) -> dict:
 def _check_meta(meta: dict, directory: Path) -> dict:
     """``meta`` with the sizes and dtype a cache is opened by (its own file, unchecked by a
     comparison when the cache is opened directly)."""
-    sizes = [meta.get(k) for k in ("n_windows", "n_tokens", "hidden_size")]
-    if not (all(_count(v) for v in sizes) and meta.get("dtype") in CACHE_DTYPES):
+    sizes = [meta.get(k) for k in ("n_windows", "n_tokens", "hidden_size", "window")]
+    if not (all(_count(v) for v in sizes) and meta.get("dtype") in CACHE_DTYPES
+            and meta["n_tokens"] == meta["n_windows"] * meta["window"]):
         raise SavedFileError(
             f"{directory / META_FILE} does not give the cache's sizes and dtype (n_windows, "
-            "n_tokens, hidden_size, dtype): damaged; delete that folder to cache again"
+            "n_tokens, hidden_size, window, dtype): damaged; delete that folder to cache again"
+        )
+    sequence = [meta.get(k) for k in ("layers", "first_token_id") if k in meta]
+    if sequence and not (len(sequence) == 2 and _count(sequence[0])
+                         and _count(sequence[1], zero=True)):
+        raise SavedFileError(
+            f"{directory / META_FILE} does not give a sequence cache's layers and first token "
+            "id: damaged; delete that folder to cache again"
         )
     return meta
 
@@ -357,7 +428,7 @@ def _open_array(directory: Path, name: str, meta: dict, mode: str | None) -> np.
             f"{first_line(error) if str(error).strip() else ''}); delete that folder to cache "
             "again"
         ) from None
-    shape = (meta["n_tokens"], meta["hidden_size"]) if features else (meta["n_tokens"],)
+    shape = (meta["n_tokens"], _row_width(meta)) if features else (meta["n_tokens"],)
     dtype = np.dtype(CACHE_DTYPES[meta["dtype"]]) if features else np.dtype(np.int32)
     if array.shape != shape or array.dtype != dtype:
         raise SavedFileError(
@@ -365,6 +436,11 @@ def _open_array(directory: Path, name: str, meta: dict, mode: str | None) -> np.
             f"{META_FILE} gives: damaged; delete {directory} to cache again"
         )
     return array
+
+
+def _row_width(meta: dict) -> int:
+    """Values per cached token: ``hidden_size``, times ``layers`` in a sequence cache."""
+    return meta["hidden_size"] * meta.get("layers", 1)
 
 
 def _open_cache(directory: Path, meta: dict) -> FeatureCache:
@@ -417,12 +493,22 @@ def _changed(path: Path, got: str, expected: str) -> SavedFileError:
 
 
 def check_head_fits(head: OutputHead, cache: FeatureCache) -> None:
-    """``head`` reads the cache's hidden states and predicts every one of its targets."""
+    """``head`` reads the cache's hidden states (and layers, for a head that reads its
+    context) and predicts every one of its targets."""
     if head.d_in != cache.hidden_size:
         raise ValueError(
             f"the head takes d_in={head.d_in} but {cache.directory} holds hidden states of "
             f"size {cache.hidden_size}"
         )
+    if head.reads != ("hidden",):
+        wanted = max(head.input_layers, 1)
+        if cache.layers != wanted:
+            have = "final hidden states only" if cache.layers is None else (
+                f"the last {cache.layers} layers")
+            raise ValueError(
+                f"{type(head).__name__} reads the last {wanted} layers and the context's tokens "
+                f"but {cache.directory} holds {have}: cache again with layers={wanted}"
+            )
     top = int(cache.targets.max())
     if top >= head.vocab_size:  # a damaged targets.npy (or another model's cache)
         raise SavedFileError(

@@ -60,12 +60,6 @@ class RetrofitPlan:
             raise RetrofitError(f"--mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         if self.head not in HEADS:
             raise RetrofitError(f"unknown head {self.head!r}; choose one of: {', '.join(HEADS)}")
-        if self.mode == "frozen" and HEADS[self.head].reads != ("hidden",):
-            raise RetrofitError(
-                f"--mode frozen caches one final hidden state per token; the {self.head!r} head "
-                f"also reads the context's layers and tokens ({', '.join(HEADS[self.head].reads)}"
-                "): use --mode lora or --mode full"
-            )
         check_init(self.init)
         for name in ("window", "batch_tokens", "lora_rank"):
             _positive(name, getattr(self, name))
@@ -80,6 +74,12 @@ class RetrofitPlan:
     @property
     def learning_rate(self) -> float:
         return DEFAULT_LR[self.mode] if self.lr is None else self.lr
+
+    @property
+    def reads_context(self) -> bool:
+        """Does the head read its context (MFS, CPR)? Then frozen mode caches the layers it
+        reads and trains on whole windows."""
+        return HEADS[self.head].reads != ("hidden",)
 
     @property
     def splits(self) -> list[str]:

@@ -334,7 +334,7 @@ def _token_ids(plan: RetrofitPlan, tokenizer, split: str) -> torch.Tensor:
 def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
     """Head and knobs valid, window within the model's positions, the batch shared evenly
     among the processes under torchrun, memory and disk enough."""
-    if plan.mode == "frozen":
+    if plan.mode == "frozen" and not plan.reads_context:
         _check_share(plan, "--batch-tokens", plan.batch_tokens)
     else:  # whole windows per step
         _check_share(plan, f"--batch-tokens {plan.batch_tokens} // --window {plan.window}",
@@ -352,10 +352,12 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
     if positions is not None and plan.window > positions:
         raise RetrofitError(f"--window {plan.window} exceeds the model's {positions} positions")
     head_bytes = sum(p.numel() for p in probe.parameters()) * 4 * 4  # weights, grads, Adam
+    probe_layers = probe.input_layers
     del probe
     need = head_bytes + _activation_bytes(plan, vocab)
     if plan.mode == "frozen":
-        cache_bytes = sum(t.numel() for t in ids.values()) * width * _dtype_bytes(plan)
+        layers = max(probe_layers, 1) if plan.reads_context else 1  # a sequence cache: more
+        cache_bytes = sum(t.numel() for t in ids.values()) * width * layers * _dtype_bytes(plan)
         free_disk = shutil.disk_usage(_existing_parent(Path(plan.out))).free
         if cache_bytes > free_disk:
             raise RetrofitError(
@@ -407,11 +409,21 @@ def _budget(plan: RetrofitPlan, train_tokens: int) -> TrainBudget:
                        warmup_steps=min(plan.warmup_steps, steps), clip=1.0, seed=plan.seed)
 
 
+def _window_budget(plan: RetrofitPlan, n_windows: int) -> TrainBudget:
+    """The budget over whole windows (lora / full mode, and a head that reads its context in
+    frozen mode): ``--batch-tokens // --window`` windows a step (at least one), one pass over
+    the windows unless ``--steps`` says."""
+    per_batch = max(1, plan.batch_tokens // plan.window)
+    steps = plan.steps or max(1, n_windows // per_batch)
+    return replace(_budget(plan, n_windows * plan.window), batch_tokens=per_batch,
+                   steps=steps, warmup_steps=min(plan.warmup_steps, steps))
+
+
 def _check_share(plan: RetrofitPlan, what: str, rows: int) -> None:
     """Under torchrun the batch is the global one, split evenly among the processes."""
     n = distributed.world_size()
     if rows % n:
-        unit = "tokens" if plan.mode == "frozen" else "windows"
+        unit = "tokens" if plan.mode == "frozen" and not plan.reads_context else "windows"
         raise RetrofitError(
             f"{what} = {rows} {unit} per step is the global batch, split among {n} "
             f"processes: it must divide by {n}; start as many processes as divide it "
@@ -425,15 +437,22 @@ def _check_share(plan: RetrofitPlan, what: str, rows: int) -> None:
 def _run_frozen(plan, model, ids, out: Path, progress: bool, lr_may_change: bool):
     from highrank.integrations.hf import attach_head  # the hf extra (transformers)
 
-    caches = {split: _cache(plan, model, ids[split], out, split, progress) for split in ids}
-    base_head = head_from_lm_head(model, "softmax").to(model.get_output_embeddings().weight.device)
-    base_head.eval()  # the base model's own output layer: its exact distribution
     torch.manual_seed(plan.seed)
     hf_model = attach_head(model, plan.head, init=plan.init, untie=True, **plan.knobs)
+    layers = max(hf_model.head.input_layers, 1) if plan.reads_context else None
+    caches = {split: _cache(plan, model, ids[split], out, split, progress, layers)
+              for split in ids}
+    base_head = head_from_lm_head(model, "softmax").to(model.get_output_embeddings().weight.device)
+    base_head.eval()  # the base model's own output layer: its exact distribution
     budget = _budget(plan, len(caches["train"]))
+    if plan.reads_context:  # whole windows per step, as in lora / full mode
+        budget = _window_budget(plan, caches["train"].n_windows)
     _say_effective(plan, asdict(budget), progress)
-    # Cached rows are single tokens, shuffled: dropout per token, not locked over a sequence.
-    locked, hf_model.head.dropout_time_dim = hf_model.head.dropout_time_dim, None
+    # Cached rows of a token cache are single tokens, shuffled: dropout per token, not locked
+    # over a sequence (a head that reads its context trains on whole windows: kept locked).
+    locked = hf_model.head.dropout_time_dim
+    if not plan.reads_context:
+        hf_model.head.dropout_time_dim = None
     with _stop_recorded(out):
         summary = train_head(hf_model.head, caches["train"], budget, out / "state.pt",
                              checkpoint_every=10, progress=progress,
@@ -461,10 +480,7 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: 
     hf_model = attach_head(model, plan.head, init=plan.init, **plan.knobs)
     trainable = make_trainable(hf_model, plan)
     inputs, targets = windows["train"]
-    per_batch = max(1, plan.batch_tokens // plan.window)
-    steps = plan.steps or max(1, inputs.shape[0] // per_batch)
-    budget = replace(_budget(plan, inputs.shape[0] * plan.window), batch_tokens=per_batch,
-                     steps=steps, warmup_steps=min(plan.warmup_steps, steps))
+    budget = _window_budget(plan, inputs.shape[0])
     _say_effective(plan, asdict(budget), progress)
     with _stop_recorded(out):
         summary = train_windows(trainable, inputs, targets, budget, out / "state.pt",
@@ -479,13 +495,14 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: 
 
 
 def _cache(plan: RetrofitPlan, model, ids: torch.Tensor, out: Path, split: str,
-           progress: bool):
-    """The feature cache of ``split`` (made, continued or loaded); one made from other
-    tokens or with other settings is one line saying how to go on."""
+           progress: bool, layers: int | None = None):
+    """The feature cache of ``split`` (made, continued or loaded; with ``layers``, a sequence
+    cache of that many layers); one made from other tokens or with other settings is one line
+    saying how to go on."""
     folder = out / f"cache-{split}"
     try:
         return cache_hidden_states(model, ids, folder, window=plan.window, dtype=plan.cache_dtype,
-                                   source=str(plan.model), progress=progress)
+                                   source=str(plan.model), progress=progress, layers=layers)
     except CacheSettingsError as error:
         again = " and add --restart (to train again on them)" if split == "train" else ""
         if set(error.changed) <= {"token_ids_sha256", "n_tokens", "n_windows"}:

@@ -122,15 +122,26 @@ def _first_rows(blocks: Iterator[tuple[int, torch.Tensor]], rows: int) -> Iterat
 def _cache_blocks(head, cache, block_tokens, tally: Tally,
                   reference=None) -> Iterator[tuple[int, torch.Tensor]]:
     """``(start, log_probs (b, V))`` per block of cached tokens, each added to ``tally``
-    (under torchrun this process's contiguous share of the blocks)."""
-    for start in _own_share(range(0, len(cache), block_tokens)):
+    (under torchrun this process's contiguous share of the blocks). A head that reads its
+    context is given whole windows of the sequence cache (``block_tokens // window`` of them,
+    at least one), as it trained; its rows come out in the cache's order all the same."""
+    device = next(head.parameters()).device
+    whole_windows = head.reads != ("hidden",)
+    step = max(1, block_tokens // cache.window) * cache.window if whole_windows else block_tokens
+    for start in _own_share(range(0, len(cache), step)):
         began = time.perf_counter()
-        stop = min(start + block_tokens, len(cache))
-        hidden = cache.rows(slice(start, stop)).to(next(head.parameters()).device)
-        with torch.no_grad():
-            log_probs = head.log_prob(hidden).float()
-            base = reference.log_prob(hidden).float() if reference is not None else None
-        tally.add(log_probs, cache.targets[start:stop].to(log_probs.device), base)
+        stop = min(start + step, len(cache))
+        if whole_windows:
+            hidden, inputs, targets = cache.windows(
+                torch.arange(start // cache.window, stop // cache.window), device, head.reads)
+        else:
+            hidden, inputs = cache.rows(slice(start, stop)).to(device), {}
+            targets = cache.targets[start:stop]
+        with torch.no_grad():  # (stop - start, V) rows either way
+            log_probs = head.log_prob(hidden, **inputs).float().reshape(stop - start, -1)
+            base = None if reference is None else reference.log_prob(hidden).float().reshape(
+                stop - start, -1)
+        tally.add(log_probs, targets.reshape(-1).to(log_probs.device), base)
         tally.seconds += time.perf_counter() - began
         yield start, log_probs.cpu()
 

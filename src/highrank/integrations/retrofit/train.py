@@ -9,8 +9,9 @@ What is trained (a :class:`Trainee`) differs by mode; how it is trained does not
 :func:`train_loop` runs Adam for ``budget.steps`` steps on batches drawn without replacement
 (:func:`batch_indices`: a pure function of the seed and the step, so a resumed run draws the
 batches an uninterrupted one would), the learning rate warmed up linearly and decayed along a
-cosine (:meth:`TrainBudget.lr_factor`), the gradient norm clipped. The core's non-finite guard
-(:mod:`highrank.train.steps`) skips a step whose loss or gradient norm is not finite;
+cosine (:func:`highrank.train.schedule.lr_factor_from_zero`), the gradient norm clipped. The
+core's non-finite guard (:mod:`highrank.train.steps`) skips a step whose loss or gradient norm
+is not finite;
 more than :data:`MAX_NONFINITE_STEPS` in a row stop training with the last finite state kept
 (:class:`NonFiniteSteps`). With ``catch_signals`` a SIGINT or SIGTERM
 (:class:`highrank.train.interrupts.SignalCatcher`, as the training loop of the core) is acted
@@ -57,6 +58,7 @@ from highrank.integrations.retrofit.cache import (
 )
 from highrank.train import distributed
 from highrank.train.interrupts import SignalCatcher
+from highrank.train.schedule import lr_factor_from_zero
 from highrank.train.state import Interrupted, TrainingError
 from highrank.train.steps import backward_or_skip, clip_or_skip
 from highrank.util.atomic import atomic_file
@@ -103,21 +105,13 @@ class TrainBudget:
             raise ValueError(f"clip must be > 0 or None; got {self.clip!r}")
 
     def lr_factor(self, step: int) -> float:
-        """Multiplier of the base lr at ``step`` (0-based): ``(step + 1) / w`` during the
-        warm-up, then ``(1 + cos(pi (step - w) / (T - w))) / 2``.
-
-        This is not :func:`highrank.train.schedule.lr_factor` (the Transformer recipes'),
-        though both warm up linearly and decay along a cosine: the warm-up is the same, but
-        this curve holds the peak for two steps (``step = w - 1`` and ``w``) and ends above 0,
-        where the core's (1-based) reaches 0 at the last update; the cosine is also evaluated
-        in another order (``pi * a / b`` against ``pi * (a / b)``), so even the shifted curve
-        differs in the last bit in about one step in five. Every recorded retrofit and the
-        warm-start study trained on this one, and their states resume bit for bit only on it
-        (tests/integrations/test_retrofit.py holds the relation)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.steps - self.warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * (step - self.warmup_steps) / decay_steps))
+        """Multiplier of the base lr at ``step`` (0-based): the core's
+        :func:`highrank.train.schedule.lr_factor_from_zero` (its docstring says how it differs
+        from the Transformer recipes' curve, and why it is kept: every recorded retrofit
+        resumes bit for bit on it; tests/integrations/test_retrofit.py holds the relation)."""
+        return lr_factor_from_zero(
+            step, warmup_steps=self.warmup_steps, total_steps=self.steps
+        )
 
 
 def batch_indices(budget: TrainBudget, n_tokens: int, step: int) -> torch.Tensor:
@@ -308,15 +302,27 @@ def train_head(
     a row raise :class:`~highrank.train.state.TrainingError`, with the last finite state saved
     (:class:`NonFiniteSteps`). ``lr_may_change`` resumes a state saved with another ``lr``
     (the one such a stop advised to lower).
+
+    A head that reads its context (``head.reads``: MFS, CPR) trains on whole windows of a
+    sequence cache instead (``budget.batch_tokens`` counts windows, as in lora / full mode),
+    each window its own context, batch first (the head's ``time_dim`` is 1, as
+    ``attach_head`` builds it).
     """
     check_head_fits(head, cache)
+    device = next(head.parameters()).device  # the cache lives on the CPU; the head may not
 
-    def loss_of(forward: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        device = next(head.parameters()).device  # the cache lives on the CPU; the head may not
+    def token_loss(forward: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         # forward(hidden, target) is head.loss(hidden, target), through DDP under torchrun
         return forward(cache.rows(rows).to(device), cache.targets[rows].to(device))
 
-    return train_loop(Trainee.head(head, budget.lr), len(cache), loss_of, budget, state_path,
+    def window_loss(forward: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+        hidden, inputs, targets = cache.windows(windows, device, head.reads)
+        return forward(hidden, targets, **inputs)
+
+    whole_windows = head.reads != ("hidden",)
+    n_rows, loss_of = (cache.n_windows, window_loss) if whole_windows else (len(cache),
+                                                                            token_loss)
+    return train_loop(Trainee.head(head, budget.lr), n_rows, loss_of, budget, state_path,
                       checkpoint_every=checkpoint_every, stop_after=stop_after,
                       progress=progress, lr_may_change=lr_may_change,
                       catch_signals=catch_signals, desc="train head",
