@@ -10,9 +10,9 @@ import itertools
 import pytest
 import torch
 
-from highrank.backbones.seq2seq import TransformerSeq2Seq
 from highrank.heads import HEADS
-from highrank.mt.decoding import beam_search, greedy_search, length_penalty
+from highrank.models.decoding import beam_search, greedy_search, length_penalty
+from highrank.models.seq2seq import TransformerSeq2Seq
 from tests.conftest import SMALL_KNOBS
 
 BOS, PAD, EOS = 0, 1, 2  # highrank.mt.subwords' ids (fairseq's order)
@@ -45,7 +45,7 @@ def _teacher_forced_log_prob(model, src_row: torch.Tensor, tokens: list[int]) ->
 # ---- beam 1 is greedy ---------------------------------------------------------------------
 
 
-# the heads the translation decoder takes (MFS and CPR read more: tests/backbones/test_seq2seq)
+# the heads the translation decoder takes (MFS and CPR read more: tests/models/test_seq2seq)
 @pytest.mark.parametrize("name", sorted(n for n in HEADS if HEADS[n].reads == ("hidden",)))
 def test_beam_of_one_equals_greedy_for_every_head(name):
     model = _model(name)
