@@ -1,5 +1,5 @@
-"""Greedy and beam search (highrank.mt.decoding) on tiny encoder-decoder Transformers: beam 1 is
-greedy for every head, an exhaustive beam finds what brute-force enumeration finds under the
+"""Greedy and beam search (highrank.models.decoding) on tiny encoder-decoder Transformers: beam
+1 is greedy for every head, an exhaustive beam finds what brute-force enumeration finds under the
 GNMT length penalty, scores are the teacher-forced log-probabilities, a padded batch decodes as
 its sentences one by one, and the EOS/pad/BOS and max_len rules hold."""
 
