@@ -274,7 +274,7 @@ def test_core_package_imports_no_translation_extra():
     """``import highrank`` (and its heads, model, data) loads neither these modules nor the
     mt extra; importing bitext, subwords and bleu loads no extra either (they import it on use)."""
     code = (
-        "import sys, highrank, highrank.heads, highrank.model, highrank.data\n"
+        "import sys, highrank, highrank.heads, highrank.model, highrank.models, highrank.data\n"
         "mt = {'highrank.mt.bitext', 'highrank.mt.subwords', 'highrank.mt.bleu'}\n"
         "assert not mt & set(sys.modules)\n"
         "import highrank.mt.bitext, highrank.mt.subwords, highrank.mt.bleu\n"

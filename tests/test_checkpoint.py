@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from highrank.config import load_config
-from highrank.model import load_run
+from highrank.models import load_run
 from highrank.runs.checkpoint import (
     CheckpointError,
     NonFiniteCheckpointError,

@@ -147,7 +147,7 @@ def test_an_awd_lstm_run_on_the_device_resumes_bit_identical(tmp_path, head, det
 
 def test_a_run_trained_on_the_device_evaluates_the_same_on_the_cpu(tmp_path):
     from highrank.evaluate import evaluate_perplexity
-    from highrank.model import load_run_corpus
+    from highrank.models import load_run_corpus
     from highrank.train import train
     from tests.test_train import options, tiny_config, write_corpus
 

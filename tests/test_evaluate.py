@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from highrank.backbones.regularizers import LockedDropout, WeightDrop
 from highrank.config import load_config
 from highrank.data import CorpusError, Vocab
 from highrank.evaluate import (
@@ -23,7 +22,8 @@ from highrank.evaluate import (
     write_token_nll,
 )
 from highrank.evaluate.scoring import scoring_mode
-from highrank.model import build_model
+from highrank.models import build_model
+from highrank.models.backbones.regularizers import LockedDropout, WeightDrop
 
 V = 20
 SMALL = ["model.d_embed=16", "model.d_hidden=24", "model.n_layers=2"]

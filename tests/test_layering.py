@@ -32,16 +32,12 @@ LAYERS = [
     ("highrank", "highrank.data", "highrank.heads"),
     ("highrank.config",),
     ("highrank.runs",),
-    (
-        "highrank.backbones",
-        "highrank.mt",
-        "highrank.mt.bitext",
-        "highrank.mt.subwords",
-        "highrank.mt.decoding",
-        "highrank.mt.bleu",
-    ),
-    ("highrank.model",),
-    ("highrank.mt.translation",),
+    ("highrank.mt",),
+    ("highrank.models.backbones", "highrank.backbones"),
+    ("highrank.models.seq2seq", "highrank.models.decoding"),
+    ("highrank.models.language_model",),
+    ("highrank.models.load",),
+    ("highrank.models", "highrank.model"),
     ("highrank.causal_lm",),
     ("highrank.train", "highrank.evaluate"),
     ("highrank.analysis",),
@@ -51,6 +47,7 @@ LAYERS = [
 # What the files-and-formats layers (runs/, config/) must never reach, even indirectly.
 ABOVE_RUNS_AND_CONFIG = (
     "highrank.model",
+    "highrank.models",
     "highrank.train",
     "highrank.analysis",
     "highrank.evaluate",
@@ -75,8 +72,8 @@ DEFERRED_IMPORTS = {
         "runs.run_dir imports torch (config -> heads); output's tables and paths need numpy only",
     ("highrank.analysis.significance", "read_eval", "highrank.evaluate.records"):
         "evaluate.records imports torch; `compare` of analysis records needs numpy and scipy only",
-    ("highrank.model", "build_seq2seq", "highrank.mt.subwords"):
-        "`import highrank.model` loads no translation module (tests/test_bitext.py)",
+    ("highrank.models.language_model", "build_seq2seq", "highrank.mt.subwords"):
+        "`import highrank.models` loads no translation module (tests/test_bitext.py)",
     ("highrank.integrations.retrofit.run", "_run_frozen", "highrank.integrations.hf"):
         "the hf extra: integrations.hf imports transformers",
     ("highrank.integrations.retrofit.run", "_run_end_to_end", "highrank.integrations.hf"):
@@ -161,7 +158,7 @@ def _where(module: str, target: str) -> str:
 def test_the_graph_is_read():
     graph = imports()
     assert len(graph) > 80
-    assert any(t == "highrank.runs.checkpoint" for t, _ in graph["highrank.model"])
+    assert any(t == "highrank.runs.checkpoint" for t, _ in graph["highrank.models.load"])
     # a function-level import counts: cli/train.py imports highrank.train inside run()
     assert any(t == "highrank.train" for t, _ in graph["highrank.cli.train"])
 
@@ -230,14 +227,44 @@ def test_runs_and_config_know_no_model_training_or_analysis(layer):
 
 
 def test_runs_imports_no_backbone_or_head_itself():
-    """runs/ reads files; the model of a run is built by highrank.model.load_run. (The config
+    """runs/ reads files; the model of a run is built by highrank.models.load_run. (The config
     it reads names the heads, so ``highrank.config`` does import them.)"""
     offenders = [
         f"{_where(module, target)}: {module} imports {target}"
         for module, edges in imports().items()
         if _in(module, "highrank.runs")
         for target, _ in edges
-        if _in(target, "highrank.heads") or _in(target, "highrank.backbones")
+        if any(_in(target, p) for p in ("highrank.heads", "highrank.models", "highrank.backbones"))
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+# The paths the models package had before issue 31: thin re-exports kept for users.
+OLD_PATHS = ("highrank.model", "highrank.backbones")
+
+
+def test_nothing_inside_the_package_imports_the_old_model_paths():
+    """``highrank.model`` and ``highrank.backbones`` re-export ``highrank.models`` for users;
+    the package itself imports the new homes."""
+    offenders = [
+        f"{_where(module, target)}: {module} imports {target}"
+        for module, edges in imports().items()
+        for target, _ in edges
+        if target in OLD_PATHS
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_translation_data_knows_no_model_training_or_evaluation():
+    """``mt/`` is parallel text, subwords and BLEU: the model, its decoding and loading a
+    trained run are ``models/`` and ``evaluate/translation.py``. Directly or indirectly."""
+    above = [prefix for prefix in ABOVE_RUNS_AND_CONFIG if prefix != "highrank.mt"]
+    offenders = [
+        f"{module} reaches {target}"
+        for module in modules()
+        if _in(module, "highrank.mt")
+        for target in sorted(_reachable(module))
+        if any(_in(target, prefix) for prefix in above)
     ]
     assert not offenders, "\n".join(offenders)
 
@@ -292,7 +319,7 @@ def test_highrank_modules_are_imported_at_module_level_outside_the_command_line(
 
 def test_function_level_imports_are_found():
     found = function_level_imports()
-    assert ("highrank.model", "build_seq2seq", "highrank.mt.subwords") in found
+    assert ("highrank.models.language_model", "build_seq2seq", "highrank.mt.subwords") in found
     assert not any(module.startswith("highrank.cli") for module, _, _ in found)
     assert all(reason for reason in DEFERRED_IMPORTS.values())
 

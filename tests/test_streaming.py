@@ -393,7 +393,7 @@ def test_eval_reads_a_max_vocab_run_through_its_memory_map(lm_corpus, tmp_path, 
     """`highrank eval` opens the run's corpus as it trained on it: truncated to data.max_vocab
     (the in-memory loader would give another vocabulary and be refused)."""
     from highrank.cli import main
-    from highrank.model import load_run_corpus
+    from highrank.models import load_run_corpus
 
     out = tmp_path / "run"
     config = run_config(

@@ -228,7 +228,7 @@ def test_streams_equal_compares_maps_and_tensors_a_block_at_a_time(tmp_path):
 
 
 def test_split_stream_copies_nothing(mapped_run):
-    from highrank.model import load_run_corpus
+    from highrank.models import load_run_corpus
 
     _, _, corpus = load_run_corpus(mapped_run)
     for split in ("train", "valid", "test"):

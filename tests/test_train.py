@@ -14,7 +14,7 @@ import highrank.train.awd_lstm as awd_recipe
 import highrank.train.runner as runner
 import highrank.train.stream as stream_lm
 from highrank.config import load_config
-from highrank.model import load_run
+from highrank.models import load_run
 from highrank.runs.checkpoint import load_checkpoint
 from highrank.runs.run_dir import read_metrics
 from highrank.train import (
@@ -116,9 +116,9 @@ def test_run_directory_holds_config_command_environment_vocab_metrics_checkpoint
 def test_awd_lstm_gives_a_head_that_reads_layers_its_last_layer_only(corpus, tmp_path):
     """CPR with input_layers = 1 trains on AWD-LSTM (its last layer and the segment's tokens);
     more layers are refused when the model is built (the config's check: test_config.py)."""
-    from highrank.backbones.awd_lstm import AWDLSTM
     from highrank.heads import build_head
-    from highrank.model import LanguageModel
+    from highrank.models import LanguageModel
+    from highrank.models.backbones.awd_lstm import AWDLSTM
 
     overrides = ["head.name=cpr", "head.input_layers=1", "head.reranker_k1=5", "train.epochs=1"]
     run = train(tiny_config(corpus, tmp_path / "run", *overrides), options=QUIET).run_dir
@@ -553,8 +553,8 @@ def test_an_epoch_skips_a_last_window_of_one_token_as_the_references_do(
     it would hold a single token. The tiny corpus has T = 205 rows of inputs and targets; fixed
     windows of 7 rows end exactly at row 203 = T - 2, so the epoch ends there, one row short;
     windows of 5 end at row 200 and a last window of 4 still trains up to row 204 = T - 1."""
-    from highrank.backbones import BpttLength
     from highrank.data import load_corpus
+    from highrank.models.backbones import BpttLength
 
     assert load_corpus(corpus).batchify("train", 4).size(0) == 205
     fixed = lambda bptt, rng, delta: BpttLength(length, length / bptt)  # noqa: E731

@@ -43,7 +43,7 @@ import torch
 from benchmarks._common import REPO, module_name, write_json, write_text
 from highrank.bench.heads import proc_status_kib, reset_peak_rss
 from highrank.config import load_config
-from highrank.model import build_model, count_parameters
+from highrank.models import build_model, count_parameters
 from highrank.util.machine import describe_machine
 
 MODULE = module_name(__file__)  # benchmarks.heads.billion_word_step

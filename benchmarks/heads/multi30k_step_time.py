@@ -19,9 +19,9 @@ import torch
 
 from benchmarks._common import REPO
 from highrank.config import load_config
-from highrank.model import build_seq2seq
+from highrank.models import build_seq2seq
 from highrank.mt.bitext import TokenBatches
-from highrank.mt.translation import learn_translation_data
+from highrank.mt.translation_data import learn_translation_data
 from highrank.train.schedule import build_adamw
 
 HEADS = ("softmax", "mos", "mixtape")

@@ -133,7 +133,7 @@ def child_step(corpus: Path, cache: Path, args) -> dict:
     import torch
 
     from highrank.config import load_config
-    from highrank.model import build_model
+    from highrank.models import build_model
     from highrank.train.awd_lstm import build_optimizer, optimization_step
 
     torch.manual_seed(0)

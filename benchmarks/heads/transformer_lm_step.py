@@ -25,7 +25,7 @@ import torch
 
 from benchmarks._common import REPO, module_name, write_json
 from highrank.config import load_config
-from highrank.model import build_model, count_parameters
+from highrank.models import build_model, count_parameters
 from highrank.train.transformer import ADAM_BETA1, ADAM_EPSILON, adamw_groups
 from highrank.util.machine import describe_machine
 

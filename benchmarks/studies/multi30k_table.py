@@ -164,8 +164,8 @@ def bleu_head(head: str, args, run: Path) -> dict:
 
 def load_models(heads, args, runs: Path):
     """One model per head (its run's config), the run's subwords, the train pairs."""
-    from highrank.model import build_seq2seq
-    from highrank.mt.translation import saved_translation_data
+    from highrank.models import build_seq2seq
+    from highrank.mt.translation_data import saved_translation_data
     from highrank.runs.run_dir import RunDir
 
     models, data = {}, None

@@ -6,7 +6,7 @@ A benchmark's peer model, not part of the library: run by
 from the repository root, highrank installed) and tested by
 ``tests/bench/test_plain_lstm_vs_awd.py``.
 
-*Ours* is the model a recipe builds (:func:`highrank.model.build_model`, default
+*Ours* is the model a recipe builds (:func:`highrank.models.build_model`, default
 ``configs/ptb/small-softmax.toml``) with every AWD regulariser off: no embedding dropout, no
 input dropout, no weight drop, no AR/TAR, fixed-length BPTT windows; only the dropouts a
 plain model has stay on (between the LSTM layers and on the output; locked here, one mask per
@@ -44,7 +44,7 @@ from torch import nn
 
 from highrank.config import Config, load_config
 from highrank.data import get_batch, load_corpus
-from highrank.model import LanguageModel, build_model, count_parameters
+from highrank.models import LanguageModel, build_model, count_parameters
 from highrank.train import build_optimizer, head_chunk_size, optimization_step, seed_everything
 from highrank.util.machine import describe_machine
 

@@ -29,7 +29,7 @@ from highrank.analysis.logprob_matrix import write_log_prob_matrix
 from highrank.analysis.output import run_record_path
 from highrank.cli import main
 from highrank.config import load_config
-from highrank.model import build_model
+from highrank.models import build_model
 
 V = 17
 

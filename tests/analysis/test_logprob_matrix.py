@@ -23,7 +23,7 @@ from highrank.demo import DemoSettings
 from highrank.demo import build_model as build_demo_model
 from highrank.evaluate import evaluate_perplexity
 from highrank.heads import build_head
-from highrank.model import build_model
+from highrank.models import build_model
 
 V = 23
 SMALL = ["model.d_embed=8", "model.d_hidden=12", "model.n_layers=2"]

@@ -18,7 +18,7 @@ from highrank.analysis.rank import (
     streamed_singular_values,
 )
 from highrank.config import load_config
-from highrank.model import build_model
+from highrank.models import build_model
 
 BACKENDS = ("scipy", "torch")
 

@@ -194,7 +194,7 @@ def test_every_real_benchmark_reads_with_the_documented_counts(word_sim_dir):
 
 def build(tied: bool, vocab_size: int = 12):
     from highrank.config import load_config
-    from highrank.model import build_model
+    from highrank.models import build_model
 
     settings = ["model.d_embed=6", "model.d_hidden=8", "model.n_layers=1"]
     config = load_config(None, [*settings, f"model.tie_weights={str(tied).lower()}"])

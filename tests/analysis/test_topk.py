@@ -27,7 +27,7 @@ from highrank.analysis.topk import (
 from highrank.cli import main
 from highrank.config import load_config
 from highrank.data import Vocab
-from highrank.model import build_model
+from highrank.models import build_model
 from highrank.runs.run_dir import CONFIG_FILE
 
 V = 19

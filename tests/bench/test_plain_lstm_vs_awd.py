@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.studies import plain_lstm
 from highrank.data import load_corpus
-from highrank.model import build_model, count_parameters
+from highrank.models import build_model, count_parameters
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "ptb" / "small-softmax.toml"
 TINY = ["model.d_embed=8", "model.d_hidden=12", "train.batch_size=4", "train.bptt=6"]

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from highrank.config import ConfigError, load_config
 from highrank.data import load_corpus
-from highrank.model import build_model
+from highrank.models import build_model
 from highrank.runs.run_dir import read_metrics
 from highrank.train import distributed
 from highrank.train.asgd import switch_to_asgd

@@ -18,7 +18,7 @@ import torch
 
 from highrank.config import load_config
 from highrank.data import get_batch, iter_batches, load_corpus
-from highrank.model import build_model
+from highrank.models import build_model
 from highrank.runs.checkpoint import load_checkpoint
 from highrank.runs.run_dir import RunDir, read_metrics
 from highrank.train import Progress, TrainingError, TrainOptions

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from highrank.config import BACKBONES, FAMILIES, ConfigError, load_config
-from highrank.model import MODEL_BUILDERS
+from highrank.models import MODEL_BUILDERS
 from highrank.train.runner import RECIPES, RUN_KINDS, corpus_vocab_size
 from highrank.train.seq2seq import TRANSLATION
 

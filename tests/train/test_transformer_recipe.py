@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from highrank.backbones.transformer import CausalTransformer
 from highrank.config import ConfigError, load_config
 from highrank.data import load_corpus
 from highrank.heads import PAPER_HEADS
-from highrank.model import build_model, count_parameters
+from highrank.models import build_model, count_parameters
+from highrank.models.backbones.transformer import CausalTransformer
 from highrank.runs.checkpoint import load_checkpoint
 from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, finetune, resume, train
@@ -281,7 +281,7 @@ def test_heads_that_read_the_layers_and_tokens_train_and_evaluate(corpus, tmp_pa
     import json
 
     from highrank.cli import main
-    from highrank.model import load_run
+    from highrank.models import load_run
 
     out = train_tiny_run(corpus, tmp_path, *head.split())
     model, config, _ = load_run(out)

@@ -9,7 +9,7 @@ import torch
 
 from highrank.cli import main
 from highrank.config import ConfigError, load_config
-from highrank.model import build_model, load_run
+from highrank.models import build_model, load_run
 from highrank.runs.checkpoint import CheckpointError
 from highrank.train.warm_start import init_from_run, with_base_init
 from tests.analysis.conftest import TINY, train_tiny_run

@@ -28,7 +28,7 @@ from highrank.data import Vocab, iter_batches
 from highrank.data.streaming import batch_view, split_stream
 from highrank.evaluate.perplexity import default_bptt
 from highrank.evaluate.run import load_for_eval
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
 from highrank.runs.checkpoint import CheckpointError
 from highrank.util.progress import progress_bar
 

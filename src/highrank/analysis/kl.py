@@ -63,7 +63,7 @@ import torch
 from highrank.analysis.contexts import RunSplit
 from highrank.analysis.logprob_matrix import matrix_record, npy_layout
 from highrank.analysis.rows import RowSource, RunRows, TextRows
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
 from highrank.runs.run_dir import RunDir
 
 DEFAULT_PAIRS = 10_000

@@ -29,7 +29,7 @@ import torch
 from highrank.analysis.contexts import count_contexts, iter_contexts
 from highrank.analysis.output import read_json, write_json
 from highrank.heads import OutputHead
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
 from highrank.util.npy import MATRIX_DTYPE, write_matrix  # noqa: F401  (its old home)
 
 MATRIX_KINDS = ("log_prob", "logits")

@@ -28,7 +28,7 @@ from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS, write_spectrum
 from highrank.config import load_config
 from highrank.data import Vocab
 from highrank.evaluate.records import describe
-from highrank.model import build_model, count_parameters
+from highrank.models import build_model, count_parameters
 from highrank.runs.run_dir import RunDirError, read_metrics
 from highrank.util.atomic import write_text_atomic
 

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from highrank.model import load_run
+from highrank.models import load_run
 
 MIN_PAIRS = 3  # Spearman of fewer pairs is meaningless (two points always give +-1)
 DEFAULT_DATA_DIR = Path("..") / "shared" / "data" / "word-sim"  # relative to the cwd

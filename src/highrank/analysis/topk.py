@@ -45,7 +45,7 @@ import torch
 from highrank.analysis.contexts import count_contexts
 from highrank.analysis.rows import RowSource, RunRows, vocabulary_difference
 from highrank.data import Vocab
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
 
 DEFAULT_BPTT = 70  # segment length of the context stream (the state is carried across)
 MARK = "*"  # before the reference token in a model's column

@@ -91,7 +91,7 @@ import torch
 from tqdm.auto import tqdm
 
 from highrank.causal_lm import load_causal_lm
-from highrank.model import load_run
+from highrank.models import load_run
 
 DEFAULT_RADIUS = 100.0
 DEFAULT_PATIENCE = 10  # braid reflections per token before the LP

@@ -1,7 +1,9 @@
-"""Backbones: produce hidden states; they know nothing about the vocabulary distribution."""
+"""Old path kept for compatibility; the code lives in highrank.models.backbones."""
 
-from highrank.backbones.awd_lstm import AWDLSTM, AWDLSTMExtras, AWDLSTMState
-from highrank.backbones.regularizers import (
+from highrank.models.backbones import (
+    AWDLSTM,
+    AWDLSTMExtras,
+    AWDLSTMState,
     BpttLength,
     LockedDropout,
     LSTMState,

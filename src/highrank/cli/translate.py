@@ -5,8 +5,8 @@
 
 Writes the detokenised hypotheses (``--out``, or ``RUN_DIR/translate-<split>-<which>-<search>
 .txt``) and the record ``RUN_DIR/translate-<split>-<which>-<search>.json``, both atomically
-(:mod:`highrank.mt.translation`), and prints sacreBLEU's score line and signature against the raw
-target lines of the split. Decoding settings default to the run's ``[decode]``.
+(:mod:`highrank.evaluate.translation`), and prints sacreBLEU's score line and signature against
+the raw target lines of the split. Decoding settings default to the run's ``[decode]``.
 ``highrank eval RUN_DIR --bleu`` is the same with those defaults.
 """
 
@@ -64,7 +64,7 @@ def translate(args: argparse.Namespace) -> int:
     """Translate, score, write, print (the body of both verbs)."""
     from pathlib import Path
 
-    from highrank.mt.translation import evaluate_bleu
+    from highrank.evaluate.translation import evaluate_bleu
     from highrank.runs.run_dir import RunDirError
     from highrank.train import resolve_device
 

@@ -24,10 +24,10 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   tie_weights, and
   the keys of the family: for ``awd-lstm`` d_hidden, n_layers, d_last (unset: d_embed),
   dropout_embedding, dropout_input, dropout_hidden, dropout_output, weight_drop, ar_alpha,
-  tar_beta; for ``seq2seq`` (:class:`highrank.backbones.seq2seq.TransformerSeq2Seq`, d_model =
+  tar_beta; for ``seq2seq`` (:class:`highrank.models.seq2seq.TransformerSeq2Seq`, d_model =
   d_embed) n_encoder_layers, n_decoder_layers, n_heads, d_ff (unset: 4 d_embed), positions,
   max_len, dropout_input, dropout_attention, dropout_residual, share_embeddings; for
-  ``transformer`` (:class:`highrank.backbones.transformer.CausalTransformer`, d_model =
+  ``transformer`` (:class:`highrank.models.backbones.transformer.CausalTransformer`, d_model =
   d_embed) n_layers, n_heads, d_ff (unset: 4 d_embed), positions, max_len, dropout_input,
   dropout_attention, dropout_residual.
 * ``[head]`` name (a key of :data:`highrank.heads.HEADS`) and, in the same table, that head's
@@ -48,12 +48,12 @@ the MoS values of Yang et al. 2018 are in the docstrings):
 * ``[dynamic_eval]`` lr, epsilon, prior_decay, batch_size, bptt, stats_batch_size (Krause
   et al. 2017).
 * ``[decode]`` (``seq2seq``) beam_size, length_penalty, max_len_a, max_len_b
-  (:mod:`highrank.mt.translation`).
+  (:mod:`highrank.evaluate.translation`).
 * ``[run]`` out_dir, device.
 
 TOML has no null, so a key whose default is "unset" (None) is written by leaving it out.
 
-Model families: ``model.backbone`` picks the family (the backbone :func:`highrank.model.
+Model families: ``model.backbone`` picks the family (the backbone :func:`highrank.models.
 build_model` builds and the recipe :mod:`highrank.train` trains it with). Each family declares
 the keys only it reads, their ranges and its cross-key checks in its own module of
 :mod:`highrank.config.families` (:data:`FAMILIES`); every other key is read by all.

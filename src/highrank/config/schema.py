@@ -106,7 +106,7 @@ class ModelConfig:
         share_embeddings: one embedding matrix for source and target (needs
             data.subword_joint).
 
-    The ``transformer`` family (:class:`highrank.backbones.transformer.CausalTransformer`,
+    The ``transformer`` family (:class:`highrank.models.backbones.transformer.CausalTransformer`,
     a decoder-only LM; d_model is d_embed, tie_weights ties the head's decoder to the
     token embedding) reads n_layers (blocks), n_heads, d_ff, positions, max_len (the
     learned position table: at least train.bptt), dropout_input, dropout_attention and
@@ -281,7 +281,7 @@ class DynamicEvalConfig:
 
 @dataclass
 class DecodeConfig:
-    """Decoding a translation model (``seq2seq``; :mod:`highrank.mt.decoding`).
+    """Decoding a translation model (``seq2seq``; :mod:`highrank.models.decoding`).
 
     Attributes:
         beam_size: hypotheses kept per sentence; 1 is greedy search's output.

@@ -8,6 +8,8 @@
                    computed from
     run.py         evaluate_run(run_dir, split, which, ...) -> the record ``highrank eval``
                    writes: the one library call that evaluates a run
+    translation.py a translation run: loading it, translating a split, its BLEU record
+                   (evaluate_bleu; imported by its path, so this package loads no mt module)
 
 ``from highrank.evaluate import evaluate_perplexity, dynamic_evaluate`` keeps working as it did
 when this package was one module.

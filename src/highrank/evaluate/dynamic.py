@@ -31,7 +31,7 @@ from highrank.evaluate.scoring import (
     scoring_mode,
     segments,
 )
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
 from highrank.runs.run_dir import RunDirError
 from highrank.util.checks import check_positive_int
 

@@ -27,7 +27,7 @@ from highrank.evaluate.scoring import (
     scoring_mode,
     segments,
 )
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
 from highrank.util.checks import check_positive_int
 
 # ---- static evaluation --------------------------------------------------------------------

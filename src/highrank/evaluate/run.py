@@ -10,7 +10,7 @@ The record is the dict ``highrank eval`` writes to ``RUN_DIR/eval-<split>-<which
 is read once: it checks the checkpoint, and its ``data.dir`` says whether the corpus scored is
 the run's own. Nothing is written but the per-token NLL file when one is asked for; the command
 line writes the record and prints its summary. A translation run's figure is BLEU
-(:func:`highrank.mt.translation.evaluate_bleu`, ``highrank eval`` / ``translate``).
+(:func:`highrank.evaluate.translation.evaluate_bleu`, ``highrank eval`` / ``translate``).
 
 :func:`load_for_eval`, :func:`split_tokens` and :func:`eval_record` are the pieces, shared
 with ``highrank dynamic-eval``.
@@ -35,7 +35,7 @@ from highrank.evaluate.perplexity import (
 )
 from highrank.evaluate.records import data_facts, record_path
 from highrank.evaluate.scoring import EvalResult
-from highrank.model import LanguageModel, load_run_corpus
+from highrank.models import LanguageModel, load_run_corpus
 from highrank.runs.checkpoint import CONFIG_FILE, CheckpointError
 from highrank.util.checks import check_positive_int
 
@@ -75,7 +75,7 @@ def load_for_eval(
     own_config: Config | None = None,
 ) -> LoadedRun:
     """The run's model, config and corpus, checked against the run's vocabulary
-    (:func:`highrank.model.load_run_corpus`); ``own_config``: its ``config.toml`` when read
+    (:func:`highrank.models.load_run_corpus`); ``own_config``: its ``config.toml`` when read
     already. An unreadable ``config.toml`` is its ConfigError, raised before any scoring."""
     if own_config is None:
         own_config = run_config(run_dir)
@@ -182,7 +182,7 @@ def evaluate_run(
     if is_translation_run(own_config):
         raise CheckpointError(
             f"{run_dir} is a translation run: its figure is BLEU "
-            f"(highrank.mt.translation.evaluate_bleu, `highrank eval {run_dir}`)"
+            f"(highrank.evaluate.translation.evaluate_bleu, `highrank eval {run_dir}`)"
         )
     loaded = load_for_eval(
         run_dir, which, data_dir=data_dir, device=device, own_config=own_config

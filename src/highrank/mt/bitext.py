@@ -27,7 +27,7 @@ without saving a sampler state.
 Every sentence gets ``<eos>``: the source is ``x_1 .. x_m <eos>``, the decoder input
 ``<bos> y_1 .. y_n`` and the decoder target ``y_1 .. y_n <eos>`` (fairseq's convention), padded
 with ``<pad>`` on the right. Tensors are batch-first ``(B, T)`` by default, as the Transformer
-blocks of ``backbones/transformer.py`` take them; ``batch_first=False`` gives time-major
+blocks of ``models/backbones/transformer.py`` take them; ``batch_first=False`` gives time-major
 ``(T, B)``.
 """
 

@@ -47,7 +47,7 @@ Reading (:func:`load_checkpoint`) turns a missing, truncated or corrupted file i
 
 For the evaluation verbs, :func:`read_run` reads a run directory's checkpoint (``which``:
 ``"best"``, ``"last"``, ``"finetuned"`` or a path to a ``.pt`` file), its config and the run's
-``vocab.json``, checked against each other; :func:`highrank.model.load_run` builds the model
+``vocab.json``, checked against each other; :func:`highrank.models.load_run` builds the model
 from them (this package imports no model).
 """
 
@@ -391,7 +391,7 @@ def read_run(
     run_dir: str | os.PathLike, which: str = "best", *, own_config: Config | None = None
 ) -> RunState:
     """What a run directory's checkpoint ``which`` holds, checked, but the model itself:
-    :func:`highrank.model.load_run` builds that (this package knows no model).
+    :func:`highrank.models.load_run` builds that (this package knows no model).
 
     Args:
         run_dir: a directory written by ``highrank train``.

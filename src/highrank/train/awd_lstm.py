@@ -3,7 +3,7 @@
 Merity, Keskar & Socher, "Regularizing and Optimizing LSTM Language Models" (ICLR 2018), as
 the AWD-LSTM and MoS (Yang et al., ICLR 2018) code run it. One training step:
 
-    seq_len ~ variable BPTT (Sec. 4.1)                   highrank.backbones.variable_bptt_length
+    seq_len ~ variable BPTT (Sec. 4.1)          highrank.models.backbones.variable_bptt_length
     tokens, target = rows [i, i + L) of the (T, B) training batch, L = min(seq_len, rows left)
     loss = head NLL (mean over L x B tokens; head loss chunked by train.chunk_size, "auto" when
            unset) + AR + TAR (Sec. 4.6), hidden state carried in
@@ -41,11 +41,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from highrank.backbones import AWDLSTMState, variable_bptt_length
 from highrank.config import Config
 from highrank.data import Corpus, get_batch
 from highrank.data.streaming import epoch_view
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
+from highrank.models.backbones import AWDLSTMState, variable_bptt_length
 from highrank.runs.checkpoint import evaluation_state_dict
 from highrank.train.asgd import (
     NonMonotoneTrigger,

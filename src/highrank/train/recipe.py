@@ -104,7 +104,7 @@ class Verdict(NamedTuple):
 class Recipe(Protocol):
     """A training schedule the loop runs (see the module docstring for the calling order)."""
 
-    model: nn.Module  # a highrank.model.LanguageModel
+    model: nn.Module  # a highrank.models.LanguageModel
     eval_every: int | None  # steps between mid-epoch validations; None: at epoch ends only
 
     @property

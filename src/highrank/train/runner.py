@@ -26,7 +26,7 @@ from highrank.config import (
 )
 from highrank.data import Corpus
 from highrank.data.streaming import corpus_checksums, open_corpus
-from highrank.model import build_model
+from highrank.models import build_model
 from highrank.runs.checkpoint import (
     CheckpointError,
     config_of,
@@ -53,7 +53,7 @@ from highrank.train.warm_start import init_from_run
 RECIPES: dict[str, Callable[..., Recipe]] = {
     "awd-lstm": AWDLSTMRecipe,
     "transformer": TransformerRecipe,
-    "seq2seq": Seq2SeqRecipe,  # its "corpus" is a highrank.mt.translation.TranslationData
+    "seq2seq": Seq2SeqRecipe,  # its "corpus" is a highrank.mt.translation_data.TranslationData
 }
 
 # Keys a resumed run may change: they do not alter the computation already done (data.dir

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from highrank.config import Config, ConfigError
-from highrank.model import build_seq2seq
+from highrank.models import build_seq2seq
 from highrank.mt.bitext import TokenBatches
-from highrank.mt.translation import (
+from highrank.mt.translation_data import (
     TranslationData,
     learn_translation_data,
     saved_translation_data,

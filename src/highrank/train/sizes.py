@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from highrank.config import Config, ConfigError
-from highrank.model import build_model, count_parameters
+from highrank.models import build_model, count_parameters
 from highrank.util.machine import available_memory
 
 # Float32 copies of the parameters training holds at least: weights, gradients, and one of

@@ -13,7 +13,7 @@ import torch
 
 from highrank.config import Config
 from highrank.data import Corpus, iter_batches
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
 from highrank.train.distributed import average, shard_columns
 from highrank.train.steps import head_chunk_size
 

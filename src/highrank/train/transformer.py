@@ -1,7 +1,8 @@
 """The Transformer language-model recipe: AdamW with warm-up and decay, on fixed-length windows.
 
 The schedule of decoder-only Transformer LMs (GPT-2, Radford et al. 2019; minGPT/nanoGPT) for
-:class:`highrank.backbones.transformer.CausalTransformer`, ``model.backbone = "transformer"``:
+:class:`highrank.models.backbones.transformer.CausalTransformer`,
+``model.backbone = "transformer"``:
 
     windows     the training stream laid out as train.batch_size contiguous columns (T, B)
                 (:func:`highrank.data.batchify`) and cut into non-overlapping windows of
@@ -52,7 +53,7 @@ from torch import nn
 from highrank.config import Config, ConfigError
 from highrank.data import Corpus, get_batch
 from highrank.data.streaming import epoch_view
-from highrank.model import LanguageModel
+from highrank.models import LanguageModel
 from highrank.train.distributed import average, distribute, no_sync
 from highrank.train.recipe import EpochSize, Stage, StepBatch, StepResult, Verdict
 from highrank.train.schedule import lr_factor

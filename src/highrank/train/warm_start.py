@@ -18,7 +18,7 @@ import torch
 
 from highrank.config import Config, ConfigError
 from highrank.heads import Softmax, base_init_knobs, head_knobs
-from highrank.model import load_run
+from highrank.models import load_run
 from highrank.runs.checkpoint import CheckpointError
 
 

@@ -1,4 +1,4 @@
-"""The ``awd-lstm`` family's config (:class:`highrank.backbones.awd_lstm.AWDLSTM`, trained by
+"""The ``awd-lstm`` family's config (:class:`highrank.models.backbones.awd_lstm.AWDLSTM`, trained by
 :mod:`highrank.train.awd_lstm`): the keys only it reads, with their ranges."""
 
 from __future__ import annotations

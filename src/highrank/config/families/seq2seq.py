@@ -1,6 +1,7 @@
 """The ``seq2seq`` family's config (the translation model
-:class:`highrank.backbones.seq2seq.TransformerSeq2Seq`, trained by :mod:`highrank.train.seq2seq`,
-decoded by :mod:`highrank.mt.decoding`): the keys only it reads, their ranges and cross-checks."""
+:class:`highrank.models.seq2seq.TransformerSeq2Seq`, trained by :mod:`highrank.train.seq2seq`,
+decoded by :mod:`highrank.models.decoding`): the keys only it reads, their ranges and
+cross-checks."""
 
 from __future__ import annotations
 

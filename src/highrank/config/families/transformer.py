@@ -1,5 +1,5 @@
 """The ``transformer`` family's config (the decoder-only LM
-:class:`highrank.backbones.transformer.CausalTransformer`, trained by
+:class:`highrank.models.backbones.transformer.CausalTransformer`, trained by
 :mod:`highrank.train.transformer`): the keys only it reads, their ranges and cross-checks."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from highrank.config import load_config
-from highrank.model import build_model, count_parameters
+from highrank.models import build_model, count_parameters
 
 SMALL = ["model.d_embed=16", "model.d_hidden=24", "model.n_layers=2"]
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from highrank.backbones import AWDLSTM
+from highrank.models.backbones import AWDLSTM
 
 SMALL = {"d_embed": 8, "d_hidden": 12, "n_layers": 3}
 
@@ -172,7 +172,7 @@ def test_bad_tokens_and_state_are_named_in_the_error():
 def test_a_projection_sets_the_output_width_and_keeps_the_recurrence():
     """model.d_project: the last layer keeps its size, the output (what the head reads) is a
     linear map of it to d_project; without it there is no projection."""
-    from highrank.backbones.awd_lstm import AWDLSTM
+    from highrank.models.backbones.awd_lstm import AWDLSTM
 
     torch.manual_seed(0)
     plain = AWDLSTM(30, d_embed=8, d_hidden=12, n_layers=1, d_last=12)
@@ -192,7 +192,7 @@ def test_an_untied_head_on_a_projection_has_the_output_width_as_its_decoder_widt
     """The map's cells differ by their output layer alone: with model.d_project and untied
     weights, the head's decoder has width d_project (the input embedding keeps d_embed)."""
     from highrank.config import load_config
-    from highrank.model import build_model
+    from highrank.models import build_model
 
     config = load_config(None, ["data.dir=x", "model.d_embed=8", "model.n_layers=1",
                                 "model.d_last=12", "model.d_project=3",

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from highrank.backbones.regularizers import (
+from highrank.models.backbones.regularizers import (
     LockedDropout,
     LSTMState,
     WeightDrop,

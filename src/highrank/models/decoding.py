@@ -1,6 +1,6 @@
 """Greedy and beam search for encoder-decoder models whose decoder ends in a highrank head.
 
-The model (:class:`highrank.backbones.seq2seq.TransformerSeq2Seq`, or anything with the same
+The model (:class:`highrank.models.seq2seq.TransformerSeq2Seq`, or anything with the same
 four members, :class:`IncrementalDecoder`) is decoded incrementally: the source is encoded
 once, and each step feeds one token per hypothesis with the keys and values of the earlier
 ones cached. Next-token log-probabilities are ``model.head.log_prob``, so every head decodes.

@@ -1,5 +1,5 @@
-"""Greedy and beam search (highrank.mt.decoding) on tiny encoder-decoder Transformers: beam 1 is
-greedy for every head, an exhaustive beam finds what brute-force enumeration finds under the
+"""Greedy and beam search (highrank.models.decoding) on tiny encoder-decoder Transformers: beam
+1 is greedy for every head, an exhaustive beam finds what brute-force enumeration finds under the
 GNMT length penalty, scores are the teacher-forced log-probabilities, a padded batch decodes as
 its sentences one by one, and the EOS/pad/BOS and max_len rules hold."""
 
@@ -10,9 +10,9 @@ import itertools
 import pytest
 import torch
 
-from highrank.backbones.seq2seq import TransformerSeq2Seq
 from highrank.heads import HEADS
-from highrank.mt.decoding import beam_search, greedy_search, length_penalty
+from highrank.models.decoding import beam_search, greedy_search, length_penalty
+from highrank.models.seq2seq import TransformerSeq2Seq
 from tests.conftest import SMALL_KNOBS
 
 BOS, PAD, EOS = 0, 1, 2  # highrank.mt.subwords' ids (fairseq's order)
@@ -45,7 +45,7 @@ def _teacher_forced_log_prob(model, src_row: torch.Tensor, tokens: list[int]) ->
 # ---- beam 1 is greedy ---------------------------------------------------------------------
 
 
-# the heads the translation decoder takes (MFS and CPR read more: tests/backbones/test_seq2seq)
+# the heads the translation decoder takes (MFS and CPR read more: tests/models/test_seq2seq)
 @pytest.mark.parametrize("name", sorted(n for n in HEADS if HEADS[n].reads == ("hidden",)))
 def test_beam_of_one_equals_greedy_for_every_head(name):
     model = _model(name)

@@ -24,7 +24,7 @@ Embeddings: ``share_embeddings`` makes the source and target embeddings one matr
 subword vocabulary, Vaswani Sec. 3.4); ``tie_output`` ties the head's decoder to the target
 embedding (Press & Wolf 2017).
 
-Decoding (``highrank.mt.decoding``): :meth:`encode` once, :meth:`start_decoding` projects the
+Decoding (``highrank.models.decoding``): :meth:`encode` once, :meth:`start_decoding` projects the
 encoder output into every layer's cross-attention keys/values once, and :meth:`decode_step`
 feeds new target tokens with the self-attention keys/values of earlier ones cached.
 """
@@ -38,14 +38,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from highrank.backbones.transformer import (
+from highrank.heads import HEADS, build_head
+from highrank.models.backbones.transformer import (
     KV,
     BlockSizes,
     InputEmbedding,
     KVCache,
     TransformerStack,
 )
-from highrank.heads import HEADS, build_head
 from highrank.util.checks import check_positive_int
 
 
@@ -104,7 +104,7 @@ class TransformerSeq2Seq(nn.Module):
         positions: ``"learned"``, ``"sinusoidal"`` or ``"rotary"``.
         max_len: longest sentence (learned positions only).
         dropout_input, dropout_attention, dropout_residual: as in
-            :class:`highrank.backbones.transformer.CausalTransformer`.
+            :class:`highrank.models.backbones.transformer.CausalTransformer`.
         share_embeddings: one embedding matrix for source and target.
         tie_output: the head's decoder weight is the target embedding.
     """

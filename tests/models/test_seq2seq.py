@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from highrank.backbones.seq2seq import TransformerSeq2Seq
 from highrank.heads import HEADS
+from highrank.models.seq2seq import TransformerSeq2Seq
 from tests.conftest import SMALL_KNOBS
 
 PAD, BOS, EOS = 1, 0, 2  # the ids of highrank.mt.subwords (fairseq's order)
@@ -167,7 +167,7 @@ def test_shape_mismatch_of_decoder_input_and_target_is_named():
 def test_smoke_a_tiny_model_learns_to_reverse_generated_sentences():
     """32 generated pairs (x_1 .. x_n <eos> -> x_n .. x_1 <eos>), 150 Adam steps: the loss
     falls and greedy decoding reproduces the reversals (the training data)."""
-    from highrank.mt.decoding import greedy_search
+    from highrank.models.decoding import greedy_search
 
     generator = torch.Generator().manual_seed(0)
     pairs = []

@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from highrank.backbones.transformer import (
+from highrank.heads import HEADS
+from highrank.models import LanguageModel
+from highrank.models.backbones.transformer import (
     POSITIONS,
     CausalTransformer,
     KVCache,
@@ -17,8 +19,6 @@ from highrank.backbones.transformer import (
     rotate,
     sinusoidal_positions,
 )
-from highrank.heads import HEADS
-from highrank.model import LanguageModel
 
 SMALL = {"d_model": 16, "n_layers": 2, "n_heads": 4, "d_ff": 24, "max_len": 64}
 

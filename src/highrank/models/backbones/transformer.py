@@ -1,7 +1,7 @@
 """Transformer blocks (Vaswani et al., "Attention Is All You Need", NeurIPS 2017) in the
 pre-LayerNorm arrangement (Xiong et al., "On Layer Normalization in the Transformer
 Architecture", ICML 2020; GPT-2), and a causal decoder-only Transformer language model built
-from them. ``backbones/seq2seq.py`` builds its encoder and decoder from the same blocks.
+from them. ``models/seq2seq.py`` builds its encoder and decoder from the same blocks.
 
 One block (``d`` = d_model, ``LN`` = LayerNorm, dropouts as in Vaswani et al. Sec. 5.4)::
 
@@ -391,7 +391,7 @@ class LayerStates:
 
 class CausalTransformer(nn.Module):
     """A causal decoder-only Transformer LM body (pre-LN; GPT-2 shape), behind the backbone
-    contract of :class:`highrank.backbones.AWDLSTM`.
+    contract of :class:`highrank.models.backbones.AWDLSTM`.
 
     ``forward(tokens (T, B), state) -> (hidden (T, B, d_model), state, None)``; the head reads
     ``hidden`` (``d_last = d_model``) and may tie its decoder to ``embedding.weight``.

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from highrank.backbones.regularizers import (
+from highrank.models.backbones.regularizers import (
     LockedDropout,
     WeightDrop,
     _pack_contiguous,
