@@ -10,7 +10,10 @@ per process) or 2 windows of 8 (lora / full: one window per process), states eve
   an error, never hangs, and the same plan run again ends bit-identical to torchrun's
   uninterrupted run (weights, step losses, scores);
 * dropout off, in every mode: the two processes' step losses, cache (bit-identical) and
-  scores match one process on the same global batch.
+  scores match one process on the same global batch;
+* full mode with ``--fsdp`` (the model sharded by FSDP2, tied MoS head with the embedding):
+  the same three checks (a kill at step 12 of process 1 resumes bit-identical; the losses
+  match one process without sharding).
 """
 
 from __future__ import annotations
@@ -49,11 +52,13 @@ RESUMED = {
     "frozen-llama-mos": ("llama", "frozen", "mos", MOS, (1, "cache", 2)),
     "lora-gpt2-mos": ("gpt2", "lora", "mos", MOS, (1, "step", 12)),
     "full-gpt2-softmax": ("gpt2", "full", "softmax", {}, (0, "step", 12)),
+    "full-llama-mos-fsdp": ("llama", "full", "mos", MOS, (1, "step", 12)),
 }
 NO_DROPOUT = {  # (Llama has none; GPT-2's is switched off by the frozen body's eval mode)
     "frozen-gpt2-mos": ("gpt2", "frozen", "mos", {**MOS, "latent_dropout": 0.0}),
     "lora-llama-mixtape": ("llama", "lora", "mixtape", {"gate_dim": 4, "frequent_fraction": 0.3}),
     "full-llama-mos": ("llama", "full", "mos", {**MOS, "latent_dropout": 0.0}),
+    "full-llama-mos-fsdp": ("llama", "full", "mos", {**MOS, "latent_dropout": 0.0}),
 }
 
 
@@ -66,11 +71,15 @@ def inputs(tmp_path_factory):
     return models, texts
 
 
-def plan_fields(inputs, case: tuple, out: Path) -> dict:
+def plan_fields(inputs, case: tuple, out: Path, *, sharded: bool = True) -> dict:
+    """The plan of ``case``, in ``out``; a case named ``...-fsdp`` (its ``out``) shards the
+    model unless ``sharded`` is False (one process cannot)."""
     models, texts = inputs
     arch, mode, head, knobs = case[:4]
+    fsdp = {"fsdp": True} if sharded and out.name.endswith("-fsdp") else {}
     return {"model": str(models[arch]), "head": head, "knobs": knobs, "mode": mode,
-            "out": str(out), **{split: str(path) for split, path in texts.items()}, **SETTINGS}
+            "out": str(out), **{split: str(path) for split, path in texts.items()}, **SETTINGS,
+            **fsdp}
 
 
 def argv(fields: dict) -> list[str]:
@@ -83,7 +92,7 @@ def argv(fields: dict) -> list[str]:
         line += [f"--{key.replace('_', '-')}", str(fields[key])]
     for key, value in fields["knobs"].items():
         line += ["--knob", f"{key}={json.dumps(value)}"]
-    return line
+    return line + (["--fsdp"] if fields.get("fsdp") else [])
 
 
 # ---- two processes -------------------------------------------------------------------------------
@@ -204,6 +213,7 @@ def test_torchrun_in_every_mode_and_a_killed_process_resumes_bit_identical(input
         assert not torch.equal(state["ranks"][0]["rng"], state["ranks"][1]["rng"])
         results = json.loads((straight / name / "results.json").read_text())
         assert results["processes"] == 2 and results["training"]["steps_done"] == STEPS
+        assert results["training"].get("sharded") == ("fsdp2" if "fsdp" in name else None)
         assert transformers.AutoModelForCausalLM.from_pretrained(straight / name / "model")
 
     for name, case in RESUMED.items():
@@ -233,7 +243,9 @@ def test_two_processes_train_as_one_on_the_same_global_batch(inputs, tmp_path):
     assert all("result" in outcome for outcome in outcomes), outcomes
     for name, case in NO_DROPOUT.items():
         one, two = tmp_path / "one" / name, tmp_path / "two" / name
-        retrofit(RetrofitPlan(**plan_fields(inputs, case, one)), progress=False)
+        retrofit(RetrofitPlan(**plan_fields(inputs, case, one, sharded=False)), progress=False)
+        sharded = json.loads((two / "results.json").read_text())["training"].get("sharded")
+        assert sharded == ("fsdp2" if name.endswith("-fsdp") else None), name
         assert losses(two) == pytest.approx(losses(one), rel=1e-5), name
         s1, s2 = scores(one), scores(two)
         for kind in s1:
@@ -261,3 +273,15 @@ def test_a_global_batch_that_does_not_divide_is_one_line(inputs, tmp_path, monke
     with pytest.raises(RetrofitError, match=r"= 2 windows per step is the global batch, split "
                                             r"among 3 processes: it must divide by 3"):
         retrofit(RetrofitPlan(**fields), progress=False)
+
+
+def test_fsdp_is_refused_in_one_line_where_it_cannot_shard(inputs, tmp_path):
+    from highrank.integrations.retrofit import RetrofitError
+
+    fields = plan_fields(inputs, NO_DROPOUT["full-llama-mos"], tmp_path / "out")
+    with pytest.raises(RetrofitError, match="only --mode full trains; got --mode lora"):
+        RetrofitPlan(**{**fields, "mode": "lora", "fsdp": True})
+    with pytest.raises(RetrofitError, match="--fsdp shards the model across the processes of "
+                                            "a torchrun: start it with `torchrun"):
+        retrofit(RetrofitPlan(**{**fields, "fsdp": True}), progress=False)
+    assert not (tmp_path / "out").exists()

@@ -175,3 +175,19 @@ def test_lora_trains_gpt2_llama_and_gpt_neox(texts, tmp_path, arch, adapted):
     for split in ("valid", "test"):
         assert results["trained"][split]["perplexity"] == pytest.approx(
             reloaded_perplexity(out / "model", files[split]), rel=1e-4)
+
+
+def test_a_folder_written_before_a_setting_existed_continues(tmp_path):
+    """plan.json of a run started before ``fsdp`` was a setting lacks it: read at its
+    default, the folder is this plan's (another value is still refused)."""
+    from dataclasses import asdict
+
+    from highrank.integrations.retrofit.plan import RetrofitError, RetrofitPlan, check_out
+
+    plan = RetrofitPlan(model="m", head="mos", train="t", valid="v", out=str(tmp_path),
+                        mode="full", device="cpu")
+    old = {k: v for k, v in asdict(plan).items() if k != "fsdp"}
+    (tmp_path / "plan.json").write_text(json.dumps(old))
+    check_out(tmp_path, plan)
+    with pytest.raises(RetrofitError, match=r"other settings \(fsdp\)"):
+        check_out(tmp_path, RetrofitPlan(**{**asdict(plan), "fsdp": True}))

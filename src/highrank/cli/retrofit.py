@@ -116,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the body and head run: auto (CUDA when available), cpu, cuda, cuda:1, ...",
     )
     parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="--mode full under torchrun: shard the model across the processes with FSDP2 "
+        "(each holds 1/N of the weights, gradients and Adam moments) instead of DDP",
+    )
+    parser.add_argument(
         "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument(
@@ -162,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
                 lora_rank=args.lora_rank,
                 cache_dtype=args.cache_dtype,
                 device=args.device,
+                fsdp=args.fsdp,
             )
             with _sigterm_raises():
                 retrofit(plan, restart=args.restart)

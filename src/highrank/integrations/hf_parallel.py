@@ -92,7 +92,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = _unwrapped(model)
-    if not _sharded(model):
+    if not is_sharded(model):
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         return state if _rank() == 0 else {}
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -116,7 +116,8 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _sharded(model: nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> bool:
+    """Has FSDP2 sharded ``model`` (or a part of it)?"""
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(module, FSDPModule) for module in model.modules())
@@ -131,5 +132,6 @@ __all__ = [
     "body_blocks",
     "full_state_dict",
     "fully_shard_highrank",
+    "is_sharded",
     "save_pretrained_gathered",
 ]

@@ -148,17 +148,20 @@ def _leave() -> None:
 # ---- the model --------------------------------------------------------------------------------
 
 
-def distribute(model: nn.Module, seed: int) -> nn.Module:
+def distribute(model: nn.Module, seed: int, *, wrap: bool = True) -> nn.Module:
     """The module to call for training forward passes: ``model`` itself in one process; else
     ``model`` in DistributedDataParallel (which makes every process start from process 0's
-    weights), and processes r > 0 reseed their global RNGs (dropout masks of their own)."""
+    weights; ``wrap=False``: not wrapped, for a model FSDP2 sharded), and processes r > 0
+    reseed their global RNGs (dropout masks of their own)."""
     if not active():
         return model
-    device = next(model.parameters()).device
-    ids = None  # CPU: DDP takes no device ids
-    if device.type == "cuda":
-        ids = [device.index if device.index is not None else torch.cuda.current_device()]
-    wrapped = Distributed(model, device_ids=ids, **_NO_BUFFER_SYNC)
+    wrapped = model
+    if wrap:
+        device = next(model.parameters()).device
+        ids = None  # CPU: DDP takes no device ids
+        if device.type == "cuda":
+            ids = [device.index if device.index is not None else torch.cuda.current_device()]
+        wrapped = Distributed(model, device_ids=ids, **_NO_BUFFER_SYNC)
     if rank() > 0:
         seed_everything(seed + rank() * RESEED_STRIDE)
     return wrapped

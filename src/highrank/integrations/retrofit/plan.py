@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -54,6 +54,7 @@ class RetrofitPlan:
     lora_rank: int = 8
     cache_dtype: str = "float32"
     device: str = "auto"
+    fsdp: bool = False  # full mode under torchrun: the model sharded by FSDP2
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -61,6 +62,11 @@ class RetrofitPlan:
         if self.head not in HEADS:
             raise RetrofitError(f"unknown head {self.head!r}; choose one of: {', '.join(HEADS)}")
         check_init(self.init)
+        if self.fsdp and self.mode != "full":
+            raise RetrofitError(
+                f"--fsdp shards the whole model, which only --mode full trains; got --mode "
+                f"{self.mode} (lora and frozen train data-parallel under torchrun as they are)"
+            )
         for name in ("window", "batch_tokens", "lora_rank"):
             _positive(name, getattr(self, name))
         for name in ("max_train_tokens", "max_eval_tokens", "steps"):
@@ -109,8 +115,10 @@ def check_out(out: Path, plan: RetrofitPlan) -> None:
     if saved.exists():
         old = read_plan(saved)
         may_change = MAY_CHANGE + (("lr",) if "stopped" in old else ())
+        # a setting added since a folder was written is there at its default
+        defaults = {f.name: f.default for f in fields(RetrofitPlan) if f.default is not MISSING}
         changed = sorted(k for k, v in asdict(plan).items()
-                         if k not in may_change and old.get(k) != v)
+                         if k not in may_change and old.get(k, defaults.get(k)) != v)
         if changed:
             raise RetrofitError(
                 f"{out} holds a retrofit with other settings ({', '.join(changed)}); give "

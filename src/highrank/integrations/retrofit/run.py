@@ -83,6 +83,7 @@ from torch import nn
 
 from highrank import causal_lm
 from highrank.heads import base_init_knobs, build_head
+from highrank.integrations.hf_parallel import full_state_dict, fully_shard_highrank
 from highrank.integrations.retrofit.cache import (
     CacheSettingsError,
     cache_hidden_states,
@@ -209,8 +210,11 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say) -> dict:
                "training": {k: v for k, v in summary.items() if k != "history"},
                **({"processes": distributed.world_size()} if distributed.active() else {})}
 
+    # FSDP2 shards gathered whole to process 0 (every process takes part); None: as it is
+    whole = full_state_dict(hf_model) if plan.fsdp else None
+
     def save() -> None:
-        _save_model(hf_model, tokenizer, out / "model")
+        _save_model(hf_model, tokenizer, out / "model", whole)
         write_json(out / "plan.json", asdict(plan))
         write_json(out / "results.json", results)
         write_json(out / "history.json", {"history": summary["history"]})
@@ -258,7 +262,8 @@ def _refuse_non_finite(out: Path, plan: RetrofitPlan, hf_model, scores: dict,
     line, with what to change (its finite losses reached 1e20 before the scores overflowed)."""
     bad = [f"{split} perplexity {score['perplexity']}" for split, score in scores.items()
            if not math.isfinite(score["perplexity"])]
-    if not all_finite_parameters(hf_model):
+    # every process answers (an FSDP2 shard holds 1/N of the weights): all raise, or none
+    if distributed.average(float(all_finite_parameters(hf_model))) != 1.0:
         bad.append("non-finite weights")
     if not bad:
         return
@@ -296,6 +301,11 @@ def check_before_loading(plan: RetrofitPlan) -> None:
                 f"(--window {plan.window}) of tokens plus the one after it"
             )
     _head_on_meta(plan, PLACEHOLDER_WIDTH, PLACEHOLDER_VOCAB)
+    if plan.fsdp and not distributed.active():
+        raise RetrofitError(
+            "--fsdp shards the model across the processes of a torchrun: start it with "
+            "`torchrun --nproc-per-node N -m highrank retrofit ... --fsdp`"
+        )
 
 
 def _head_on_meta(plan: RetrofitPlan, width: int, vocab: int):
@@ -365,8 +375,10 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
                 f"{_existing_parent(Path(plan.out))} has {free_disk / 2**30:.1f} GiB free; "
                 "free space, lower --max-train-tokens or use --cache-dtype bfloat16"
             )
-    else:
-        need += sum(p.numel() for p in model.parameters()) * 4 * (4 if plan.mode == "full" else 1)
+    else:  # weights (and for full: gradients, Adam's moments), 1/N each under --fsdp
+        shards = distributed.world_size() if plan.fsdp else 1
+        need += (sum(p.numel() for p in model.parameters()) * 4
+                 * (4 if plan.mode == "full" else 1) // shards)
     available = available_memory(resolve_device(plan.device))
     if available is not None and need > available:
         raise RetrofitError(
@@ -479,6 +491,8 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: 
     torch.manual_seed(plan.seed)
     hf_model = attach_head(model, plan.head, init=plan.init, **plan.knobs)
     trainable = make_trainable(hf_model, plan)
+    if plan.fsdp:  # in place: every process keeps 1/N of each group's weights
+        fully_shard_highrank(trainable)
     inputs, targets = windows["train"]
     budget = _window_budget(plan, inputs.shape[0])
     _say_effective(plan, asdict(budget), progress)
@@ -576,10 +590,12 @@ def _adaptable_layers() -> tuple[type, ...]:
 # ---- saving ------------------------------------------------------------------------------------
 
 
-def _save_model(hf_model, tokenizer, folder: Path) -> None:
+def _save_model(hf_model, tokenizer, folder: Path, state: dict | None = None) -> None:
+    """``save_pretrained`` into ``folder``, replacing it whole (``state``: the weights to
+    write, gathered from FSDP2's shards)."""
     partial = folder.with_name(f".{folder.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    hf_model.save_pretrained(partial)
+    hf_model.save_pretrained(partial, **({} if state is None else {"state_dict": state}))
     tokenizer.save_pretrained(partial)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(partial, folder)

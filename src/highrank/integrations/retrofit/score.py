@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from highrank.heads import OutputHead
+from highrank.integrations.hf_parallel import is_sharded
 from highrank.integrations.retrofit.cache import FeatureCache, check_head_fits
 from highrank.train import distributed
 from highrank.util.checks import check_positive_int
@@ -156,7 +157,8 @@ def score_windows(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     scores its contiguous share of the batches and the tallies are summed."""
     model.eval()
     tally, device = Tally(), next(model.parameters()).device
-    firsts = _own_share(range(0, inputs.shape[0], batch))
+    batches = range(0, inputs.shape[0], batch)
+    firsts = _own_share(batches)
     bar = progress_bar(total=inputs.shape[0], desc=f"score {label}", unit="window",
                        disable=not (progress and distributed.is_writer()))
     for first in firsts:
@@ -166,6 +168,11 @@ def score_windows(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         log_probs = torch.log_softmax(logits, dim=-1) if base else logits
         tally.add(log_probs, targets[first:first + batch].to(device))
         tally.seconds += time.perf_counter() - began
+    # An FSDP2-sharded model gathers its weights in every forward, all processes together:
+    # a process with a share one batch shorter runs one more, uncounted.
+    if is_sharded(model):
+        for _ in range(-(-len(batches) // distributed.world_size()) - len(firsts)):
+            model(input_ids=inputs[:batch].to(device))
     bar.close()
     return tally.summed().record()
 

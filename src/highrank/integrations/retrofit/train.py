@@ -50,6 +50,8 @@ import torch
 from torch import nn
 
 from highrank.heads import OutputHead
+from highrank.integrations.hf_parallel import is_sharded
+from highrank.integrations.retrofit import sharded
 from highrank.integrations.retrofit.cache import (
     FeatureCache,
     SavedFileError,
@@ -136,13 +138,15 @@ class Trainee:
     optimizer's parameter ``groups`` (each with its base lr), the ``params`` whose gradient
     norm is clipped (in the order the norm sums them), and how the weights go into
     ``state.pt`` (``key``: ``head`` for a head's state_dict, ``trainable`` for a model's
-    trainable parameters)."""
+    trainable parameters). A model FSDP2 sharded (``sharded``) is trained as it is (not
+    wrapped in DDP) and its state gathered whole (:mod:`.sharded`)."""
 
     module: nn.Module
     groups: list[dict]
     params: list[torch.Tensor]
     key: str
     what: str  # for messages: "a head's" training state
+    sharded: bool = False
 
     @classmethod
     def head(cls, head: OutputHead, lr: float) -> Trainee:
@@ -151,15 +155,31 @@ class Trainee:
     @classmethod
     def model(cls, model: nn.Module, lr: float) -> Trainee:
         params = [p for p in model.parameters() if p.requires_grad]
-        return cls(model, [{"params": params, "lr": lr}], params, "trainable", "a model's")
+        return cls(model, [{"params": params, "lr": lr}], params, "trainable", "a model's",
+                   is_sharded(model))
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """What ``state.pt`` keeps of the weights (sharded: gathered, on process 0 only;
+        every process calls it)."""
         if self.key == "head":
             return self.module.state_dict()
+        if self.sharded:
+            return sharded.full_weights(self.module)
         return {n: p.detach() for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer.state_dict()`` (sharded: gathered whole, on process 0 only)."""
+        if self.sharded:
+            return sharded.full_optimizer_state(self.module, optimizer)
+        return optimizer.state_dict()
 
     def load_weights(self, path: Path, saved: dict) -> None:
         try:
+            if self.sharded:  # the names and (whole) shapes, without gathering
+                _same_tensors(saved, {n: p for n, p in self.module.named_parameters()
+                                      if p.requires_grad})
+                sharded.load_full_weights(self.module, saved)
+                return
             expected = self.weights()
             _same_tensors(saved, expected)
             if self.key == "head":
@@ -214,7 +234,8 @@ def train_loop(
     _check_shares(budget)
     # Wrapped first: DDP starts every process from process 0's weights and processes 1..N-1
     # reseed their generators (dropout masks of their own); a saved state then restores both.
-    forward = distributed.distribute(trainee.module, budget.seed)
+    # A model FSDP2 sharded is called as it is (its shards are alike: built alike everywhere).
+    forward = distributed.distribute(trainee.module, budget.seed, wrap=not trainee.sharded)
     optimizer = torch.optim.Adam(trainee.groups, lr=budget.lr)
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     history: list[dict] = []
@@ -251,7 +272,8 @@ def train_loop(
                 name = signal.Signals(number).name
                 raise Interrupted(name, 128 + number, state_path, step + 1)
     trainee.module.eval()
-    return training_summary(history, budget)
+    summary = training_summary(history, budget)
+    return {**summary, "sharded": "fsdp2"} if trainee.sharded else summary
 
 
 def _check_shares(budget: TrainBudget) -> None:
@@ -441,12 +463,13 @@ def save_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudge
     ``world_size``) and process 0 writes."""
     own = {"rng": torch.get_rng_state(), "python_rng": random.getstate()}
     ranks = distributed.gather_rng(own).get("ranks")  # a collective: every process is here
+    weights, moments = trainee.weights(), trainee.optimizer_state(optimizer)  # sharded: too
     if not distributed.is_writer():
         return
     state = {
         "budget": asdict(budget),
-        trainee.key: trainee.weights(),
-        "optimizer": optimizer.state_dict(),
+        trainee.key: weights,
+        "optimizer": moments,
         "history": history,
         **own,
         **({} if data is None else {"data": data}),
@@ -480,7 +503,7 @@ def load_train_state(path: Path, trainee: Trainee, optimizer, budget: TrainBudge
     check_finite_tensors(path, weights)
     generators = _own_generators(path, state)
     trainee.load_weights(path, weights)
-    _load_optimizer(path, optimizer, state["optimizer"])
+    _load_optimizer(path, optimizer, state["optimizer"], trainee)
     try:
         if generators is not None:  # dropout masks continue as they would have
             torch.set_rng_state(generators["rng"])
@@ -559,10 +582,13 @@ def _same_tensors(saved: dict, expected: dict[str, torch.Tensor]) -> None:
             raise RuntimeError(f"{name} is {tuple(saved[name].shape)}, not {tuple(value.shape)}")
 
 
-def _load_optimizer(path: Path, optimizer, saved) -> None:
+def _load_optimizer(path: Path, optimizer, saved, trainee: Trainee) -> None:
     """The optimizer's saved state, its Adam moments of their parameters' shapes."""
     try:
-        optimizer.load_state_dict(saved)
+        if trainee.sharded:
+            sharded.load_full_optimizer_state(trainee.module, optimizer, saved)
+        else:
+            optimizer.load_state_dict(saved)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 for key, value in optimizer.state.get(param, {}).items():
