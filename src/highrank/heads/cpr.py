@@ -50,12 +50,11 @@ import torch
 from torch import nn
 
 from highrank.heads.functional import widen
-from highrank.heads.mfs import MultiInput, check_window
+from highrank.heads.mfs import read_through_multi_input
 from highrank.heads.sequence import (
     ContextRows,
     Facets,
     SequenceHead,
-    check_time_dim,
     gate_log_prior,
     mixture_log_prob,
     mixture_loss,
@@ -109,13 +108,9 @@ class SoftmaxCPR(SequenceHead):
         self.reranker_k1 = check_candidates("reranker_k1", reranker_k1)
         self.reranker_k2 = check_candidates("reranker_k2", reranker_k2)
         self.n_components = check_positive_int("n_components", n_components)
-        self.multi_input = check_bool("multi_input", multi_input)
-        self.input_layers = check_positive_int("input_layers", input_layers) if multi_input else 1
-        self.input_window = check_window(input_window)
-        self.time_dim = check_time_dim(time_dim)
-        self.inputs = MultiInput(
-            d_in, self.input_layers, self.input_window, enabled=self.multi_input
-        )
+        read_through_multi_input(self, d_in, input_layers=input_layers,
+                                 input_window=input_window, multi_input=multi_input,
+                                 time_dim=time_dim)
         # facets: the K softmaxes', then C, R1, R2, the pointer's query and key, as switched on
         names = [f"softmax{k}" for k in range(n_components)]
         names += ["context"] * self.context_partition

@@ -92,6 +92,19 @@ def check_window(value: object) -> int:
     return value
 
 
+def read_through_multi_input(head: nn.Module, d_in: int, *, input_layers: int,
+                             input_window: int, multi_input: bool,
+                             time_dim: int | None) -> None:
+    """Give ``head`` (MFS, and CPR, which reads its inputs the same way) its knobs of what it
+    reads, checked, and its Mi (``head.inputs``): ``multi_input``, ``input_layers`` (1 without
+    Mi), ``input_window`` and ``time_dim``."""
+    head.multi_input = check_bool("multi_input", multi_input)
+    head.input_layers = check_positive_int("input_layers", input_layers) if multi_input else 1
+    head.input_window = check_window(input_window)
+    head.time_dim = check_time_dim(time_dim)
+    head.inputs = MultiInput(d_in, head.input_layers, head.input_window, enabled=multi_input)
+
+
 class MultiFacetSoftmax(SequenceHead):
     """MFS output layer (module docstring).
 
@@ -127,13 +140,9 @@ class MultiFacetSoftmax(SequenceHead):
         self.n_partitions = check_positive_int("n_partitions", n_partitions)
         if self.n_partitions > vocab_size:
             raise ValueError(f"n_partitions={n_partitions} exceeds the vocabulary ({vocab_size})")
-        self.multi_input = check_bool("multi_input", multi_input)
-        self.input_layers = check_positive_int("input_layers", input_layers) if multi_input else 1
-        self.input_window = check_window(input_window)
-        self.time_dim = check_time_dim(time_dim)
-        self.inputs = MultiInput(
-            d_in, self.input_layers, self.input_window, enabled=self.multi_input
-        )
+        read_through_multi_input(self, d_in, input_layers=input_layers,
+                                 input_window=input_window, multi_input=multi_input,
+                                 time_dim=time_dim)
         # J facets for the partitioned softmax, then one for each other softmax
         self.facets = Facets(self.inputs.width, self.d_embed, n_partitions + n_components - 1)
         self.gate = nn.Linear(self.inputs.width, n_components) if n_components > 1 else None
