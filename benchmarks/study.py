@@ -33,6 +33,7 @@ The kernel releases a lock however its holder dies, so a killed process holds no
 from __future__ import annotations
 
 import fcntl
+import math
 import resource
 import subprocess
 import sys
@@ -245,6 +246,34 @@ class Study:
         if status == 0:
             summarize()
         return status
+
+
+def search_lr(pilot: Callable[[float], dict], grid: Sequence[float], *, factor: float,
+              max_extensions: int) -> tuple[float, list[float], dict[float, dict]]:
+    """A learning rate by pilots: ``pilot(lr)`` (a record with ``valid_loss``; a non-finite
+    one loses) at each lr of ``grid``; while the best is at an end of the grid, the grid is
+    extended that way by ``factor`` (at most ``max_extensions`` times). Returns the best lr,
+    the grid as searched and every pilot's record."""
+    lrs = list(grid)
+    records = {lr: pilot(lr) for lr in lrs}
+
+    def best() -> float:
+        return min(lrs, key=lambda lr: _finite(records[lr]["valid_loss"]))
+
+    for _ in range(max_extensions):
+        if best() == lrs[0]:
+            lrs.insert(0, lrs[0] / factor)
+            records[lrs[0]] = pilot(lrs[0])
+        elif best() == lrs[-1]:
+            lrs.append(lrs[-1] * factor)
+            records[lrs[-1]] = pilot(lrs[-1])
+        else:
+            break
+    return best(), lrs, records
+
+
+def _finite(value: Any) -> float:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else math.inf
 
 
 def wikitext_study(

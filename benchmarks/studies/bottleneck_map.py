@@ -68,7 +68,7 @@ from benchmarks._common import (
     write_json,
     write_text,
 )
-from benchmarks.study import Stage, Study
+from benchmarks.study import Stage, Study, search_lr
 
 MODULE = module_name(__file__)  # benchmarks.studies.bottleneck_map
 
@@ -214,27 +214,12 @@ def choose_lr(arm: str, d: int) -> dict:
     """Pilots over :data:`PILOT_LRS`, extended by x2 past an end that wins (at most
     :data:`MAX_EXTENSIONS` times); the lr of the lowest validation loss (a non-finite one
     loses)."""
-    lrs = list(PILOT_LRS)
-    records = {lr: pilot(arm, d, lr) for lr in lrs}
-    for _ in range(MAX_EXTENSIONS):
-        best = min(lrs, key=lambda lr: _finite(records[lr]["valid_loss"]))
-        if best == lrs[0]:
-            lrs.insert(0, lrs[0] / 2)
-            records[lrs[0]] = pilot(arm, d, lrs[0])
-        elif best == lrs[-1]:
-            lrs.append(lrs[-1] * 2)
-            records[lrs[-1]] = pilot(arm, d, lrs[-1])
-        else:
-            break
-    best = min(lrs, key=lambda lr: _finite(records[lr]["valid_loss"]))
+    best, lrs, records = search_lr(lambda lr: pilot(arm, d, lr), PILOT_LRS, factor=2,
+                                   max_extensions=MAX_EXTENSIONS)
     return {"arm": arm, "d": d, "lr": best, "grid": lrs,
             "valid_ppl": {f"{lr:g}": records[lr]["valid_ppl"] for lr in lrs},
             "tokens_per_s": {f"{lr:g}": records[lr]["tokens_per_s"] for lr in lrs},
             "at_an_end": best in (lrs[0], lrs[-1])}
-
-
-def _finite(value) -> float:
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else math.inf
 
 
 # ---- stages ---------------------------------------------------------------------------------
