@@ -119,3 +119,35 @@ def test_a_context_head_resumes_bit_for_bit(tiny_llama, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=key)
     assert any(not torch.equal(a, b) for a, b in zip(
         straight.state_dict().values(), head().state_dict().values(), strict=True))
+
+
+def test_seen_in_window_marks_targets_already_in_their_context(tiny_llama, tmp_path):
+    ids = torch.randint(0, 12, (4 * 8 + 1,), generator=torch.Generator().manual_seed(6))
+    cache = cache_hidden_states(tiny_llama, ids, tmp_path / "cache", window=8, layers=1)
+    inputs, targets = window_tokens(ids, 8)
+    expected = [[bool((inputs[w, : t + 1] == targets[w, t]).any()) for t in range(8)]
+                for w in range(4)]
+    seen = cache.seen_in_window(block=3)  # blocks that do not divide the windows
+    assert seen.tolist() == [flag for window in expected for flag in window]
+    assert 0 < int(seen.sum()) < seen.numel()  # both kinds present: the check can fail
+
+
+def test_the_score_of_groups_of_rows_adds_up_to_the_whole(tiny_llama, tmp_path):
+    from highrank.integrations.retrofit import evaluate_head, head_from_lm_head
+
+    ids = torch.randint(0, 12, (4 * 8 + 1,), generator=torch.Generator().manual_seed(6))
+    cache = cache_hidden_states(tiny_llama, ids, tmp_path / "cache", window=8, layers=2)
+    seen = cache.seen_in_window()
+    head = attach_head(tiny_llama, "cpr", init="base", untie=True, input_layers=2,
+                       reranker_k1=10, reranker_k2=4).head
+    base = head_from_lm_head(tiny_llama, "softmax")
+    whole = evaluate_head(head, cache, block_tokens=16, reference=base,
+                          groups={"seen": seen, "unseen": ~seen})
+    parts = whole["groups"]
+    assert parts["seen"]["tokens"] + parts["unseen"]["tokens"] == whole["tokens"] == 32
+    total = sum(p["nll_per_token"] * p["tokens"] for p in parts.values())
+    assert total == pytest.approx(whole["nll_per_token"] * whole["tokens"], rel=1e-9)
+    kl = sum(p["kl_from_reference"] * p["tokens"] for p in parts.values())
+    assert kl == pytest.approx(whole["kl_from_reference"] * whole["tokens"], rel=1e-6, abs=1e-9)
+    with pytest.raises(ValueError, match="must be a bool mask of the 32 cached rows"):
+        evaluate_head(head, cache, groups={"bad": seen[:5]})

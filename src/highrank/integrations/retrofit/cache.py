@@ -121,6 +121,21 @@ class FeatureCache:
         sequence cache, the top layer)."""
         return self.features[index, -self.hidden_size :].float()
 
+    def seen_in_window(self, block: int = 64) -> torch.Tensor:
+        """``(N,)`` bool, a sequence cache's rows whose target already occurred in the
+        context of its window (the window's input ids up to that position): the tokens the
+        context partition C and the pointer P of Softmax-CPR act on. ``block`` windows at a
+        time (``block x L x L`` comparisons)."""
+        window = self.window
+        seen = []
+        for first in range(0, self.n_windows, block):
+            index = torch.arange(first, min(first + block, self.n_windows))
+            ids, targets = self.window_ids(index)  # position s is context of t >= s
+            earlier = torch.ones(window, window, dtype=torch.bool).tril()  # (t, s): s <= t
+            equal = targets[:, :, None] == ids[:, None, :]  # (b, t, s)
+            seen.append((equal & earlier).any(dim=-1).reshape(-1))
+        return torch.cat(seen)
+
     def windows(self, index: torch.Tensor, device: torch.device | str = "cpu",
                 reads: tuple[str, ...] = ("hidden", "layers", "context_ids"),
                 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
@@ -128,20 +143,27 @@ class FeatureCache:
         head that reads its context takes them: ``(hidden (b, L, d), inputs, targets (b,
         L))``, ``inputs`` holding what ``reads`` names of ``layers`` (each ``(b, L, d)``
         float32, top last) and ``context_ids`` (``(b, L)``, the windows' input ids)."""
+        ids, targets = self.window_ids(index)  # (b, L) each
+        positions = (index[:, None] * self.window + torch.arange(self.window)).reshape(-1)
+        rows = self.features[positions].to(device, torch.float32)
+        rows = rows.reshape(*ids.shape, self.layers, self.hidden_size)  # (b, L, layers, d)
+        inputs = {"layers": tuple(rows.unbind(2)), "context_ids": ids.to(device)}
+        inputs = {name: value for name, value in inputs.items() if name in reads}
+        return rows[:, :, -1], inputs, targets.to(device)
+
+    def window_ids(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input ids and the targets of windows ``index`` of a sequence cache, ``(b, L)``
+        each: the stream is its first token followed by the targets (windows are contiguous),
+        and window i's inputs are its positions ``i L .. i L + L - 1``."""
         if self.layers is None:
             raise ValueError(
                 f"{self.directory} caches final hidden states only; a head that reads its "
                 "context needs a sequence cache (cache_hidden_states(..., layers=L))"
             )
-        window, width = self.window, self.hidden_size
-        positions = (index[:, None] * window + torch.arange(window)).reshape(-1)  # (b L,)
-        rows = self.features[positions].to(device, torch.float32)
-        rows = rows.reshape(-1, window, self.layers, width)  # (b, L, layers, d)
+        positions = (index[:, None] * self.window + torch.arange(self.window)).reshape(-1)
         stream = torch.cat([torch.tensor([self.meta["first_token_id"]]), self.targets])
-        ids = stream[positions].view(-1, window).to(device)  # the input ids: the stream before
-        inputs = {"layers": tuple(rows.unbind(2)), "context_ids": ids}
-        inputs = {name: value for name, value in inputs.items() if name in reads}
-        return rows[:, :, -1], inputs, self.targets[positions].view(-1, window).to(device)
+        shape = (-1, self.window)
+        return stream[positions].view(shape), self.targets[positions].view(shape)
 
 
 def cache_hidden_states(

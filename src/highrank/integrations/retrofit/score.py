@@ -77,13 +77,18 @@ def evaluate_head(
     matrix_path: str | os.PathLike | None = None,
     matrix_rows: int | None = None,
     reference: OutputHead | None = None,
+    groups: dict[str, torch.Tensor] | None = None,
 ) -> dict:
     """Perplexity ``exp(total NLL / N)`` of ``head`` over every token of ``cache`` (eval mode,
     no autograd, float32). With ``matrix_path`` the log-probabilities of the first
     ``matrix_rows`` tokens (all when None) are written there as a float32 ``(rows, V)``
     ``.npy``, from the same forward pass, for the rank instruments. With a ``reference`` head
     (e.g. the base model's own), ``kl_from_reference`` is the mean over the tokens of
-    KL(p_reference || p_head) in nats: how far ``head`` has moved from it."""
+    KL(p_reference || p_head) in nats: how far ``head`` has moved from it. With ``groups``
+    (name: an ``(N,)`` bool mask of the cache's rows), ``groups`` in the record gives the
+    tokens, NLL and perplexity (and KL) of each group's rows too (e.g. the tokens seen earlier
+    in their window, :meth:`~highrank.integrations.retrofit.cache.FeatureCache.seen_in_window`,
+    and the others)."""
     check_head_fits(head, cache)
     check_positive_int("block_tokens", block_tokens)
     if matrix_path is not None and distributed.active():
@@ -92,11 +97,18 @@ def evaluate_head(
     if matrix_path is not None and not 0 < rows <= len(cache):
         raise ValueError(f"matrix_rows must lie in 1..{len(cache)}; got {matrix_rows!r}")
     tally = Tally()
+    masks = groups or {}
+    for name, mask in masks.items():
+        if mask.shape != (len(cache),) or mask.dtype != torch.bool:
+            raise ValueError(f"group {name!r} must be a bool mask of the {len(cache)} cached "
+                             f"rows; got {mask.dtype} {tuple(mask.shape)}")
+    by_group = {name: Tally() for name in masks}
     modes = [(module, module.training) for module in (head, reference) if module is not None]
     for module, _ in modes:
         module.eval()
     try:
-        blocks = _cache_blocks(head, cache, block_tokens, tally, reference)
+        blocks = _cache_blocks(head, cache, block_tokens, tally, reference,
+                               {name: (masks[name], by_group[name]) for name in masks})
         if matrix_path is not None:
             write_matrix(matrix_path, _first_rows(blocks, rows), (rows, head.vocab_size))
         for _ in blocks:  # every token counts (those after the matrix's rows too)
@@ -107,9 +119,15 @@ def evaluate_head(
     tally = tally.summed()
     record = tally.record()
     seconds = record.pop("seconds")
-    return {**record, "kl_from_reference": tally.kl / tally.tokens if reference is not None
-            else None, "seconds": seconds,
-            "matrix_rows": rows if matrix_path is not None else None}
+    kl = (lambda t: t.kl / max(t.tokens, 1)) if reference is not None else (lambda t: None)
+    parts = {}
+    for name, part in by_group.items():
+        part = part.summed()
+        parts[name] = ({k: v for k, v in part.record().items() if k != "seconds"}
+                       | {"kl_from_reference": kl(part)} if part.tokens else {"tokens": 0})
+    return {**record, "kl_from_reference": kl(tally), "seconds": seconds,
+            "matrix_rows": rows if matrix_path is not None else None,
+            **({"groups": parts} if groups is not None else {})}
 
 
 def _first_rows(blocks: Iterator[tuple[int, torch.Tensor]], rows: int) -> Iterator[torch.Tensor]:
@@ -120,8 +138,8 @@ def _first_rows(blocks: Iterator[tuple[int, torch.Tensor]], rows: int) -> Iterat
             return
 
 
-def _cache_blocks(head, cache, block_tokens, tally: Tally,
-                  reference=None) -> Iterator[tuple[int, torch.Tensor]]:
+def _cache_blocks(head, cache, block_tokens, tally: Tally, reference=None,
+                  groups: dict | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """``(start, log_probs (b, V))`` per block of cached tokens, each added to ``tally``
     (under torchrun this process's contiguous share of the blocks). A head that reads its
     context is given whole windows of the sequence cache (``block_tokens // window`` of them,
@@ -142,7 +160,11 @@ def _cache_blocks(head, cache, block_tokens, tally: Tally,
             log_probs = head.log_prob(hidden, **inputs).float().reshape(stop - start, -1)
             base = None if reference is None else reference.log_prob(hidden).float().reshape(
                 stop - start, -1)
-        tally.add(log_probs, targets.reshape(-1).to(log_probs.device), base)
+        targets = targets.reshape(-1).to(log_probs.device)
+        tally.add(log_probs, targets, base)
+        for mask, part in (groups or {}).values():  # (mask (N,), its Tally)
+            rows = mask[start:stop].to(log_probs.device)
+            part.add(log_probs[rows], targets[rows], None if base is None else base[rows])
         tally.seconds += time.perf_counter() - began
         yield start, log_probs.cpu()
 
