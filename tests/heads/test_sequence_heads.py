@@ -24,12 +24,14 @@ CPR_VARIANTS = {
     "R": {"context_partition": False, "pointer": False},
     "MoS+CPR": {"n_components": 3},
     "no-Mi": {"multi_input": False},
+    "raw-Mi": {"normalize_inputs": False},  # the paper's Mi
 }
 MFS_VARIANTS = {
     "MFS": {},
     "partitions-only": {"n_components": 1},
     "MoS+Mi": {"n_partitions": 1},
     "no-Mi": {"multi_input": False, "n_partitions": 2},
+    "raw-Mi": {"normalize_inputs": False},  # the paper's Mi
 }
 VARIANTS = [("cpr", k) for k in CPR_VARIANTS] + [("mfs", k) for k in MFS_VARIANTS]
 
@@ -65,6 +67,8 @@ def mi_reference(head, layers, b, t):
     if not head.multi_input:
         return top
     used = layers[len(layers) - head.input_layers :]
+    if head.normalize_inputs:  # each position's vector over its features
+        used = [layer / (layer.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() for layer in used]
     parts = []
     for layer in reversed(used):
         for k in range(head.input_window + 1):

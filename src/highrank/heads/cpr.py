@@ -77,7 +77,8 @@ class SoftmaxCPR(SequenceHead):
         reranker_k1: candidates of the first reranker stage (paper: 100); 0: none.
         reranker_k2: candidates of the second stage, from the first's logits (paper: 20).
         n_components: K softmaxes mixed as MoS (the first carries C, P, R); 1: one softmax.
-        input_layers, input_window, multi_input: MFS's inputs (``heads/mfs.py``).
+        input_layers, input_window, multi_input, normalize_inputs: MFS's inputs
+            (``heads/mfs.py``; ``normalize_inputs``, on by default, departs from the paper).
         time_dim: the time axis of hidden's leading shape (None: the last, before the
             features; 0 for time-major ``(T, B, d)``).
         d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.base.OutputHead`.
@@ -100,6 +101,7 @@ class SoftmaxCPR(SequenceHead):
         input_layers: int = 3,
         input_window: int = 2,
         multi_input: bool = True,
+        normalize_inputs: bool = True,
         time_dim: int | None = None,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
@@ -110,7 +112,7 @@ class SoftmaxCPR(SequenceHead):
         self.n_components = check_positive_int("n_components", n_components)
         read_through_multi_input(self, d_in, input_layers=input_layers,
                                  input_window=input_window, multi_input=multi_input,
-                                 time_dim=time_dim)
+                                 normalize_inputs=normalize_inputs, time_dim=time_dim)
         # facets: the K softmaxes', then C, R1, R2, the pointer's query and key, as switched on
         names = [f"softmax{k}" for k in range(n_components)]
         names += ["context"] * self.context_partition
@@ -205,5 +207,6 @@ class SoftmaxCPR(SequenceHead):
         return (
             f"{super().extra_repr()}, partitions={'+'.join(p for p in parts if p) or 'none'}, "
             f"n_components={self.n_components}, input_layers={self.input_layers}, "
-            f"input_window={self.input_window}, multi_input={self.multi_input}"
+            f"input_window={self.input_window}, multi_input={self.multi_input}, "
+            f"normalize_inputs={self.normalize_inputs}"
         )

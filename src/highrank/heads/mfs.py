@@ -11,7 +11,14 @@ Multiple input hidden states (Mi). The last L layers at the current and W previo
 
     q_t = [ g_t ; GELU(L^h [l_L(t) ; l_L(t-1) ; ... ; l_1(t-W)]) ]       (2 d_in)
 
-(positions before the start of the context count as zero vectors).
+(positions before the start of the context count as zero vectors). One departure from the
+paper, the knob ``normalize_inputs`` (default on): each of the nine vectors entering L^h is
+RMS-normalised, ``l / sqrt(mean(l^2) + 1e-6)``, no parameters. The authors read GPT-2's raw
+residual stream and fine-tuned at lr 1e-5; the lower layers of a current LM carry massive
+activations (SmolLM2-135M's last three: |l| up to 23,808 and RMS 66, 40 and 1.9, the top one
+after its final norm), which make L^h's output, and with it the first Adam steps on the
+facets' zero columns, blow up: warm-started CPR at lr 1e-4 reached a training loss of 74 in
+two steps (SmolLM2's own is about 3). ``normalize_inputs=False`` is the paper's Mi.
 
 Facets. Each is a linear projection of q_t scored against the one shared output embedding E:
 ``f_i(q) = W_i q + c_i``, logits ``E f_i(q) + b``.
@@ -57,14 +64,19 @@ from highrank.heads.sequence import (
 from highrank.util.checks import check_bool, check_positive_int
 
 
+RMS_EPS = 1e-6  # normalize_inputs: l / sqrt(mean(l^2) + RMS_EPS)
+
+
 class MultiInput(nn.Module):
     """Mi: ``q_t = [g_t ; GELU(L^h [l_L(t) ; l_L(t-1) ; ... ; l_1(t-W)])]`` (module docstring),
     or ``q_t = g_t`` when ``enabled`` is False. ``layers``: L tensors ``(B, S, d_in)``, top
     last (its values are g); returns ``(B, S, width)``."""
 
-    def __init__(self, d_in: int, n_layers: int, window: int, *, enabled: bool = True) -> None:
+    def __init__(self, d_in: int, n_layers: int, window: int, *, enabled: bool = True,
+                 normalize: bool = True) -> None:
         super().__init__()
         self.n_layers, self.window, self.enabled = n_layers, window, enabled
+        self.normalize = normalize
         self.width = 2 * d_in if enabled else d_in
         self.mlp = nn.Linear(d_in * n_layers * (window + 1), d_in) if enabled else None
 
@@ -81,6 +93,9 @@ class MultiInput(nn.Module):
             return top
         # from the top layer down, each at t, t-1, ..., t-W (the authors' order)
         steps = range(self.window + 1)
+        if self.normalize:  # each vector over its d_in features (module docstring)
+            layers = [layer * torch.rsqrt(layer.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+                      for layer in layers]
         parts = [shift_right(layer, k) for layer in reversed(layers) for k in steps]
         mixed = F.gelu(self.mlp(torch.cat(parts, dim=-1)), approximate="tanh")
         return torch.cat([top, mixed.to(top.dtype)], dim=-1)
@@ -93,16 +108,18 @@ def check_window(value: object) -> int:
 
 
 def read_through_multi_input(head: nn.Module, d_in: int, *, input_layers: int,
-                             input_window: int, multi_input: bool,
+                             input_window: int, multi_input: bool, normalize_inputs: bool,
                              time_dim: int | None) -> None:
     """Give ``head`` (MFS, and CPR, which reads its inputs the same way) its knobs of what it
     reads, checked, and its Mi (``head.inputs``): ``multi_input``, ``input_layers`` (1 without
-    Mi), ``input_window`` and ``time_dim``."""
+    Mi), ``input_window``, ``normalize_inputs`` and ``time_dim``."""
     head.multi_input = check_bool("multi_input", multi_input)
     head.input_layers = check_positive_int("input_layers", input_layers) if multi_input else 1
     head.input_window = check_window(input_window)
+    head.normalize_inputs = check_bool("normalize_inputs", normalize_inputs)
     head.time_dim = check_time_dim(time_dim)
-    head.inputs = MultiInput(d_in, head.input_layers, head.input_window, enabled=multi_input)
+    head.inputs = MultiInput(d_in, head.input_layers, head.input_window, enabled=multi_input,
+                             normalize=normalize_inputs)
 
 
 class MultiFacetSoftmax(SequenceHead):
@@ -114,6 +131,8 @@ class MultiFacetSoftmax(SequenceHead):
         input_layers: L, the last layers read (paper: 3).
         input_window: W, previous positions read of each (paper: 2).
         multi_input: read the layers through Mi (q = [g ; GELU(L^h ...)]); False: q = g.
+        normalize_inputs: RMS-normalise each vector entering L^h (module docstring; False:
+            the paper's raw layers).
         time_dim: the time axis of hidden's leading shape (None: the last, before the
             features; 0 for time-major ``(T, B, d)``).
         d_in, vocab_size, d_embed, tied_weight: as :class:`highrank.heads.base.OutputHead`.
@@ -133,6 +152,7 @@ class MultiFacetSoftmax(SequenceHead):
         input_layers: int = 3,
         input_window: int = 2,
         multi_input: bool = True,
+        normalize_inputs: bool = True,
         time_dim: int | None = None,
     ) -> None:
         super().__init__(d_in, vocab_size, d_embed=d_embed, tied_weight=tied_weight)
@@ -142,7 +162,7 @@ class MultiFacetSoftmax(SequenceHead):
             raise ValueError(f"n_partitions={n_partitions} exceeds the vocabulary ({vocab_size})")
         read_through_multi_input(self, d_in, input_layers=input_layers,
                                  input_window=input_window, multi_input=multi_input,
-                                 time_dim=time_dim)
+                                 normalize_inputs=normalize_inputs, time_dim=time_dim)
         # J facets for the partitioned softmax, then one for each other softmax
         self.facets = Facets(self.inputs.width, self.d_embed, n_partitions + n_components - 1)
         self.gate = nn.Linear(self.inputs.width, n_components) if n_components > 1 else None
@@ -189,5 +209,6 @@ class MultiFacetSoftmax(SequenceHead):
         return (
             f"{super().extra_repr()}, n_components={self.n_components}, "
             f"n_partitions={self.n_partitions}, input_layers={self.input_layers}, "
-            f"input_window={self.input_window}, multi_input={self.multi_input}"
+            f"input_window={self.input_window}, multi_input={self.multi_input}, "
+            f"normalize_inputs={self.normalize_inputs}"
         )
