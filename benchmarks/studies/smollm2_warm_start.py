@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,7 @@ from benchmarks._common import (
     write_text,
 )
 from benchmarks.studies.smollm2_retrofit import GGUF_NAME, load_model, machine
-from benchmarks.study import Stage, Study, wikitext_missing, wikitext_study
+from benchmarks.study import Stage, Study, search_lr, wikitext_missing, wikitext_study
 
 MODULE = module_name(__file__)  # benchmarks.studies.smollm2_warm_start
 
@@ -80,7 +81,26 @@ HEADS = {
     # the control widened to Mixtape's new parameters (1,153 per unit: 2,687 -> 3,098,111)
     "control3m": ("mlp_softmax", {"mlp_width": 2687}),
     "mos4": ("mos", {"n_components": 4, "latent_dropout": 0.0}),
+    # The heads that came after (issue 34), on the last 3 layers and the window's tokens:
+    # Multi-Facet Softmax as its paper sets it (K = 3, 4 partitions, Mi over 3 layers and 2
+    # previous positions), Softmax + C + P + R (reranker 100 then 20 candidates) and MoS + CPR
+    # (4 softmaxes, the first with C, P, R).
+    "mfs": ("mfs", {}),
+    "cpr": ("cpr", {}),
+    "moscpr": ("cpr", {"n_components": 4}),
+    # their controls: mlp_softmax widened to at least their new parameters (1,153 per unit):
+    # 6,050 -> 6,975,650 >= MFS's 6,974,787 and CPR's 6,971,328; 7,779 -> 8,969,187 >=
+    # MoS + CPR's 8,968,324 (tests/bench/test_study_ports.py holds these counts)
+    "control7m": ("mlp_softmax", {"mlp_width": 6050}),
+    "control9m": ("mlp_softmax", {"mlp_width": 7779}),
 }
+# Heads that read their context: trained and scored on whole windows of a sequence cache.
+CONTEXT_HEADS = ("mfs", "cpr", "moscpr")
+# Heads whose lr a pilot chooses (:func:`stage_pilot`); the others train at ``--lr``, the
+# lr the first heads were compared at (tuned on own and MoS-2).
+PILOTED = (*CONTEXT_HEADS, "control7m", "control9m")
+PILOT_LRS = (1e-4, 3e-4, 1e-3)
+CACHE_LAYERS = 3  # the layers the context heads read (Mi's L)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Adam steps (default: one pass, train tokens / batch tokens)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--pilot-steps", type=int, default=100,
+                        help="steps of each learning-rate pilot (warm-up and cosine over them)")
     parser.add_argument("--seeds", default="1,2")
     parser.add_argument("--heads", default=",".join(HEADS))
     parser.add_argument("--splits", default=",".join(SPLITS), help="splits to cache")
@@ -139,6 +161,12 @@ def settings(args) -> dict:
         "tokens": {s: getattr(args, f"{s}_tokens") for s in SPLITS},
         "rank_contexts": f"the first {args.rank_contexts} contexts of the test slice",
         "init": "every head warm-started at SmolLM2's distribution (start_at_base)",
+        "lr_chosen_by_pilot": {"heads": list(PILOTED), "grid": list(PILOT_LRS),
+                               "steps": args.pilot_steps, "seed": 1,
+                               "rule": "lowest valid loss; grid extended x3 past a winning end"},
+        "context_heads": {"heads": list(CONTEXT_HEADS), "cache": f"the last {CACHE_LAYERS} "
+                          "layers of each token and the window's ids (a sequence cache)",
+                          "batch": "--batch-tokens // --window whole windows a step"},
         "budget": {"steps": args.steps, "batch_tokens": args.batch_tokens, "lr": args.lr,
                    "optimizer": "Adam (0.9, 0.999), no weight decay",
                    "schedule": f"linear warm-up {args.warmup_steps} steps, cosine to 0",
@@ -150,7 +178,10 @@ def settings(args) -> dict:
 # ---- the stages --------------------------------------------------------------------------------
 
 
-def stage_cache(split: str, args) -> dict:
+def stage_cache(split: str, args, layers: int | None = None) -> dict:
+    """``cache-<split>``: the final hidden states (the study's first eight heads); with
+    ``layers``, ``cache3-<split>``: the sequence cache of the last 3 layers that every later
+    head reads (a plain head its top layer, the same values)."""
 
     from highrank.integrations.retrofit import cache_hidden_states
 
@@ -166,12 +197,31 @@ def stage_cache(split: str, args) -> dict:
     if len(ids) < wanted:
         raise SystemExit(f"{split}.txt has {len(ids)} tokens; {wanted} wanted")
     began = time.perf_counter()
-    cache = cache_hidden_states(model, ids[:wanted], args.cache_dir / f"cache-{split}",
+    cache = cache_hidden_states(model, ids[:wanted], cache_folder(split, args, layers),
                                 window=args.window, batch_windows=2, source=GGUF_NAME,
-                                progress=True)
+                                progress=True, layers=layers)
     seconds = time.perf_counter() - began
     return {"load_seconds": load_seconds, "file_tokens": len(ids), "cached_tokens": len(cache),
             "seconds_this_run": seconds}
+
+
+def cache_folder(split: str, args, layers: int | None) -> Path:
+    return args.cache_dir / (f"cache{layers}-{split}" if layers else f"cache-{split}")
+
+
+def reads_sequence_cache(name: str, seed: int) -> bool:
+    """The sequence cache for the heads added with the context heads (:data:`PILOTED`) and
+    for seeds the first study did not run (> 2); the token cache for the first eight heads'
+    seeds 1 and 2 (their recorded runs read it)."""
+    return name in PILOTED or seed > 2
+
+
+def head_cache(name: str, seed: int, split: str, args):
+    """The cache run ``name``, ``seed`` reads (:func:`reads_sequence_cache`)."""
+    from highrank.integrations.retrofit import load_cache
+
+    layers = CACHE_LAYERS if reads_sequence_cache(name, seed) else None
+    return load_cache(cache_folder(split, args, layers))
 
 
 def build_warm(name: str, seed: int, args):
@@ -185,6 +235,8 @@ def build_warm(name: str, seed: int, args):
     knobs = base_init_knobs(kind, knobs)
     if kind == "plif":
         knobs["slope_lr"] = args.lr
+    if name in CONTEXT_HEADS:
+        knobs["time_dim"] = 1  # windows batch first, (b, L, d)
     torch.manual_seed(seed)
     head = build_head(kind, d_in=weight.shape[1], vocab_size=weight.shape[0], **knobs)
     with torch.no_grad():
@@ -193,13 +245,62 @@ def build_warm(name: str, seed: int, args):
     return head
 
 
+def budget_for(name: str, seed: int, args, *, lr: float, steps: int, warmup: int):
+    """One budget in tokens for every head: ``--batch-tokens`` cached tokens a step, or, for
+    a head that reads its context, as many whole windows (``--batch-tokens // --window``)."""
+    from highrank.integrations.retrofit import TrainBudget
+
+    batch = args.batch_tokens // args.window if name in CONTEXT_HEADS else args.batch_tokens
+    return TrainBudget(steps=steps, batch_tokens=batch, lr=lr, warmup_steps=min(warmup, steps),
+                       clip=1.0, seed=seed)
+
+
+def head_lr(name: str, args) -> float:
+    """``--lr``, or the lr the pilot of ``name`` chose (its record in ``pilots/``)."""
+    if name not in PILOTED:
+        return args.lr
+    return json.loads((args.out / f"pilot-{name}.json").read_text())["lr"]
+
+
+def stage_pilot(name: str, args) -> dict:
+    """``pilot-<head>``: ``--pilot-steps`` steps (seed 1) at each lr of :data:`PILOT_LRS`,
+    each scored on the whole valid slice, the grid extended x3 past a winning end (twice at
+    most); the record names the lr of the lowest valid loss. Each pilot's record is kept in
+    ``pilots/`` and its state in ``--work-dir`` (a rerun continues)."""
+    from highrank.integrations.retrofit import evaluate_head, train_head
+
+    def pilot(lr: float) -> dict:
+        path = args.out / "pilots" / f"{name}-lr{lr:g}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        head = build_warm(name, 1, args)
+        budget = budget_for(name, 1, args, lr=lr, steps=args.pilot_steps,
+                            warmup=args.warmup_steps)
+        summary = train_head(head, head_cache(name, 1, "train", args), budget,
+                             args.work_dir / f"pilot-{name}-lr{lr:g}.pt", checkpoint_every=10,
+                             progress=True)
+        score = evaluate_head(head.eval(), head_cache(name, 1, "valid", args))
+        record = {"head": name, "lr": lr, "steps": args.pilot_steps,
+                  "valid_loss": score["nll_per_token"], "valid_ppl": score["perplexity"],
+                  "median_step_seconds": summary["median_step_seconds"],
+                  "load_average": os.getloadavg()}
+        write_json(path, record)
+        print(f"pilot {name} lr {lr:g}: valid perplexity {score['perplexity']:.3f}", flush=True)
+        return record
+
+    best, grid, records = search_lr(pilot, PILOT_LRS, factor=3, max_extensions=2)
+    return {"head": name, "lr": best, "grid": grid, "steps": args.pilot_steps,
+            "valid_ppl": {f"{lr:g}": records[lr]["valid_ppl"] for lr in grid},
+            "at_an_end": best in (grid[0], grid[-1])}
+
+
 def stage_train(name: str, seed: int, args) -> dict:
-    from highrank.integrations.retrofit import TrainBudget, load_cache, train_head
+    from highrank.integrations.retrofit import train_head
 
     head = build_warm(name, seed, args)
-    budget = TrainBudget(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
-                         warmup_steps=args.warmup_steps, clip=1.0, seed=seed)
-    summary = train_head(head, load_cache(args.cache_dir / "cache-train"), budget,
+    budget = budget_for(name, seed, args, lr=head_lr(name, args), steps=args.steps,
+                        warmup=args.warmup_steps)
+    summary = train_head(head, head_cache(name, seed, "train", args), budget,
                          state_path(name, seed, args), checkpoint_every=10, progress=True)
     base = build_head_count(name, args)
     summary["parameters"] = sum(p.numel() for p in head.parameters())
@@ -232,14 +333,25 @@ def trained(name: str, seed: int, args):
 
 
 def stage_eval(name: str, seed: int, args) -> dict:
-    from highrank.integrations.retrofit import evaluate_head, load_cache
+    """Valid and test perplexity (test: KL from the base and the rank matrix). From a
+    sequence cache also per group of tokens, ``seen`` earlier in their window (what C and P
+    act on) and ``unseen``, with the untouched model's own scores of the same groups
+    (``base_groups``)."""
+    from highrank.integrations.retrofit import evaluate_head
 
     head, reference = trained(name, seed, args), build_warm("own", seed, args).eval()
     record = {}
     for split in ("valid", "test"):
+        cache = head_cache(name, seed, split, args)
+        groups = None
+        if cache.layers is not None:
+            seen = cache.seen_in_window()
+            groups = {"seen": seen, "unseen": ~seen}
+            record[f"{split}_base_groups"] = evaluate_head(reference, cache, groups=groups)[
+                "groups"]
         matrix = matrix_path(name, seed, args) if split == "test" else None
-        record[split] = evaluate_head(head, load_cache(args.cache_dir / f"cache-{split}"),
-                                      matrix_path=matrix, matrix_rows=args.rank_contexts,
+        record[split] = evaluate_head(head, cache, matrix_path=matrix,
+                                      matrix_rows=args.rank_contexts, groups=groups,
                                       reference=reference if split == "test" else None)
         print(f"{name} s{seed} {split} perplexity {record[split]['perplexity']:.3f}", flush=True)
     return record
@@ -274,6 +386,10 @@ def stage_work(args):
         kind, _, rest = stage.partition("-")
         if kind == "cache":
             return stage_cache(rest, args)
+        if kind == f"cache{CACHE_LAYERS}":
+            return stage_cache(rest, args, CACHE_LAYERS)
+        if kind == "pilot":
+            return stage_pilot(rest, args)
         name, _, seed = rest.rpartition("-s")
         return {"train": stage_train, "eval": stage_eval, "rank": stage_rank}[kind](
             name, int(seed), args)
@@ -285,12 +401,22 @@ def stage_work(args):
 
 
 def stages(args) -> list[str]:
-    order = [] if args.only == "train" else [f"cache-{s}" for s in args.splits.split(",")]
+    """The caches (the token cache for the first eight heads' seeds 1-2, the sequence cache
+    for the rest), the base, then per head its pilot (:data:`PILOTED`) and per seed its
+    train, eval and rank stages."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    heads = [h for h in HEADS if h in args.heads.split(",")]
+    sequence = any(h in PILOTED for h in heads) or max(seeds) > 2
+    token = any(h not in PILOTED for h in heads) and min(seeds) <= 2
+    order = []
+    if args.only != "train":
+        for split in args.splits.split(","):
+            order += [f"cache-{split}"] * token + [f"cache{CACHE_LAYERS}-{split}"] * sequence
     if args.only == "cache":
         return order
-    seeds = [int(s) for s in args.seeds.split(",")]
     order += [] if args.no_base else [f"{kind}-base-s0" for kind in ("eval", "rank")]
-    for name in [h for h in HEADS if h in args.heads.split(",")]:
+    for name in heads:
+        order += [f"pilot-{name}"] * (name in PILOTED)
         for seed in seeds:
             order += [f"{kind}-{name}-s{seed}" for kind in ("train", "eval", "rank")]
     if args.no_rank:
@@ -318,15 +444,19 @@ def main(argv=None) -> int:
 def inputs(stage: str, args) -> tuple[tuple[str, ...], object]:
     """``(records it needs, test of the caches it reads)`` of a stage."""
     kind, _, rest = stage.partition("-")
-    caches = {"train": ["train"], "eval": ["valid", "test"]}.get(kind, [])
+    caches = {"train": ["train"], "eval": ["valid", "test"], "pilot": ["train", "valid"]}.get(
+        kind, [])
+    if not caches:  # a cache stage, or rank (it reads its eval's matrix)
+        return tuple([f"eval-{rest}"] if kind == "rank" else []), None
+    name, _, seed = rest.rpartition("-s") if kind != "pilot" else (rest, "", "1")
     records = {"eval": [] if rest.startswith("base") else [f"train-{rest}"],
-               "rank": [f"eval-{rest}"]}.get(kind, [])
-    ready = (lambda: all(cache_complete(split, args) for split in caches)) if caches else None
-    return tuple(records), ready
+               "train": [f"pilot-{name}"] if name in PILOTED else []}.get(kind, [])
+    layers = CACHE_LAYERS if reads_sequence_cache(name, int(seed)) else None
+    return tuple(records), lambda: all(cache_complete(split, args, layers) for split in caches)
 
 
-def cache_complete(split: str, args) -> bool:
-    progress = args.cache_dir / f"cache-{split}" / "progress.json"
+def cache_complete(split: str, args, layers: int | None = None) -> bool:
+    progress = cache_folder(split, args, layers) / "progress.json"
     return progress.exists() and json.loads(progress.read_text()).get("complete", False)
 
 
@@ -360,11 +490,13 @@ def summarize(args) -> None:
                       "peak_rss_mib_train": [t["peak_rss_mib"] if t else None for t in trains]}
         table.append(_row(name, rows[name]))
     against = against_controls(rows)
+    seen = seen_gains(records)
     write_json(args.out / "summary.json",
-               {"settings": settings(args), "heads": rows, "against_controls": against},
-               indent=1, end="")
+               {"settings": settings(args), "heads": rows, "against_controls": against,
+                "seen_in_window": seen}, indent=1, end="")
     write_text(args.out / "results.md",
-               "\n".join(table + ["", *against_controls_table(against)]) + "\n")
+               "\n".join(table + ["", *against_controls_table(against), "",
+                                   *seen_gains_table(seen)]) + "\n")
     plot_curves(records, args.out / "curves.png")
     del np
 
@@ -372,7 +504,11 @@ def summarize(args) -> None:
 # Each high-rank head against the rank-bounded head nearest its number of new parameters,
 # from above where one exists (control: 1,328,256 against MoS-2's 1,329,408; control3m:
 # 3,098,111 against Mixtape's 3,098,329 and MoS-4's 2,658,816).
-CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "control3m"))
+CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "control3m"),
+                 # the context heads against their controls (at least their new parameters)
+                 # and against MoS-4 (the strongest earlier head)
+                 ("mfs", "control7m"), ("cpr", "control7m"), ("moscpr", "control9m"),
+                 ("mfs", "mos4"), ("cpr", "mos4"), ("moscpr", "mos4"))
 
 
 def against_controls(rows: dict) -> list[dict]:
@@ -410,8 +546,47 @@ def against_controls(rows: dict) -> list[dict]:
     return found
 
 
+def seen_gains(records: dict) -> dict:
+    """Per head (runs scored on the sequence cache), per split: the mean over its seeds of
+    the NLL gain over the untouched model (nats/token, base minus head) on the tokens seen
+    earlier in their window and on the others, with the tokens of each group."""
+    found: dict = {}
+    for key, record in sorted(records.items()):
+        if not key.startswith("eval-") or "test_base_groups" not in record:
+            continue
+        head = key.removeprefix("eval-").rpartition("-s")[0]
+        for split in ("valid", "test"):
+            base, ours = record[f"{split}_base_groups"], record[split]["groups"]
+            entry = found.setdefault(head, {}).setdefault(split, {})
+            for group in ("seen", "unseen"):
+                gain = base[group]["nll_per_token"] - ours[group]["nll_per_token"]
+                entry.setdefault(f"{group}_gain", []).append(gain)
+                entry[f"{group}_tokens"] = ours[group]["tokens"]
+    for splits in found.values():
+        for entry in splits.values():
+            for group in ("seen", "unseen"):
+                gains = entry.pop(f"{group}_gain")
+                entry[f"{group}_gain_mean"] = sum(gains) / len(gains)
+                entry[f"{group}_gain_per_seed"] = gains
+    return found
+
+
+def seen_gains_table(seen: dict) -> list[str]:
+    if not seen:
+        return []
+    lines = ["Gain over the untouched model (nats/token, mean over seeds), test slice, on "
+             "tokens seen earlier in their window (what C and P act on) and on the others:", "",
+             "| head | seen: tokens | seen: gain | unseen: tokens | unseen: gain |",
+             "|---|---|---|---|---|"]
+    for head, splits in seen.items():
+        test = splits["test"]
+        lines.append(f"| {head} | {test['seen_tokens']:,} | {test['seen_gain_mean']:+.4f} "
+                     f"| {test['unseen_tokens']:,} | {test['unseen_gain_mean']:+.4f} |")
+    return lines
+
+
 def against_controls_table(against: list[dict]) -> list[str]:
-    lines = ["| head | control | split | head ppl | control ppl | head - control, per seed "
+    lines = ["| head | against | split | head ppl | its ppl | head - it, per seed "
              "| paired t (df) | p | Welch t (df) | p |", "|---" * 10 + "|"]
     for c in against:
         seeds = ", ".join(f"s{k} {v:+.3f}" for k, v in c["per_seed_difference"].items())

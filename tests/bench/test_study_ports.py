@@ -23,8 +23,9 @@ def fake(monkeypatch, tmp_path):
 
     def stage_work(args):
         def work(stage):
-            if stage.startswith("cache-"):
-                complete.add(stage.removeprefix("cache-"))
+            kind, _, split = stage.partition("-")
+            if kind in ("cache", "cache3"):
+                complete.add((split, kind == "cache3"))
             return {"work": stage}
 
         return work
@@ -33,7 +34,8 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(study, "module_command", lambda *a: None)  # stages in this process
     monkeypatch.setattr(smollm2_warm_start, "summarize", lambda args: None)
     monkeypatch.setattr(smollm2_warm_start, "settings", lambda args: {"fake": True})
-    monkeypatch.setattr(smollm2_warm_start, "cache_complete", lambda split, args: split in complete)
+    monkeypatch.setattr(smollm2_warm_start, "cache_complete",
+                        lambda split, args, layers=None: (split, bool(layers)) in complete)
     (tmp_path / "data" / "wikitext-2").mkdir(parents=True)
     (tmp_path / "data" / "wikitext-2" / "test.txt").write_text("")
     return ["--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
@@ -116,3 +118,69 @@ def test_the_warm_start_study_tests_each_high_rank_head_against_its_capacity_con
     assert table[2].startswith(
         "| mos4 | control3m | valid | 16.100 | 16.400 | s1 -0.500, s2 -0.100 |"
     )
+
+
+def test_the_context_heads_read_a_sequence_cache_after_their_pilots(fake, tmp_path):
+    plan = smollm2_warm_start.study(smollm2_warm_start.parse_args(
+        [*fake, "--heads", "own,mfs,control7m", "--seeds", "1,3"]), [])
+    names = [stage.name for stage in plan.stages]
+    assert names[:6] == ["cache-train", "cache3-train", "cache-valid", "cache3-valid",
+                         "cache-test", "cache3-test"]
+    needs = {stage.name: stage.needs for stage in plan.stages}
+    assert needs["train-mfs-s1"] == ("pilot-mfs",) and needs["train-own-s1"] == ()
+    assert names.index("pilot-mfs") < names.index("train-mfs-s1")
+    # own's seed 1 (recorded on the token cache) and everything else on the sequence cache
+    assert not smollm2_warm_start.reads_sequence_cache("own", 1)
+    assert smollm2_warm_start.reads_sequence_cache("own", 3)
+    assert smollm2_warm_start.reads_sequence_cache("mfs", 1)
+    assert smollm2_warm_start.reads_sequence_cache("control7m", 2)
+    only_new = smollm2_warm_start.stages(smollm2_warm_start.parse_args(
+        [*fake, "--heads", "cpr", "--seeds", "1,2,3"]))
+    assert not any(name.startswith("cache-") for name in only_new)  # one cache, not two
+
+
+def test_the_context_heads_controls_hold_at_least_their_new_parameters():
+    """The counts the HEADS comments give, at SmolLM2's size, built on the meta device."""
+    import torch
+
+    from highrank.heads import base_init_knobs, build_head
+
+    d, vocab = smollm2_warm_start.D_MODEL, 49_152
+
+    def new_parameters(name):
+        kind, knobs = smollm2_warm_start.HEADS[name]
+        with torch.device("meta"):
+            head = build_head(kind, d_in=d, vocab_size=vocab, **base_init_knobs(kind, knobs))
+        return sum(p.numel() for p in head.parameters()) - vocab * d - vocab
+
+    counts = {name: new_parameters(name)
+              for name in ("mfs", "cpr", "moscpr", "control7m", "control9m")}
+    assert counts == {"mfs": 6_974_787, "cpr": 6_971_328, "moscpr": 8_968_324,
+                      "control7m": 6_975_650, "control9m": 8_969_187}
+    assert counts["control7m"] >= max(counts["mfs"], counts["cpr"])
+    assert counts["control9m"] >= counts["moscpr"]
+
+
+def test_the_gain_on_tokens_seen_earlier_in_the_window_is_base_minus_head():
+    def record(seen, unseen):
+        groups = {"seen": {"nll_per_token": seen, "tokens": 30},
+                  "unseen": {"nll_per_token": unseen, "tokens": 70}}
+        return groups
+
+    base = record(3.0, 4.0)
+    records = {
+        f"eval-cpr-s{seed}": {"valid": {"groups": record(2.5, 4.0)},
+                              "test": {"groups": record(seen, 3.9)},
+                              "valid_base_groups": base, "test_base_groups": base}
+        for seed, seen in ((1, 2.0), (2, 2.4))
+    }
+    records["eval-own-s1"] = {"valid": {}, "test": {}}  # a token-cache run: no groups
+    found = smollm2_warm_start.seen_gains(records)
+    assert list(found) == ["cpr"]
+    test = found["cpr"]["test"]
+    assert test["seen_gain_per_seed"] == pytest.approx([1.0, 0.6])
+    assert test["seen_gain_mean"] == pytest.approx(0.8)
+    assert test["unseen_gain_mean"] == pytest.approx(0.1)
+    assert test["seen_tokens"] == 30
+    table = smollm2_warm_start.seen_gains_table(found)
+    assert table[-1] == "| cpr | 30 | +0.8000 | 70 | +0.1000 |"

@@ -151,3 +151,16 @@ def test_the_score_of_groups_of_rows_adds_up_to_the_whole(tiny_llama, tmp_path):
     assert kl == pytest.approx(whole["kl_from_reference"] * whole["tokens"], rel=1e-6, abs=1e-9)
     with pytest.raises(ValueError, match="must be a bool mask of the 32 cached rows"):
         evaluate_head(head, cache, groups={"bad": seen[:5]})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_sequence_cache_top_layer_is_the_token_cache(tiny_llama, tmp_path, dtype):
+    """A plain head reads a sequence cache's top layer: the very values of a token cache
+    (a study may compare heads trained on either)."""
+    ids = torch.randint(0, 50, (5 * 8 + 1,), generator=torch.Generator().manual_seed(8))
+    tokens = cache_hidden_states(tiny_llama, ids, tmp_path / "t", window=8, dtype=dtype,
+                                 batch_windows=2)
+    sequence = cache_hidden_states(tiny_llama, ids, tmp_path / "s", window=8, dtype=dtype,
+                                   batch_windows=2, layers=3)
+    assert torch.equal(tokens.rows(slice(None)), sequence.rows(slice(None)))
+    assert torch.equal(tokens.targets, sequence.targets)
