@@ -63,7 +63,6 @@ from highrank.heads.sequence import (
 )
 from highrank.util.checks import check_bool, check_positive_int
 
-
 RMS_EPS = 1e-6  # normalize_inputs: l / sqrt(mean(l^2) + RMS_EPS)
 
 
