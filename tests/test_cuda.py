@@ -129,7 +129,7 @@ def deterministic():
 def test_an_awd_lstm_run_on_the_device_resumes_bit_identical(tmp_path, head, deterministic):
     from highrank.runs.checkpoint import load_checkpoint
     from highrank.train import resume, train
-    from tests.test_train import options, tiny_config, trajectory, write_corpus
+    from tests.train.test_train import options, tiny_config, trajectory, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus")
     overrides = (*AWD, f"run.device={DEVICE}", *HEAD_OVERRIDES[head])
@@ -149,7 +149,7 @@ def test_a_run_trained_on_the_device_evaluates_the_same_on_the_cpu(tmp_path):
     from highrank.evaluate import evaluate_perplexity
     from highrank.models import load_run_corpus
     from highrank.train import train
-    from tests.test_train import options, tiny_config, write_corpus
+    from tests.train.test_train import options, tiny_config, write_corpus
 
     corpus = write_corpus(tmp_path / "corpus")
     out = tmp_path / "run"
@@ -165,7 +165,7 @@ def test_a_run_trained_on_the_device_evaluates_the_same_on_the_cpu(tmp_path):
 def test_a_transformer_run_trains_on_the_device(tmp_path):
     from highrank.config import load_config
     from highrank.train import train
-    from tests.test_train import options, write_corpus
+    from tests.train.test_train import options, write_corpus
     from tests.train.test_transformer_recipe import TINY as TRANSFORMER
 
     corpus = write_corpus(tmp_path / "corpus")

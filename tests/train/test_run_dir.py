@@ -115,9 +115,9 @@ def test_a_checkpoint_without_run_id_but_another_model_is_refused(corpus, tmp_pa
 
 def test_the_v1_fixture_without_run_ids_still_resumes(tmp_path):
     """The fixture's checkpoints name the corpus folder of the machine that made them: the
-    corpus is written again from tests/test_train.py (make_fixture.py) and given by data.dir,
+    corpus is written again from tests/train/test_train.py (make_fixture.py) and given by data.dir,
     and the resumed step equals the straight run's (straight-metrics.jsonl)."""
-    from tests.test_train import write_corpus
+    from tests.train.test_train import write_corpus
 
     run = tmp_path / "v1"
     shutil.copytree(FIXTURE, run)

@@ -22,7 +22,7 @@ from highrank.data import (
 )
 from highrank.data import corpus as data
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def write_corpus(folder: Path, train: str, valid: str = "a b\n", test: str = "b a\n") -> Path:

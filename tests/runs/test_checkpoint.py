@@ -217,12 +217,12 @@ def test_load_run_builds_the_model_without_touching_the_global_rng(tiny_run):
 
 # ---- runs written by earlier versions ----------------------------------------------------------
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "run-v1"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run-v1"
 FIXTURE_WORDS = [f"w{i}" for i in range(30)]
 
 
 def write_fixture_corpus(folder: Path) -> Path:
-    """The corpus tests/fixtures/run-v1 was trained on (tests/test_train.py's, seed 0)."""
+    """The corpus tests/fixtures/run-v1 was trained on (tests/train/test_train.py's, seed 0)."""
     rng = random.Random(0)
     folder.mkdir(parents=True)
     for split, lines in (("train", 120), ("valid", 30), ("test", 30)):

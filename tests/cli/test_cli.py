@@ -163,7 +163,7 @@ def test_dim_at_least_rank_minus_1_runs_with_a_note(tmp_path, capsys):
     assert "no bottleneck" in capsys.readouterr().err
 
 
-SHARED_PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
+SHARED_PTB = Path(__file__).resolve().parents[3] / "shared" / "data" / "ptb"
 
 
 def _tiny_corpus(folder: Path) -> Path:

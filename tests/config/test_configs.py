@@ -12,7 +12,7 @@ from highrank.config import SECTIONS, load_config
 from highrank.heads import PAPER_HEADS
 from highrank.train import parameter_count
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ALL = sorted(CONFIGS.glob("*/*.toml"))
 VOCAB = {"ptb": 10_000, "wt2": 33_278}  # read from no file: the published sizes
 DATA_DIR = {

@@ -25,7 +25,7 @@ from highrank.mt.subwords import (  # noqa: E402
     load_or_learn_subwords,
 )
 
-MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+MULTI30K = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
 
 EN = ["a man", "a woman", "the dog", "the cat", "runs", "sits", "in the park", "on a bench"]
 DE = [

@@ -23,7 +23,7 @@ from highrank.mt.bitext import (
     read_bitext_split,
 )
 
-MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+MULTI30K = Path(__file__).resolve().parents[3] / "shared" / "data" / "multi30k"
 SPECIAL = SpecialIds(pad=1, bos=0, eos=2)
 
 

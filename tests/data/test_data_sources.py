@@ -18,7 +18,7 @@ from highrank.cli.data import DATASET_NAMES
 from highrank.data import sources
 from highrank.data.sources import DATASETS, GITHUB_RAW, DataSourceError, SourceFile, get_dataset
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 TEXT = b"the quick brown fox\njumps over the lazy dog\n" * 500
 
 
@@ -48,7 +48,7 @@ def test_the_readme_says_which_sources_are_pinned_at_a_commit():
             )
     unpinned = {name: ref for name, (ref,) in refs.items() if not re.fullmatch("[0-9a-f]{40}", ref)}
     assert unpinned == {"ptb": "master"}
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert "at a pinned commit but PTB's `master`" in readme
 
 
