@@ -122,7 +122,7 @@ def test_config_show_without_corpus_or_vocab_size_says_what_to_pass(capsys):
 def test_a_model_too_large_to_exist_is_one_line(capsys, tmp_path):
     """Issue: --model.d_hidden=1000000000 gave a storage-overflow traceback."""
     from highrank.cli import main
-    from tests.analysis.conftest import write_corpus
+    from tests.conftest import write_corpus
 
     config, big = "configs/ptb/small-softmax.toml", "--model.d_hidden=1000000000"
     corpus = write_corpus(tmp_path / "corpus")

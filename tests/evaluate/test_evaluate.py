@@ -353,7 +353,7 @@ def test_eval_refuses_a_checkpoint_copied_from_another_run(tmp_path, capsys):
     import shutil
 
     from highrank.cli import main
-    from tests.analysis.conftest import train_tiny_run
+    from tests.conftest import train_tiny_run
 
     ours = train_tiny_run(tmp_path, "ours")
     theirs = train_tiny_run(tmp_path, "theirs", "model.d_hidden=14")
@@ -369,7 +369,7 @@ def test_a_window_beyond_a_transformers_learned_positions_is_one_line(tmp_path, 
     """Issue: eval / analyze of a Transformer run with --bptt beyond its position table ended
     in a ValueError traceback from the backbone."""
     from highrank.cli import main
-    from tests.analysis.conftest import write_corpus
+    from tests.conftest import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus")
     sizes = ["--model.d_embed=8", "--model.n_layers=1", "--model.n_heads=2", "--model.d_ff=16",
@@ -393,7 +393,7 @@ def test_max_tokens_n_reads_n_tokens_and_says_how_many_it_scores(tmp_path, capsy
 
     from highrank.cli import main
     from highrank.evaluate.records import describe
-    from tests.analysis.conftest import train_tiny_run
+    from tests.conftest import train_tiny_run
 
     run = train_tiny_run(tmp_path)
     capsys.readouterr()

@@ -13,14 +13,18 @@ from highrank.analysis.significance import compare_runs
 from highrank.cli import main
 from highrank.evaluate.records import file_sha256
 from highrank.train import TrainOptions, train
-from tests.train.test_interrupts import corpus as corpus  # the fixture
-from tests.train.test_interrupts import tiny
+from tests.conftest import tiny_awd_lstm, write_train_corpus
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_train_corpus(tmp_path / "corpus")
 
 
 @pytest.fixture
 def run(corpus, tmp_path) -> Path:
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False))
     return out
 
 
@@ -92,7 +96,7 @@ def test_compare_prefers_finetuned_records_and_names_them(tmp_path):
 
 def test_finetune_from_last_and_one_missing_best_hint_everywhere(corpus, tmp_path, capsys):
     out = tmp_path / "short"
-    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=3))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False, max_steps=3))
     messages = []
     for argv in (["eval", str(out)], ["dynamic-eval", str(out)], ["finetune", str(out)],
                  ["analyze", "rank", str(out)]):  # fmt: skip

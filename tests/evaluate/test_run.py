@@ -15,14 +15,18 @@ from highrank.evaluate.run import record_file
 from highrank.runs.checkpoint import CheckpointError
 from highrank.train import TrainOptions, train
 from highrank.util.atomic import write_json
-from tests.train.test_interrupts import corpus as corpus  # the fixture
-from tests.train.test_interrupts import tiny
+from tests.conftest import tiny_awd_lstm, write_train_corpus
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_train_corpus(tmp_path / "corpus")
 
 
 @pytest.fixture
 def run(corpus, tmp_path) -> Path:
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False))
     return out
 
 
@@ -88,7 +92,7 @@ def test_bad_input_raises_what_the_cli_reports(run, corpus, tmp_path, capsys):
     assert str(missing.value) == cli_error(["eval", str(nowhere)], capsys)
 
     short = tmp_path / "short"
-    train(tiny(corpus, short), options=TrainOptions(progress=False, max_steps=3))
+    train(tiny_awd_lstm(corpus, short), options=TrainOptions(progress=False, max_steps=3))
     with pytest.raises(CheckpointError, match="pass --which last") as no_best:
         evaluate_run(short)
     assert str(no_best.value) == cli_error(["eval", str(short)], capsys)

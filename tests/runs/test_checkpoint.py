@@ -26,6 +26,7 @@ from highrank.runs.checkpoint import (
 from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, resume, train
 from highrank.train.asgd import switch_to_asgd
+from tests.conftest import write_train_corpus
 
 QUIET = TrainOptions(progress=False)
 
@@ -218,17 +219,6 @@ def test_load_run_builds_the_model_without_touching_the_global_rng(tiny_run):
 # ---- runs written by earlier versions ----------------------------------------------------------
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run-v1"
-FIXTURE_WORDS = [f"w{i}" for i in range(30)]
-
-
-def write_fixture_corpus(folder: Path) -> Path:
-    """The corpus tests/fixtures/run-v1 was trained on (tests/train/test_train.py's, seed 0)."""
-    rng = random.Random(0)
-    folder.mkdir(parents=True)
-    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
-        text = [" ".join(rng.choices(FIXTURE_WORDS, k=rng.randint(3, 9))) for _ in range(lines)]
-        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
 
 
 def losses(records: list[dict]) -> list[tuple]:
@@ -243,7 +233,7 @@ def test_a_run_written_before_train_became_a_package_loads_and_resumes(tmp_path)
     so data.dir is overridden) logs the losses its uninterrupted twin logged."""
     run = tmp_path / "run"
     shutil.copytree(FIXTURE / "run", run)
-    corpus = write_fixture_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")  # the one run-v1 was trained on
     model, config, vocab = load_run(run, "best")
     assert config.head.name == "mos" and len(vocab) == 31 and not model.training
     last = load_checkpoint(run / "checkpoints" / "last.pt")
