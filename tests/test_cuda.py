@@ -183,13 +183,10 @@ def test_a_transformer_run_trains_on_the_device(tmp_path):
 # ---- analysis and Hugging Face models -------------------------------------------------------
 
 
-def test_the_rank_of_a_run_is_the_same_on_the_device(tmp_path):
+def test_the_rank_of_a_run_is_the_same_on_the_device(tiny_run, tmp_path):
     import shutil
 
     from highrank.analysis.rank import analyze_run
-    from tests.conftest import train_tiny_run
-
-    tiny_run = train_tiny_run(tmp_path / "tiny")
 
     records = {}
     for i, device in enumerate(("cpu", DEVICE)):

@@ -457,13 +457,15 @@ def test_cli_train_needs_exactly_one_of_config_and_resume(tmp_path, capsys):
     assert "not a run directory" in capsys.readouterr().err
 
 
-def test_cli_eval_and_dynamic_eval_of_a_tiny_run(corpus, tmp_path, capsys):
+def test_cli_eval_and_dynamic_eval_of_a_tiny_run(tiny_run, tiny_corpus, tmp_path, capsys):
+    import shutil
+
     from highrank.cli import main
     from highrank.data import load_corpus
     from highrank.evaluate import evaluate_perplexity
 
-    out = tmp_path / "run"
-    train(tiny_config(corpus, out, "train.epochs=1"), options=QUIET)
+    out = shutil.copytree(tiny_run, tmp_path / "run")  # the shared run: eval writes records
+    corpus = tiny_corpus
     nll_file = tmp_path / "nll.tsv"
     assert (
         main(["eval", str(out), "--split", "valid", "--no-progress", "--token-nll", str(nll_file)])
