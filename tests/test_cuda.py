@@ -129,9 +129,10 @@ def deterministic():
 def test_an_awd_lstm_run_on_the_device_resumes_bit_identical(tmp_path, head, deterministic):
     from highrank.runs.checkpoint import load_checkpoint
     from highrank.train import resume, train
-    from tests.test_train import options, tiny_config, trajectory, write_corpus
+    from tests.conftest import write_train_corpus
+    from tests.train.test_train import options, tiny_config, trajectory
 
-    corpus = write_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")
     overrides = (*AWD, f"run.device={DEVICE}", *HEAD_OVERRIDES[head])
     straight = train(tiny_config(corpus, tmp_path / "straight", *overrides), options=options())
     assert straight.stop_reason == "epochs"
@@ -149,9 +150,10 @@ def test_a_run_trained_on_the_device_evaluates_the_same_on_the_cpu(tmp_path):
     from highrank.evaluate import evaluate_perplexity
     from highrank.models import load_run_corpus
     from highrank.train import train
-    from tests.test_train import options, tiny_config, write_corpus
+    from tests.conftest import write_train_corpus
+    from tests.train.test_train import options, tiny_config
 
-    corpus = write_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")
     out = tmp_path / "run"
     train(tiny_config(corpus, out, "train.epochs=1", f"run.device={DEVICE}"), options=options())
     losses = {}
@@ -165,13 +167,13 @@ def test_a_run_trained_on_the_device_evaluates_the_same_on_the_cpu(tmp_path):
 def test_a_transformer_run_trains_on_the_device(tmp_path):
     from highrank.config import load_config
     from highrank.train import train
-    from tests.test_train import options, write_corpus
-    from tests.train.test_transformer_recipe import TINY as TRANSFORMER
+    from tests.conftest import TINY_TRANSFORMER, write_train_corpus
+    from tests.train.test_train import options
 
-    corpus = write_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")
     config = load_config(
         None,
-        [f"data.dir={corpus}", f"run.out_dir={tmp_path / 'run'}", *TRANSFORMER,
+        [f"data.dir={corpus}", f"run.out_dir={tmp_path / 'run'}", *TINY_TRANSFORMER,
          "train.epochs=2", f"run.device={DEVICE}", "head.name=mos", "head.n_components=2"],
     )  # fmt: skip
     result = train(config, options=options())
@@ -181,13 +183,10 @@ def test_a_transformer_run_trains_on_the_device(tmp_path):
 # ---- analysis and Hugging Face models -------------------------------------------------------
 
 
-def test_the_rank_of_a_run_is_the_same_on_the_device(tmp_path):
+def test_the_rank_of_a_run_is_the_same_on_the_device(tiny_run, tmp_path):
     import shutil
 
     from highrank.analysis.rank import analyze_run
-    from tests.analysis.conftest import train_tiny_run
-
-    tiny_run = train_tiny_run(tmp_path / "tiny")
 
     records = {}
     for i, device in enumerate(("cpu", DEVICE)):

@@ -73,7 +73,7 @@ DEFERRED_IMPORTS = {
     ("highrank.analysis.significance", "read_eval", "highrank.evaluate.records"):
         "evaluate.records imports torch; `compare` of analysis records needs numpy and scipy only",
     ("highrank.models.language_model", "build_seq2seq", "highrank.mt.subwords"):
-        "`import highrank.models` loads no translation module (tests/test_bitext.py)",
+        "`import highrank.models` loads no translation module (tests/mt/test_bitext.py)",
     ("highrank.integrations.retrofit.run", "_run_frozen", "highrank.integrations.hf"):
         "the hf extra: integrations.hf imports transformers",
     ("highrank.integrations.retrofit.run", "_run_end_to_end", "highrank.integrations.hf"):

@@ -129,7 +129,7 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.parametrize("head", ["softmax", "mos"])
 def test_a_run(tmp_path, head):
-    from tests.analysis.conftest import train_tiny_run
+    from tests.conftest import train_tiny_run
 
     run = train_tiny_run(tmp_path, head, f"head.name={head}")
     record = analyze_gradient_bottleneck_run(run, which="last", max_tokens=40)

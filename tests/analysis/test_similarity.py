@@ -221,7 +221,7 @@ def test_input_and_output_embeddings_are_one_tensor_exactly_when_tied(tmp_path, 
 
 
 def tiny_benchmarks(folder):
-    """Two benchmarks over the tiny run's words (see conftest.WORDS) plus OOV pairs."""
+    """Two benchmarks over the tiny run's words (see tests/conftest.py, WORDS) plus OOV pairs."""
     folder.mkdir()
     (folder / "EN-ONE.txt").write_bytes(
         b"car\tautomobile\t3.9\r\ngem\tjewel\t3.8\r\nnoon\tstring\t0.1\r\n"

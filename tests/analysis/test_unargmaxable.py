@@ -368,7 +368,7 @@ def test_the_command_line_on_a_hugging_face_model(tmp_path, monkeypatch, capsys)
 
 
 def test_a_mos_run_is_analysed_on_all_of_r_d(tmp_path):
-    from tests.analysis.conftest import train_tiny_run
+    from tests.conftest import train_tiny_run
 
     run = train_tiny_run(tmp_path, "mos", "head.name=mos", "head.n_components=2")
     assert main(["analyze", "unargmaxable", str(run), "--no-progress"]) == 0

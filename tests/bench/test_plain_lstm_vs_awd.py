@@ -4,7 +4,6 @@ on a tiny synthetic corpus (the real numbers come from the script on Penn Treeba
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from benchmarks.studies import plain_lstm
 from highrank.data import load_corpus
 from highrank.models import build_model, count_parameters
+from tests.conftest import TRAIN_WORDS, write_corpus
 
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "ptb" / "small-softmax.toml"
 TINY = ["model.d_embed=8", "model.d_hidden=12", "train.batch_size=4", "train.bptt=6"]
@@ -20,15 +20,8 @@ TINY = ["model.d_embed=8", "model.d_hidden=12", "train.batch_size=4", "train.bpt
 
 @pytest.fixture
 def corpus(tmp_path) -> Path:
-    """train / valid / test of random 3-9 word lines over a 30-word vocabulary."""
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(30)]
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for split, lines in (("train", 120), ("valid", 20), ("test", 20)):
-        text = [" ".join(rng.choices(words, k=rng.randint(3, 9))) for _ in range(lines)]
-        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
+    """train / valid / test of 120 / 20 / 20 random 3-9 word lines over a 30-word vocabulary."""
+    return write_corpus(tmp_path / "corpus", words=TRAIN_WORDS, lines=(120, 20, 20))
 
 
 def load_script():

@@ -37,7 +37,7 @@ def test_evaluate_writes_the_records_highrank_eval_writes(tmp_path):
     from benchmarks.studies import ptb_transformer_lm
     from highrank.cli import main
     from highrank.train import TrainOptions, train
-    from tests.train.test_interrupts import tiny
+    from tests.conftest import tiny_awd_lstm
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -45,7 +45,7 @@ def test_evaluate_writes_the_records_highrank_eval_writes(tmp_path):
         text = [" ".join(f"w{(i * 7 + j) % 20}" for j in range(6)) for i in range(lines)]
         (corpus / f"{split}.txt").write_text("\n".join(text) + "\n")
     run = tmp_path / "run"
-    train(tiny(corpus, run), options=TrainOptions(progress=False))
+    train(tiny_awd_lstm(corpus, run), options=TrainOptions(progress=False))
     args = argparse.Namespace(threads=1, out=str(tmp_path / "out"))
     (tmp_path / "out").mkdir()
 

@@ -4,6 +4,7 @@ command writes, the same errors, the run's config.toml read once."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,17 +14,14 @@ from highrank.config import ConfigError, load_config
 from highrank.evaluate import evaluate_run
 from highrank.evaluate.run import record_file
 from highrank.runs.checkpoint import CheckpointError
-from highrank.train import TrainOptions, train
 from highrank.util.atomic import write_json
-from tests.train.test_interrupts import corpus as corpus  # the fixture
-from tests.train.test_interrupts import tiny
+from tests.conftest import train_tiny_run
 
 
 @pytest.fixture
-def run(corpus, tmp_path) -> Path:
-    out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False))
-    return out
+def run(tiny_run, tmp_path) -> Path:
+    """A copy of the shared tiny run: the tests write records into it, and break its config."""
+    return shutil.copytree(tiny_run, tmp_path / "run")
 
 
 @pytest.mark.parametrize(
@@ -48,11 +46,11 @@ def test_evaluate_run_is_the_record_the_cli_writes(run, tmp_path, argv, kwargs):
     assert again.read_bytes() == cli_bytes
 
 
-def test_token_nll_and_another_data_dir(run, corpus, tmp_path):
+def test_token_nll_and_another_data_dir(run, tiny_corpus, tmp_path):
     cli_nll, lib_nll = tmp_path / "cli.tsv", tmp_path / "lib.tsv"
-    assert main(["eval", str(run), "--data-dir", str(corpus), "--token-nll", str(cli_nll),
+    assert main(["eval", str(run), "--data-dir", str(tiny_corpus), "--token-nll", str(cli_nll),
                  "--no-progress"]) == 0  # fmt: skip
-    record = evaluate_run(run, data_dir=corpus, token_nll=lib_nll)
+    record = evaluate_run(run, data_dir=tiny_corpus, token_nll=lib_nll)
     assert lib_nll.read_text() == cli_nll.read_text()
     assert record == json.loads((run / "eval-test-best.json").read_text())
     assert record["default_data"] is True
@@ -81,14 +79,13 @@ def cli_error(argv: list[str], capsys) -> str:
     return capsys.readouterr().err.strip().splitlines()[-1].split(": error: ", 1)[1]
 
 
-def test_bad_input_raises_what_the_cli_reports(run, corpus, tmp_path, capsys):
+def test_bad_input_raises_what_the_cli_reports(run, tmp_path, capsys):
     nowhere = tmp_path / "nowhere"
     with pytest.raises(CheckpointError) as missing:
         evaluate_run(nowhere)
     assert str(missing.value) == cli_error(["eval", str(nowhere)], capsys)
 
-    short = tmp_path / "short"
-    train(tiny(corpus, short), options=TrainOptions(progress=False, max_steps=3))
+    short = train_tiny_run(tmp_path, "short", max_steps=3)
     with pytest.raises(CheckpointError, match="pass --which last") as no_best:
         evaluate_run(short)
     assert str(no_best.value) == cli_error(["eval", str(short)], capsys)

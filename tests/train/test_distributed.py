@@ -8,7 +8,6 @@ into a failure: the processes still alive then are killed.
 
 from __future__ import annotations
 
-import random
 import sys
 import traceback
 from pathlib import Path
@@ -24,9 +23,9 @@ from highrank.models import build_model
 from highrank.runs.run_dir import read_metrics
 from highrank.train import distributed
 from highrank.train.asgd import switch_to_asgd
+from tests.conftest import write_train_corpus
 
 DEADLINE = 120.0  # seconds for all the processes of one test, imports included
-WORDS = [f"w{i}" for i in range(30)]
 NO_DROPOUT = [
     "model.dropout_embedding=0",
     "model.dropout_input=0",
@@ -70,16 +69,6 @@ HEADS = {
     "mos": ["head.name=mos", "head.n_components=2", "head.latent_dropout=0"],
     "mixtape": ["head.name=mixtape", "head.gate_dim=3", "head.frequent_fraction=0.3"],
 }
-
-
-def write_corpus(folder: Path, seed: int = 0) -> Path:
-    """train / valid / test of random 3-9 word lines over a 30-word vocabulary."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
-        text = [" ".join(rng.choices(WORDS, k=rng.randint(3, 9))) for _ in range(lines)]
-        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
 
 
 def config(corpus: Path, out: Path, *overrides: str):
@@ -235,7 +224,7 @@ def test_two_processes_compute_the_one_process_step_on_the_global_batch(tmp_path
     (chunks of 5 tokens: DDP sees the gradients the heads compute in their forward pass),
     hidden state carried, ASGD averages from step 2, Transformer micro-batches; and
     bit-identical weights, gradients and averages on both processes."""
-    corpus = write_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")
     cases = [case[1:] for case in CASES]
     ones = [steps_job(str(corpus), *case) for case in cases]
     twos = spawn(tmp_path / "spawned", cases_job, str(corpus), cases)
@@ -257,7 +246,7 @@ def test_a_two_process_run_stopped_and_resumed_repeats_the_straight_run(tmp_path
     """Dropout on (each process its own masks), ASGD from epoch 2: stopping at step 30 (in
     epoch 1: hidden states and RNG states of both processes in last.pt) and resuming gives
     the same step losses, metrics and weights as the straight run."""
-    corpus = write_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")
     overrides = [*AWD, "train.epochs=2", "train.optimizer=et-asgd", "train.switch_epoch=1"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     runs = [(str(straight), overrides, None), (str(stopped), overrides, 30)]
@@ -283,7 +272,7 @@ def test_a_two_process_run_stopped_and_resumed_repeats_the_straight_run(tmp_path
 
 def test_one_process_checkpoint_has_the_old_layout(tmp_path):
     """Without torchrun nothing changes but ``world_size`` = 1 (no per-process RNG list)."""
-    corpus = write_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")
     assert run_job(str(corpus), str(tmp_path / "run"), [*AWD, "train.epochs=1"], 5)
     saved = torch.load(tmp_path / "run/checkpoints/last.pt", weights_only=True)["training"]
     assert saved["world_size"] == 1 and "ranks" not in saved["rng"]

@@ -4,7 +4,6 @@ time, a run stopped before its first checkpoint starts again in place."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
 from pathlib import Path
@@ -13,39 +12,11 @@ import pytest
 
 import highrank.train.awd_lstm as awd_recipe
 from highrank.cli import main
-from highrank.config import load_config
 from highrank.runs.checkpoint import load_checkpoint
 from highrank.runs.run_dir import read_metrics
 from highrank.train import Interrupted, TrainOptions, resume, train
-
-TINY = [
-    "model.d_embed=8",
-    "model.d_hidden=12",
-    "model.n_layers=2",
-    "train.batch_size=4",
-    "train.bptt=6",
-    "train.max_seq_len_delta=3",
-    "train.eval_batch_size=2",
-    "train.lr=5",
-    "train.log_every=1",
-    "train.epochs=1",
-]
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(30)]
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
-        text = [" ".join(rng.choices(words, k=rng.randint(3, 9))) for _ in range(lines)]
-        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
-
-
-def tiny(corpus: Path, out: Path, *overrides: str):
-    return load_config(None, [f"data.dir={corpus}", f"run.out_dir={out}", *TINY, *overrides])
+from tests.conftest import TINY_AWD_LSTM_1EPOCH as TINY
+from tests.conftest import tiny_awd_lstm
 
 
 def send_at(step: int, *signals: int):
@@ -80,12 +51,12 @@ def saved_step(out: Path) -> int:
 def test_a_signal_saves_between_two_steps_and_the_run_resumes_exactly(
     corpus, tmp_path, number, status
 ):
-    train(tiny(corpus, tmp_path / "straight"), options=TrainOptions(progress=False))
+    train(tiny_awd_lstm(corpus, tmp_path / "straight"), options=TrainOptions(progress=False))
     out = tmp_path / "run"
     options = TrainOptions(progress=False, callback=send_at(5, number))
     before = signal.getsignal(number)
     with pytest.raises(Interrupted) as stopped:
-        train(tiny(corpus, out), options=options)
+        train(tiny_awd_lstm(corpus, out), options=options)
     assert signal.getsignal(number) == before  # the handlers were put back
     assert stopped.value.saved == out / "checkpoints" / "last.pt" and stopped.value.step == 5
     assert stopped.value.exit_status == status and saved_step(out) == 5
@@ -112,7 +83,7 @@ def test_a_second_signal_interrupts_at_once_without_saving(corpus, tmp_path, usu
     out = tmp_path / "run"
     options = TrainOptions(progress=False, callback=send_at(5, signal.SIGINT, signal.SIGINT))
     with pytest.raises(KeyboardInterrupt) as stopped:
-        train(tiny(corpus, out, "train.checkpoint_minutes=0"), options=options)
+        train(tiny_awd_lstm(corpus, out, "train.checkpoint_minutes=0"), options=options)
     assert not isinstance(stopped.value, Interrupted)
     assert not (out / "checkpoints" / "last.pt").exists()
 
@@ -148,7 +119,7 @@ def test_last_checkpoint_is_also_saved_by_time(corpus, tmp_path):
 
     for minutes, expected in (("1e-9", 5), ("0", None)):  # every step / never by time
         out = tmp_path / f"run-{minutes}"
-        config = tiny(corpus, out, f"train.checkpoint_minutes={minutes}")
+        config = tiny_awd_lstm(corpus, out, f"train.checkpoint_minutes={minutes}")
         with pytest.raises(RuntimeError):
             train(config, options=TrainOptions(progress=False, callback=crash_at(5)))
         last = out / "checkpoints" / "last.pt"
@@ -160,9 +131,9 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_again_in_place(corpus,
         if info.step == 3:
             raise KeyboardInterrupt("a crash before any checkpoint")
 
-    train(tiny(corpus, tmp_path / "straight"), options=TrainOptions(progress=False))
+    train(tiny_awd_lstm(corpus, tmp_path / "straight"), options=TrainOptions(progress=False))
     out = tmp_path / "run"
-    config = tiny(corpus, out, "train.checkpoint_minutes=0")
+    config = tiny_awd_lstm(corpus, out, "train.checkpoint_minutes=0")
     for again in (
         lambda: resume(out, options=TrainOptions(progress=False)),
         lambda: train(config, options=TrainOptions(progress=False)),
@@ -199,7 +170,7 @@ def test_an_application_may_keep_its_own_signal_handlers(corpus, tmp_path):
     try:
         options = TrainOptions(progress=False, callback=send_at(2, signal.SIGTERM))
         options.catch_signals, options.max_steps = False, 4
-        result = train(tiny(corpus, tmp_path / "run"), options=options)
+        result = train(tiny_awd_lstm(corpus, tmp_path / "run"), options=options)
     finally:
         signal.signal(signal.SIGTERM, before)
     assert seen == [signal.SIGTERM] and result.stop_reason == "max_steps" and result.steps == 4
@@ -208,7 +179,7 @@ def test_an_application_may_keep_its_own_signal_handlers(corpus, tmp_path):
 def test_a_resume_says_when_the_metrics_file_lost_lines(corpus, tmp_path, capsys):
     """Issue: a metrics.jsonl shorter than the checkpoint's record was continued silently."""
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=6))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False, max_steps=6))
     metrics = out / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     metrics.write_text("".join(lines[:2]))

@@ -8,7 +8,6 @@ tests check that such a schedule plugs into the loop unchanged and resumes bit-i
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -118,18 +117,6 @@ class WindowRecipe:
 
     def divergence_advice(self) -> str:
         return "Lower the peak learning rate."
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(30)]
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
-        text = [" ".join(rng.choices(words, k=rng.randint(3, 9))) for _ in range(lines)]
-        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
 
 
 def config_for(corpus: Path, out: Path):

@@ -22,8 +22,8 @@ from highrank.runs.checkpoint import CheckpointError, load_checkpoint, save_chec
 from highrank.runs.locks import LockedError, run_lock
 from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, finetune, resume, train
-from tests.train.test_interrupts import TINY, tiny
-from tests.train.test_interrupts import corpus as corpus  # the fixture
+from tests.conftest import TINY_AWD_LSTM_1EPOCH as TINY
+from tests.conftest import tiny_awd_lstm, write_train_corpus
 
 QUIET = TrainOptions(progress=False)
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run-v1" / "run"
@@ -48,7 +48,7 @@ def one_error_line(capsys) -> str:
 
 def test_a_second_writer_is_refused_naming_the_holders_pid(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=4))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False, max_steps=4))
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from highrank.runs.locks import run_lock\n"
          f"with run_lock({str(out)!r}):\n print('held', flush=True); time.sleep(60)"],
@@ -95,8 +95,9 @@ def test_a_failed_start_leaves_no_directory_behind(tmp_path):
 
 def test_resume_refuses_another_runs_checkpoint(corpus, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    train(tiny(corpus, a), options=TrainOptions(progress=False, max_steps=3))
-    train(tiny(corpus, b, "model.d_hidden=14"), options=TrainOptions(progress=False, max_steps=3))
+    three_steps = TrainOptions(progress=False, max_steps=3)
+    train(tiny_awd_lstm(corpus, a), options=three_steps)
+    train(tiny_awd_lstm(corpus, b, "model.d_hidden=14"), options=three_steps)
     shutil.copy(b / "checkpoints" / "last.pt", a / "checkpoints" / "last.pt")
     with pytest.raises(CheckpointError, match="belongs to another run"):
         resume(a, options=QUIET)
@@ -104,8 +105,9 @@ def test_resume_refuses_another_runs_checkpoint(corpus, tmp_path):
 
 def test_a_checkpoint_without_run_id_but_another_model_is_refused(corpus, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    train(tiny(corpus, a), options=TrainOptions(progress=False, max_steps=3))
-    train(tiny(corpus, b, "model.d_hidden=14"), options=TrainOptions(progress=False, max_steps=3))
+    three_steps = TrainOptions(progress=False, max_steps=3)
+    train(tiny_awd_lstm(corpus, a), options=three_steps)
+    train(tiny_awd_lstm(corpus, b, "model.d_hidden=14"), options=three_steps)
     payload = load_checkpoint(b / "checkpoints" / "last.pt")
     del payload["run_id"], payload["digest"]
     save_checkpoint(payload, a / "checkpoints" / "last.pt")
@@ -115,17 +117,15 @@ def test_a_checkpoint_without_run_id_but_another_model_is_refused(corpus, tmp_pa
 
 def test_the_v1_fixture_without_run_ids_still_resumes(tmp_path):
     """The fixture's checkpoints name the corpus folder of the machine that made them: the
-    corpus is written again from tests/test_train.py (make_fixture.py) and given by data.dir,
-    and the resumed step equals the straight run's (straight-metrics.jsonl)."""
-    from tests.test_train import write_corpus
-
+    corpus is written again (the training corpus, as make_fixture.py wrote it) and given by
+    data.dir, and the resumed step equals the straight run's (straight-metrics.jsonl)."""
     run = tmp_path / "v1"
     shutil.copytree(FIXTURE, run)
     assert "run_id" not in (run / "environment.json").read_text()
     payload = load_checkpoint(run / "checkpoints" / "last.pt")
     assert "run_id" not in payload and "metrics_lines" not in payload["training"]
     step = payload["training"]["progress"]["step"]
-    corpus = write_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")
     resume(run, overrides=[f"data.dir={corpus}", "run.device=cpu"],  # the twin ran on a CPU
            options=TrainOptions(progress=False, max_steps=step + 1))
     straight = [json.loads(line) for line in (FIXTURE.parent / "straight-metrics.jsonl").open()]
@@ -140,7 +140,7 @@ def test_the_v1_fixture_without_run_ids_still_resumes(tmp_path):
 
 def test_resume_cuts_a_torn_line_and_report_readers_skip_one(corpus, tmp_path):
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=4))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False, max_steps=4))
     metrics = out / "metrics.jsonl"
     whole = metrics.read_bytes()
     metrics.write_bytes(whole + b'{"kind": "step", "stage": "tr')  # a write killed mid-line
@@ -154,7 +154,7 @@ def test_resume_cuts_a_torn_line_and_report_readers_skip_one(corpus, tmp_path):
 
 def test_resuming_training_after_finetune_keeps_the_finetune_records(corpus, tmp_path):
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=QUIET)
+    train(tiny_awd_lstm(corpus, out), options=QUIET)
     finetune(out, overrides=["finetune.epochs=1"], options=QUIET)
     stages = [r["stage"] for r in read_metrics(out / "metrics.jsonl")]
     assert "finetune" in stages
@@ -191,7 +191,7 @@ def test_disk_full_while_saving_a_checkpoint_is_one_line_and_keeps_the_last(
     import highrank.runs.checkpoint as checkpoint
 
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=3))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False, max_steps=3))
     before = (out / "checkpoints" / "last.pt").read_bytes()
 
     def full(*args, **kwargs):
@@ -207,7 +207,7 @@ def test_disk_full_while_saving_a_checkpoint_is_one_line_and_keeps_the_last(
 
 def test_temporaries_of_killed_writes_are_removed_on_the_next_start(corpus, tmp_path):
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=3))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False, max_steps=3))
     stale = [out / "checkpoints" / ".last.pt.abc123.tmp", out / ".metrics.jsonl.x1.tmp"]
     for path in stale:
         path.write_bytes(b"half")
@@ -230,7 +230,7 @@ def test_out_dir_that_is_a_file(corpus, tmp_path, capsys):
 
 def test_last_pt_that_is_a_directory(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=3))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False, max_steps=3))
     (out / "checkpoints" / "last.pt").unlink()
     (out / "checkpoints" / "last.pt").mkdir()
     commands = (out / "command.txt").read_text()

@@ -5,7 +5,6 @@ resume, and the eval / analyze verbs on a tiny Transformer run."""
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -23,34 +22,8 @@ from highrank.train import TrainOptions, finetune, resume, train
 from highrank.train.recipe import Stage
 from highrank.train.schedule import lr_factor
 from highrank.train.transformer import TransformerRecipe, adamw_groups, window_starts
+from tests.conftest import TINY_TRANSFORMER as TINY
 
-WORDS = [f"w{i}" for i in range(30)]
-# A 2-block Transformer of a few hundred parameters; 34 windows of 6 rows per epoch, two per
-# update (17 updates), validation every 3 updates.
-TINY = [
-    "model.backbone=transformer",
-    "model.d_embed=8",
-    "model.n_layers=2",
-    "model.n_heads=2",
-    "model.d_ff=16",
-    "model.positions=learned",
-    "model.max_len=6",
-    "model.dropout_input=0.1",
-    "model.dropout_attention=0.1",
-    "model.dropout_residual=0.1",
-    "train.batch_size=4",
-    "train.bptt=6",
-    "train.eval_batch_size=2",
-    "train.lr=0.01",
-    "train.weight_decay=0.1",
-    "train.clip=1.0",
-    "train.warmup_steps=3",
-    "train.lr_schedule=cosine",
-    "train.accumulate=2",
-    "train.eval_every=3",
-    "train.epochs=2",
-    "train.log_every=1",
-]
 QUIET = TrainOptions(progress=False)
 
 
@@ -60,17 +33,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    rng = random.Random(0)
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
-        text = [" ".join(rng.choices(WORDS, k=rng.randint(3, 9))) for _ in range(lines)]
-        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
 
 
 def tiny_config(corpus: Path, out: Path, *overrides: str):

@@ -12,7 +12,7 @@ from highrank.config import ConfigError, load_config
 from highrank.models import build_model, load_run
 from highrank.runs.checkpoint import CheckpointError
 from highrank.train.warm_start import init_from_run, with_base_init
-from tests.analysis.conftest import TINY, train_tiny_run
+from tests.conftest import TINY, train_tiny_run
 
 
 @pytest.fixture(scope="module")

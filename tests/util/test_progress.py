@@ -45,7 +45,7 @@ def test_lines_keep_the_tqdm_methods_callers_use():
 
 def test_train_and_eval_logs_to_a_file_hold_lines_not_bars(tmp_path, capsys, monkeypatch):
     from highrank.cli import main
-    from tests.train.test_interrupts import TINY
+    from tests.conftest import TINY_AWD_LSTM_1EPOCH as TINY
 
     monkeypatch.setenv("HIGHRANK_PROGRESS_SECONDS", "0")  # a line per update: easy to see
     corpus = tmp_path / "corpus"
@@ -81,7 +81,7 @@ def test_a_max_steps_run_counts_its_bar_in_steps_to_the_limit(tmp_path, capsys, 
     """Issue: with --max-steps the bar counted the epoch's tokens, so its end and time
     estimate were the epoch's."""
     from highrank.cli import main
-    from tests.train.test_interrupts import TINY
+    from tests.conftest import TINY_AWD_LSTM_1EPOCH as TINY
 
     monkeypatch.setenv("HIGHRANK_PROGRESS_SECONDS", "0")
     corpus = tmp_path / "corpus"

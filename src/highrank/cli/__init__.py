@@ -7,7 +7,7 @@ guard in :mod:`highrank.cli.common`); :data:`VERBS` lists them in the order ``hi
 shows, so adding a verb is one module and one entry. Verb modules import the library inside
 their functions and declare their options from torch-free constants (head names, bench cases,
 the analyses' defaults: :mod:`highrank.cli.choices`, each held equal to the library's by
-tests/test_cli.py); :func:`main` declares a verb's options only when that verb is used (the
+tests/cli/test_cli.py); :func:`main` declares a verb's options only when that verb is used (the
 config keys only when a ``--section.key`` is given). So ``highrank --help``, every verb's and
 sub-verb's ``--help`` and argparse's errors import no torch, numpy, scipy or optional extra,
 and the verbs check the paths they are given (missing, a file for a folder) before they import

@@ -3,7 +3,7 @@
 Declaring an option must not import the library: ``highrank VERB --help`` and argparse's
 errors (``analyze rank --max-contexts -5``) answer in a moment, while importing torch, numpy
 and the analyses takes seconds, a minute on a busy machine. Each constant here copies one of
-the library's, named beside it; ``tests/test_cli.py`` holds every copy equal to its original,
+the library's, named beside it; ``tests/cli/test_cli.py`` holds every copy equal to its original,
 so a change there fails a test instead of drifting from the help.
 """
 
@@ -66,7 +66,7 @@ RADIUS = 100.0  # unargmaxable.DEFAULT_RADIUS
 PATIENCE = 10  # unargmaxable.DEFAULT_PATIENCE
 GROUP_SEPARATOR = "--"  # significance.SEPARATOR: between the two groups of `highrank compare`
 
-# (constant here, module, its name there): what tests/test_cli.py compares
+# (constant here, module, its name there): what tests/cli/test_cli.py compares
 ORIGINALS: tuple[tuple[str, str, str], ...] = (
     ("HEAD_NAMES", "highrank.heads", "HEADS"),
     ("PAPER_HEAD_NAMES", "highrank.heads", "PAPER_HEADS"),

@@ -11,7 +11,7 @@ from highrank.cli.common import head_list, non_negative_int, positive_int
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options, from torch-free defaults (``DEMO_DEFAULTS``, equal to ``DemoSettings()``:
-    tests/test_cli.py), so ``highrank demo --help`` and its errors import no torch."""
+    tests/cli/test_cli.py), so ``highrank demo --help`` and its errors import no torch."""
     d = argparse.Namespace(**DEMO_DEFAULTS)
     parser.add_argument(
         "--rank", type=positive_int, default=d.rank, help="true rank r (default %(default)s)"

@@ -17,7 +17,7 @@ of youngjoo-epfl/gconvRNN; the same git blobs as ``data/`` of arthurdehgan/IFT61
 
 :func:`ptb_char_text` rebuilds those bytes from the word-level files: its output for
 ``ptb.valid.txt`` and ``ptb.test.txt`` is byte-identical to the published ``ptb.char.valid.txt``
-and ``ptb.char.test.txt`` (git blobs ``940c7ea5`` and ``4e866a85``; tests/test_chars.py checks
+and ``ptb.char.test.txt`` (git blobs ``940c7ea5`` and ``4e866a85``; tests/data/test_chars.py checks
 it when the data is present). Read with whitespace tokenisation and one ``<eos>`` per line,
 PTB characters are 5,017,482 / 393,042 / 442,423 symbols with 50 types (49 characters incl. ``_``
 plus ``<eos>``).

@@ -12,7 +12,7 @@ lone ``<eos>``:
   literal space was chosen over ``_`` because after normalisation it can only mean "word
   boundary", while ``_`` may occur in the text itself. On PTB this is Mikolov's ptb.char
   symbol for symbol, ``<unk>`` spelled as its five characters as there (``highrank.data.chars``
-  writes the files; tests/test_chars.py checks both): 5,017,482 / 393,042 / 442,423 tokens
+  writes the files; tests/data/test_chars.py checks both): 5,017,482 / 393,042 / 442,423 tokens
   with ``<eos>``, 50 types; :func:`highrank.data.chars.bits_per_char` converts its losses to BPC.
 
 The vocabulary is built from the training split only and ordered by training frequency, most

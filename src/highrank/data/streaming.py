@@ -13,7 +13,7 @@ Table 3) and Mixtape (Yang et al., 2019, Table 4) papers train on:
   (so provisional ids are in order of first appearance) and the ids are written to disk while
   their counts accumulate (``np.bincount``); memory grows with the vocabulary, not the corpus.
   The final ids sort by count, ties by first appearance, exactly as :meth:`Vocab.from_tokens`
-  (tests/test_streaming.py checks the two agree), and the ids on disk are remapped in place.
+  (tests/data/test_streaming.py checks the two agree), and the ids on disk are remapped in place.
   ``max_vocab`` keeps ``<eos>`` and the ``max_vocab - 2`` most frequent other tokens (ties by
   first appearance) and adds ``<unk>``, which takes the counts of every dropped token (and of
   a literal ``<unk>``) and its place in the frequency order; a corpus with at most

@@ -14,7 +14,7 @@ the one call that decides the switch, and the loop then calls :func:`switch_to_a
 keep their whole state in :meth:`state_dict`, so a resumed run switches at the same epoch.
 
 Averaging uses ``torch.optim.ASGD(params, lr, t0=0, lambd=0, weight_decay=wd)`` as the reference
-code does. What it does on torch 2.13 (checked by ``tests/test_optim.py``):
+code does. What it does on torch 2.13 (checked by ``tests/train/test_optim.py``):
 
 * The step is plain SGD, ``p -= eta * (grad + wd * p)``; ``eta`` is per-parameter state, set to
   the group's ``lr`` at the *end* of each step (with ``lambd=0``), so a change to

@@ -13,6 +13,7 @@ import pytest
 from highrank import __version__
 from highrank.cli import VERBS, main
 from highrank.heads import HEADS
+from tests.conftest import SHARED_DATA
 
 TINY = ["--rank", "6", "--dim", "2", "--vocab", "20", "--contexts", "12", "--steps", "20"]
 
@@ -163,7 +164,7 @@ def test_dim_at_least_rank_minus_1_runs_with_a_note(tmp_path, capsys):
     assert "no bottleneck" in capsys.readouterr().err
 
 
-SHARED_PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
+SHARED_PTB = SHARED_DATA / "ptb"
 
 
 def _tiny_corpus(folder: Path) -> Path:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -25,19 +24,12 @@ from highrank.train import (
     resume,
     train,
 )
+from tests.conftest import TINY_AWD_LSTM
 
-WORDS = [f"w{i}" for i in range(30)]
-# A 2-layer AWD-LSTM of a few hundred parameters; ~33 steps per epoch on the tiny corpus.
+# The training tests' 2-layer AWD-LSTM; ~33 steps per epoch on the training corpus (the
+# ``corpus`` fixture, tests/train/conftest.py).
 TINY = [
-    "model.d_embed=8",
-    "model.d_hidden=12",
-    "model.n_layers=2",
-    "train.batch_size=4",
-    "train.bptt=6",
-    "train.max_seq_len_delta=3",
-    "train.eval_batch_size=2",
-    "train.lr=5",
-    "train.log_every=1",
+    *TINY_AWD_LSTM,
     "run.device=cpu",  # exact figures are the CPU's (tests/test_cuda.py checks a GPU)
 ]
 QUIET = TrainOptions(progress=False)
@@ -49,21 +41,6 @@ def _one_thread():
     torch.set_num_threads(1)  # the machine runs timing benchmarks; and results are exact
     yield
     torch.set_num_threads(threads)
-
-
-def write_corpus(folder: Path, seed: int = 0) -> Path:
-    """train / valid / test of random 3-9 word lines over a 30-word vocabulary."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
-        text = [" ".join(rng.choices(WORDS, k=rng.randint(3, 9))) for _ in range(lines)]
-        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
-
-
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    return write_corpus(tmp_path / "corpus")
 
 
 def tiny_config(corpus: Path, out: Path, *overrides: str):
@@ -480,13 +457,15 @@ def test_cli_train_needs_exactly_one_of_config_and_resume(tmp_path, capsys):
     assert "not a run directory" in capsys.readouterr().err
 
 
-def test_cli_eval_and_dynamic_eval_of_a_tiny_run(corpus, tmp_path, capsys):
+def test_cli_eval_and_dynamic_eval_of_a_tiny_run(tiny_run, tiny_corpus, tmp_path, capsys):
+    import shutil
+
     from highrank.cli import main
     from highrank.data import load_corpus
     from highrank.evaluate import evaluate_perplexity
 
-    out = tmp_path / "run"
-    train(tiny_config(corpus, out, "train.epochs=1"), options=QUIET)
+    out = shutil.copytree(tiny_run, tmp_path / "run")  # the shared run: eval writes records
+    corpus = tiny_corpus
     nll_file = tmp_path / "nll.tsv"
     assert (
         main(["eval", str(out), "--split", "valid", "--no-progress", "--token-nll", str(nll_file)])

@@ -12,7 +12,7 @@ from highrank.config import SECTIONS, load_config
 from highrank.heads import PAPER_HEADS
 from highrank.train import parameter_count
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ALL = sorted(CONFIGS.glob("*/*.toml"))
 VOCAB = {"ptb": 10_000, "wt2": 33_278}  # read from no file: the published sizes
 DATA_DIR = {
@@ -122,7 +122,7 @@ def test_config_show_without_corpus_or_vocab_size_says_what_to_pass(capsys):
 def test_a_model_too_large_to_exist_is_one_line(capsys, tmp_path):
     """Issue: --model.d_hidden=1000000000 gave a storage-overflow traceback."""
     from highrank.cli import main
-    from tests.analysis.conftest import write_corpus
+    from tests.conftest import write_corpus
 
     config, big = "configs/ptb/small-softmax.toml", "--model.d_hidden=1000000000"
     corpus = write_corpus(tmp_path / "corpus")

@@ -8,20 +8,38 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from highrank.analysis.significance import compare_runs
 from highrank.cli import main
 from highrank.evaluate.records import file_sha256
 from highrank.train import TrainOptions, train
-from tests.train.test_interrupts import corpus as corpus  # the fixture
-from tests.train.test_interrupts import tiny
+from tests.conftest import tiny_awd_lstm, write_train_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The training corpus (its test split holds more than 100 tokens): read-only."""
+    return write_train_corpus(tmp_path_factory.mktemp("records") / "corpus")
+
+
+@pytest.fixture(scope="module")
+def trained(corpus) -> Path:
+    """One epoch of the tiny 2-layer AWD-LSTM on ``corpus``, trained once: read-only."""
+    out = corpus.parent / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a module fixture runs before the per-test one-thread fixture
+    try:
+        train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False))
+    finally:
+        torch.set_num_threads(threads)
+    return out
 
 
 @pytest.fixture
-def run(corpus, tmp_path) -> Path:
-    out = tmp_path / "run"
-    train(tiny(corpus, out), options=TrainOptions(progress=False))
-    return out
+def run(trained, tmp_path) -> Path:
+    """A copy of the trained run: the tests write records into it."""
+    return shutil.copytree(trained, tmp_path / "run")
 
 
 def evaluate(*argv: str) -> None:
@@ -92,7 +110,7 @@ def test_compare_prefers_finetuned_records_and_names_them(tmp_path):
 
 def test_finetune_from_last_and_one_missing_best_hint_everywhere(corpus, tmp_path, capsys):
     out = tmp_path / "short"
-    train(tiny(corpus, out), options=TrainOptions(progress=False, max_steps=3))
+    train(tiny_awd_lstm(corpus, out), options=TrainOptions(progress=False, max_steps=3))
     messages = []
     for argv in (["eval", str(out)], ["dynamic-eval", str(out)], ["finetune", str(out)],
                  ["analyze", "rank", str(out)]):  # fmt: skip

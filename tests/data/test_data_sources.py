@@ -17,8 +17,8 @@ from highrank.cli import main
 from highrank.cli.data import DATASET_NAMES
 from highrank.data import sources
 from highrank.data.sources import DATASETS, GITHUB_RAW, DataSourceError, SourceFile, get_dataset
+from tests.conftest import SHARED_DATA
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 TEXT = b"the quick brown fox\njumps over the lazy dog\n" * 500
 
 
@@ -48,7 +48,7 @@ def test_the_readme_says_which_sources_are_pinned_at_a_commit():
             )
     unpinned = {name: ref for name, (ref,) in refs.items() if not re.fullmatch("[0-9a-f]{40}", ref)}
     assert unpinned == {"ptb": "master"}
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert "at a pinned commit but PTB's `master`" in readme
 
 
@@ -60,7 +60,7 @@ def build_mirror(root: Path) -> str:
     where the source is), made from the byte-identical copies in ../shared/data."""
     for dataset in DATASETS.values():
         for file in dataset.files:
-            local = SHARED / dataset.folder / file.name
+            local = SHARED_DATA / dataset.folder / file.name
             where = root / file.url.removeprefix(GITHUB_RAW)
             where.parent.mkdir(parents=True, exist_ok=True)
             data = local.read_bytes()
@@ -68,14 +68,14 @@ def build_mirror(root: Path) -> str:
     return root.as_uri()
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason=f"no shared data folder at {SHARED}")
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"no shared data folder at {SHARED_DATA}")
 def test_get_all_from_a_mirror_gives_the_shared_files_byte_for_byte(tmp_path, capsys):
     mirror = build_mirror(tmp_path / "mirror")
     assert main(["data", "get", "all", "--to", str(tmp_path / "data"), "--mirror", mirror]) == 0
     for dataset in DATASETS.values():
         for file in dataset.files:
             got = tmp_path / "data" / dataset.folder / file.name
-            assert got.read_bytes() == (SHARED / dataset.folder / file.name).read_bytes()
+            assert got.read_bytes() == (SHARED_DATA / dataset.folder / file.name).read_bytes()
             assert not list(got.parent.glob("*.part"))
     out = capsys.readouterr().out
     assert "ready: ptb" in out and "--data.dir=" in out

@@ -26,6 +26,7 @@ from highrank.runs.checkpoint import (
 from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, resume, train
 from highrank.train.asgd import switch_to_asgd
+from tests.conftest import write_train_corpus
 
 QUIET = TrainOptions(progress=False)
 
@@ -50,21 +51,33 @@ def payload(**model: torch.Tensor) -> dict:
     }
 
 
-@pytest.fixture
-def tiny_run(tmp_path) -> Path:
-    """A finished 2-epoch run of a tiny model on a tiny corpus."""
+@pytest.fixture(scope="module")
+def trained_two_epochs(tmp_path_factory) -> Path:
+    """A finished 2-epoch run of a tiny model on a tiny corpus, trained once: read-only."""
+    root = tmp_path_factory.mktemp("two-epochs")
     rng = random.Random(0)
-    corpus = tmp_path / "corpus"
+    corpus = root / "corpus"
     corpus.mkdir()
     for split, lines in (("train", 60), ("valid", 20), ("test", 20)):
         text = [" ".join(rng.choices("abcdefghij", k=rng.randint(2, 7))) for _ in range(lines)]
         (corpus / f"{split}.txt").write_text("\n".join(text) + "\n")
-    out = tmp_path / "run"
+    out = root / "run"
     overrides = ["model.d_embed=6", "model.d_hidden=8", "model.n_layers=2", "train.bptt=5"]
     overrides += ["train.batch_size=3", "train.eval_batch_size=2", "train.epochs=2"]
     config = load_config(None, [f"data.dir={corpus}", f"run.out_dir={out}", *overrides])
-    train(config, options=QUIET)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a module fixture runs before the per-test one-thread fixture
+    try:
+        train(config, options=QUIET)
+    finally:
+        torch.set_num_threads(threads)
     return out
+
+
+@pytest.fixture
+def two_epoch_run(trained_two_epochs, tmp_path) -> Path:
+    """A copy of the 2-epoch run (its own: 2 epochs leave a last.prev.pt), for a test to break."""
+    return shutil.copytree(trained_two_epochs, tmp_path / "run")
 
 
 # ---- writing ----------------------------------------------------------------------------------
@@ -98,8 +111,8 @@ def test_non_finite_weights_are_refused_and_the_old_file_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
 
 
-def test_every_checkpoint_of_a_run_loads_with_weights_only(tiny_run):
-    for path in (tiny_run / "checkpoints").iterdir():
+def test_every_checkpoint_of_a_run_loads_with_weights_only(two_epoch_run):
+    for path in (two_epoch_run / "checkpoints").iterdir():
         loaded = torch.load(path, weights_only=True)
         assert loaded["format"] == "highrank-checkpoint"
         assert {"optimizer", "rng", "progress", "hidden", "trigger"} <= loaded["training"].keys()
@@ -132,8 +145,8 @@ def test_truncated_checkpoint_is_a_clear_error_naming_the_file(tmp_path):
         load_checkpoint(tmp_path / "other.pt")
 
 
-def test_resume_falls_back_to_the_previous_checkpoint_when_last_is_truncated(tiny_run):
-    checkpoints = tiny_run / "checkpoints"
+def test_resume_falls_back_to_the_previous_checkpoint_when_last_is_truncated(two_epoch_run):
+    checkpoints = two_epoch_run / "checkpoints"
     truncate(checkpoints / "last.pt")
     with pytest.warns(RuntimeWarning, match=r"resuming from .*last\.prev\.pt instead.*last\.pt"):
         loaded, path = load_resumable(checkpoints)
@@ -146,16 +159,16 @@ def test_resume_falls_back_to_the_previous_checkpoint_when_last_is_truncated(tin
         load_resumable(checkpoints)
 
 
-def test_a_run_with_a_corrupted_last_checkpoint_resumes_from_the_previous_one(tiny_run):
-    before = read_metrics(tiny_run / "metrics.jsonl", "epoch")
-    corrupted = tiny_run / "checkpoints" / "last.pt"
+def test_a_run_with_a_corrupted_last_checkpoint_resumes_from_the_previous_one(two_epoch_run):
+    before = read_metrics(two_epoch_run / "metrics.jsonl", "epoch")
+    corrupted = two_epoch_run / "checkpoints" / "last.pt"
     data = bytearray(corrupted.read_bytes())
     data[len(data) // 2 : len(data) // 2 + 64] = b"\xff" * 64  # garbage inside the zip
     corrupted.write_bytes(bytes(data))
     with pytest.warns(RuntimeWarning, match="last.prev.pt"):
-        result = resume(tiny_run, overrides=["train.epochs=3"], options=QUIET)
+        result = resume(two_epoch_run, overrides=["train.epochs=3"], options=QUIET)
     assert result.epochs_completed == 3
-    after = read_metrics(tiny_run / "metrics.jsonl", "epoch")
+    after = read_metrics(two_epoch_run / "metrics.jsonl", "epoch")
     assert [r["epoch"] for r in after] == [1, 2, 3]
     # last.prev.pt was written at the end of epoch 1: epoch 2 was redone, with the same losses.
     assert [(r["train_loss"], r["val_loss"]) for r in after[:2]] == [
@@ -199,36 +212,25 @@ def test_evaluation_state_dict_holds_the_asgd_averages_themselves():
     assert not torch.equal(state["weight"], model.weight)
 
 
-def test_load_run_builds_the_model_without_touching_the_global_rng(tiny_run):
+def test_load_run_builds_the_model_without_touching_the_global_rng(two_epoch_run):
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    model, config, vocab = load_run(tiny_run, "last")
+    model, config, vocab = load_run(two_epoch_run, "last")
     assert torch.equal(torch.rand(3), expected)
     assert not model.training and config.model.d_embed == 6 and len(vocab) == 11
-    best = load_checkpoint(tiny_run / "checkpoints/best.pt")["model"]
-    model, _, _ = load_run(tiny_run)
+    best = load_checkpoint(two_epoch_run / "checkpoints/best.pt")["model"]
+    model, _, _ = load_run(two_epoch_run)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in best.items())
     with pytest.raises(CheckpointError, match="finetune"):
-        load_run(tiny_run, "finetuned")
+        load_run(two_epoch_run, "finetuned")
     with pytest.raises(CheckpointError, match="names no checkpoint"):
-        load_run(tiny_run, "nope")
+        load_run(two_epoch_run, "nope")
 
 
 # ---- runs written by earlier versions ----------------------------------------------------------
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "run-v1"
-FIXTURE_WORDS = [f"w{i}" for i in range(30)]
-
-
-def write_fixture_corpus(folder: Path) -> Path:
-    """The corpus tests/fixtures/run-v1 was trained on (tests/test_train.py's, seed 0)."""
-    rng = random.Random(0)
-    folder.mkdir(parents=True)
-    for split, lines in (("train", 120), ("valid", 30), ("test", 30)):
-        text = [" ".join(rng.choices(FIXTURE_WORDS, k=rng.randint(3, 9))) for _ in range(lines)]
-        (folder / f"{split}.txt").write_text("\n".join(text) + "\n")
-    return folder
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run-v1"
 
 
 def losses(records: list[dict]) -> list[tuple]:
@@ -243,7 +245,7 @@ def test_a_run_written_before_train_became_a_package_loads_and_resumes(tmp_path)
     so data.dir is overridden) logs the losses its uninterrupted twin logged."""
     run = tmp_path / "run"
     shutil.copytree(FIXTURE / "run", run)
-    corpus = write_fixture_corpus(tmp_path / "corpus")
+    corpus = write_train_corpus(tmp_path / "corpus")  # the one run-v1 was trained on
     model, config, vocab = load_run(run, "best")
     assert config.head.name == "mos" and len(vocab) == 31 and not model.training
     last = load_checkpoint(run / "checkpoints" / "last.pt")

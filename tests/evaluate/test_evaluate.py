@@ -347,15 +347,15 @@ def test_defaults_are_the_published_hyperparameters():
     assert DYNAMIC_EVAL_DEFAULTS["wt2"] == {"lr": 0.002, "epsilon": 0.002, "prior_decay": 0.02}
 
 
-def test_eval_refuses_a_checkpoint_copied_from_another_run(tmp_path, capsys):
+def test_eval_refuses_a_checkpoint_copied_from_another_run(tiny_run, tmp_path, capsys):
     """Issue: another run's best.pt copied into a run was scored and its record written into
     this run as its own; train --resume already refused it."""
     import shutil
 
     from highrank.cli import main
-    from tests.analysis.conftest import train_tiny_run
+    from tests.conftest import train_tiny_run
 
-    ours = train_tiny_run(tmp_path, "ours")
+    ours = shutil.copytree(tiny_run, tmp_path / "ours")
     theirs = train_tiny_run(tmp_path, "theirs", "model.d_hidden=14")
     shutil.copy(theirs / "checkpoints" / "best.pt", ours / "checkpoints" / "best.pt")
     capsys.readouterr()  # the trainings' output
@@ -369,7 +369,7 @@ def test_a_window_beyond_a_transformers_learned_positions_is_one_line(tmp_path, 
     """Issue: eval / analyze of a Transformer run with --bptt beyond its position table ended
     in a ValueError traceback from the backbone."""
     from highrank.cli import main
-    from tests.analysis.conftest import write_corpus
+    from tests.conftest import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus")
     sizes = ["--model.d_embed=8", "--model.n_layers=1", "--model.n_heads=2", "--model.d_ff=16",
@@ -385,17 +385,17 @@ def test_a_window_beyond_a_transformers_learned_positions_is_one_line(tmp_path, 
         assert len(err) == 1 and "exceeds this Transformer run's learned position table" in err[0]
 
 
-def test_max_tokens_n_reads_n_tokens_and_says_how_many_it_scores(tmp_path, capsys):
+def test_max_tokens_n_reads_n_tokens_and_says_how_many_it_scores(tiny_run, tmp_path, capsys):
     """Issue 29: `eval --max-tokens 2000` scored 1,999 tokens without saying why: N tokens
     are read and a column's first has no prediction; the help, the record and the printed
     line say so."""
     import json
+    import shutil
 
     from highrank.cli import main
     from highrank.evaluate.records import describe
-    from tests.analysis.conftest import train_tiny_run
 
-    run = train_tiny_run(tmp_path)
+    run = shutil.copytree(tiny_run, tmp_path / "run")
     capsys.readouterr()
     assert main(["eval", str(run), "--max-tokens", "40", "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -27,23 +27,17 @@ from highrank.data.zipf import write_zipf_corpus, zipf_probabilities
 from highrank.runs.checkpoint import CheckpointError
 from highrank.runs.run_dir import read_metrics
 from highrank.train import TrainOptions, resume, train
+from tests.conftest import TINY_AWD_LSTM, TRAIN_WORDS, write_splits
 
 # Blank lines, a tab, a no-break space inside a word, multi-byte characters, a literal <unk>,
 # \r (whitespace to str.split), a last line without "\n": the tokenisation's corner cases.
 AWKWARD = "the cat <unk>\n\n  a\tb  c\ncafé über\xa0ß the\r\nthe  end"
-WORDS = [f"w{i}" for i in range(30)]
-
-
-def write_corpus(folder: Path, train: str, valid: str = "a b\n", test: str = "b a\n") -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, text in {"train": train, "valid": valid, "test": test}.items():
-        (folder / f"{split}.txt").write_text(text, encoding="utf-8")
-    return folder
 
 
 def random_text(seed: int, lines: int) -> str:
     rng = random.Random(seed)
-    return "\n".join(" ".join(rng.choices(WORDS, k=rng.randint(0, 9))) for _ in range(lines)) + "\n"
+    text = (" ".join(rng.choices(TRAIN_WORDS, k=rng.randint(0, 9))) for _ in range(lines))
+    return "\n".join(text) + "\n"
 
 
 @pytest.fixture
@@ -68,7 +62,7 @@ def test_one_pass_vocab_and_memmap_ids_equal_the_in_memory_corpus(
     held_out = "the end\nc a\n" if mode == "word" else "the\n"
     if text != AWKWARD:
         held_out = "w1 w2\n"
-    folder = write_corpus(tmp_path / "c", text, valid=held_out, test=held_out)
+    folder = write_splits(tmp_path / "c", text, valid=held_out, test=held_out)
     memory = load_corpus(folder, mode=mode, use_cache=False)
     mapped = load_stream_corpus(folder, mode=mode, cache_dir=cache)
     assert mapped.vocab == memory.vocab
@@ -97,7 +91,7 @@ def test_frequency_order_matches_vocab_from_tokens_on_ties():
 def test_max_vocab_keeps_the_most_frequent_and_maps_the_rest_to_unk(tmp_path, cache):
     # counts: x 4, <eos> 3, y 2, z 2 (y first), <unk> 1 (literal), q 1, r 1.
     train = "x y z x\nq <unk> x z\nx y r\n"
-    folder = write_corpus(tmp_path / "c", train, valid="x q y\n", test="r r\n")
+    folder = write_splits(tmp_path / "c", train, valid="x q y\n", test="r r\n")
     corpus = load_stream_corpus(folder, max_vocab=4, cache_dir=cache)
     # kept: <eos>, x, y (wins the tie with z by first appearance); <unk> = z 2 + <unk> 1 +
     # q 1 + r 1 = 5, the most frequent entry now.
@@ -110,7 +104,7 @@ def test_max_vocab_keeps_the_most_frequent_and_maps_the_rest_to_unk(tmp_path, ca
 
 
 def test_max_vocab_at_least_the_types_leaves_the_vocabulary_whole(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b a\nb c\n", valid="a\n", test="c\n")
+    folder = write_splits(tmp_path / "c", "a b a\nb c\n", valid="a\n", test="c\n")
     whole = load_corpus(folder, use_cache=False)
     assert len(whole.vocab) == 4
     for limit in (4, 5, 100):
@@ -119,7 +113,7 @@ def test_max_vocab_at_least_the_types_leaves_the_vocabulary_whole(tmp_path, cach
 
 
 def test_max_vocab_two_is_eos_and_unk(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b\nc\n", valid="a\n", test="z\n")
+    folder = write_splits(tmp_path / "c", "a b\nc\n", valid="a\n", test="z\n")
     corpus = load_stream_corpus(folder, max_vocab=2, cache_dir=cache)
     assert corpus.vocab.words == (UNK, EOS)
     assert corpus.vocab.decode(corpus.train) == [UNK, UNK, EOS, UNK, EOS]
@@ -147,8 +141,8 @@ def test_max_vocab_ids_match_an_in_memory_truncation_of_a_zipf_corpus(tmp_path, 
 def test_a_shard_folder_reads_as_the_concatenated_file(tmp_path, cache, small_blocks):
     lines = random_text(1, 90).splitlines(keepends=True)
     parts = ["".join(lines[:30]), "".join(lines[30:31]), "", "".join(lines[31:])]
-    single = write_corpus(tmp_path / "single", "".join(lines), valid="w1\n", test="w2\n")
-    sharded = write_corpus(tmp_path / "sharded", "x\n", valid="w1\n", test="w2\n")
+    single = write_splits(tmp_path / "single", "".join(lines), valid="w1\n", test="w2\n")
+    sharded = write_splits(tmp_path / "sharded", "x\n", valid="w1\n", test="w2\n")
     (sharded / "train.txt").unlink()
     (sharded / "train").mkdir()
     names = ["news-00003", "news-00010", "news-00002", "news-00001"]  # written out of order
@@ -169,8 +163,8 @@ def test_data_stats_reads_a_shard_folder(tmp_path, cache, capsys):
     from highrank.cli import main
 
     text = random_text(2, 40) + "a b\n"
-    single = write_corpus(tmp_path / "single", text)
-    sharded = write_corpus(tmp_path / "sharded", "x\n")
+    single = write_splits(tmp_path / "single", text)
+    sharded = write_splits(tmp_path / "sharded", "x\n")
     (sharded / "train.txt").unlink()
     (sharded / "train").mkdir()
     lines = text.splitlines(keepends=True)
@@ -192,7 +186,7 @@ def test_data_stats_reads_a_shard_folder(tmp_path, cache, capsys):
 
 
 def test_stream_views_give_the_batchify_rows_of_every_get_batch(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", random_text(2, 60), valid="w1\n", test="w2\n")
+    folder = write_splits(tmp_path / "c", random_text(2, 60), valid="w1\n", test="w2\n")
     corpus = load_stream_corpus(folder, cache_dir=cache)
     for batch_size in (1, 3, 4):
         view = corpus.batchify("train", batch_size)
@@ -210,7 +204,7 @@ def test_stream_views_give_the_batchify_rows_of_every_get_batch(tmp_path, cache)
 
 
 def test_stream_view_errors_name_the_split(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b c\n", valid="a\n", test="b\n")
+    folder = write_splits(tmp_path / "c", "a b c\n", valid="a\n", test="b\n")
     corpus = load_stream_corpus(folder, cache_dir=cache)
     with pytest.raises(CorpusError, match=r"train\.txt is shorter than one batch: 4 tokens"):
         corpus.batchify("train", 3)
@@ -222,7 +216,7 @@ def test_a_process_share_of_the_columns_reads_as_the_tensor_share(tmp_path, cach
     """Under torchrun, shard_columns gives process r of N columns [r B/N, (r+1) B/N)."""
     from highrank.train import distributed
 
-    folder = write_corpus(tmp_path / "c", random_text(7, 40), valid="w1\n", test="w2\n")
+    folder = write_splits(tmp_path / "c", random_text(7, 40), valid="w1\n", test="w2\n")
     corpus = load_stream_corpus(folder, cache_dir=cache)
     tensor = batchify(corpus.split("train"), 4)
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
@@ -238,7 +232,7 @@ def test_processes_loading_together_build_the_cache_once(tmp_path, cache, monkey
     import threading
     import time
 
-    folder = write_corpus(tmp_path / "c", random_text(8, 30), valid="w1\n", test="w2\n")
+    folder = write_splits(tmp_path / "c", random_text(8, 30), valid="w1\n", test="w2\n")
     built, build = [], streaming._build
 
     def slow_build(*args):
@@ -280,7 +274,7 @@ def shuffled_stream(corpus, epoch: int) -> list[str]:
 
 
 def test_sentence_batching_is_a_seeded_permutation_of_sentences_per_epoch(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", random_text(3, 40), valid="w1\n", test="w2\n")
+    folder = write_splits(tmp_path / "c", random_text(3, 40), valid="w1\n", test="w2\n")
     corpus = load_stream_corpus(folder, batching="sentences", seed=7, cache_dir=cache)
     stored = sentences(corpus.vocab.decode(corpus.train))
     epochs = {epoch: shuffled_stream(corpus, epoch) for epoch in (1, 2, 3)}
@@ -297,7 +291,7 @@ def test_sentence_batching_is_a_seeded_permutation_of_sentences_per_epoch(tmp_pa
 
 
 def test_sentence_batches_lay_the_shuffled_stream_out_as_batchify_does(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", random_text(4, 50), valid="w1\n", test="w2\n")
+    folder = write_splits(tmp_path / "c", random_text(4, 50), valid="w1\n", test="w2\n")
     corpus = load_stream_corpus(folder, batching="sentences", seed=1, cache_dir=cache)
     stream = torch.tensor(corpus.vocab.encode(shuffled_stream(corpus, 4)))
     view = corpus.batchify("train", 3).for_epoch(4)
@@ -308,18 +302,7 @@ def test_sentence_batches_lay_the_shuffled_stream_out_as_batchify_does(tmp_path,
 
 # ---- training from a memory map -----------------------------------------------------------
 
-TINY = [
-    "model.d_embed=8",
-    "model.d_hidden=12",
-    "model.n_layers=2",
-    "train.batch_size=4",
-    "train.bptt=6",
-    "train.max_seq_len_delta=3",
-    "train.eval_batch_size=2",
-    "train.lr=5",
-    "train.log_every=1",
-    "train.epochs=2",
-]
+TINY = [*TINY_AWD_LSTM, "train.epochs=2"]
 TRANSFORMER = [
     "model.backbone=transformer",
     "model.d_embed=8",
@@ -343,7 +326,7 @@ QUIET = TrainOptions(progress=False)
 @pytest.fixture
 def lm_corpus(tmp_path) -> Path:
     text = random_text(5, 120).replace("\n\n", "\n")
-    return write_corpus(tmp_path / "corpus", text, valid=random_text(6, 30), test="w1\n")
+    return write_splits(tmp_path / "corpus", text, valid=random_text(6, 30), test="w1\n")
 
 
 def run_config(corpus: Path, out: Path, cache: Path, family: list[str], *extra: str):
@@ -411,7 +394,7 @@ def test_eval_reads_a_max_vocab_run_through_its_memory_map(lm_corpus, tmp_path, 
 
 
 def test_an_empty_shard_folder_is_named(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     (folder / "train.txt").unlink()
     (folder / "train").mkdir()
     (folder / "train" / ".keep").write_text("")
@@ -423,7 +406,7 @@ def test_an_empty_shard_folder_is_named(tmp_path, cache):
 @pytest.mark.parametrize("strange", ["folder", "broken link"])
 def test_a_shard_folder_with_a_subfolder_or_a_broken_link_is_refused(tmp_path, cache, strange):
     """Issue: such entries were skipped silently, losing part of the split."""
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     (folder / "train.txt").unlink()
     (folder / "train").mkdir()
     (folder / "train" / "01.txt").write_text("a b\n")
@@ -437,7 +420,7 @@ def test_a_shard_folder_with_a_subfolder_or_a_broken_link_is_refused(tmp_path, c
 
 
 def test_the_in_memory_loader_points_a_shard_folder_at_data_memmap(tmp_path):
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     (folder / "train.txt").unlink()
     (folder / "train").mkdir()
     (folder / "train" / "part-0").write_text("a b\n")
@@ -446,7 +429,7 @@ def test_the_in_memory_loader_points_a_shard_folder_at_data_memmap(tmp_path):
 
 
 def test_a_shard_that_is_not_utf8_names_the_file_offset_and_line(tmp_path, cache, small_blocks):
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     (folder / "train.txt").unlink()
     (folder / "train").mkdir()
     (folder / "train" / "part-0").write_text("a b\n")
@@ -459,7 +442,7 @@ def test_a_shard_that_is_not_utf8_names_the_file_offset_and_line(tmp_path, cache
 
 
 def test_bad_shard_bytes_bom_and_nul_are_named(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     (folder / "valid.txt").write_bytes(b"\xef\xbb\xbfa\n")
     with pytest.raises(CorpusError, match=r"valid\.txt starts with a UTF-8 byte-order mark"):
         load_stream_corpus(folder, cache_dir=cache)
@@ -471,7 +454,7 @@ def test_bad_shard_bytes_bom_and_nul_are_named(tmp_path, cache):
 
 
 def test_split_file_and_shard_folder_together_or_missing_are_named(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     (folder / "test").mkdir()
     with pytest.raises(CorpusError, match=r"holds both test\.txt and a folder test/"):
         load_stream_corpus(folder, cache_dir=cache)
@@ -483,14 +466,14 @@ def test_split_file_and_shard_folder_together_or_missing_are_named(tmp_path, cac
 
 @pytest.mark.parametrize("split", ["train", "valid"])
 def test_a_split_without_words_is_named(tmp_path, cache, split):
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     (folder / f"{split}.txt").write_text("\n\n")
     with pytest.raises(CorpusError, match=rf"{split}\.txt is empty \(2 line\(s\), all blank\)"):
         load_stream_corpus(folder, cache_dir=cache)
 
 
 def test_an_unknown_word_without_unk_names_file_and_line(tmp_path, cache, small_blocks):
-    folder = write_corpus(tmp_path / "c", "a b\n", valid="a\nb a\na zz\n")
+    folder = write_splits(tmp_path / "c", "a b\n", valid="a\nb a\na zz\n")
     with pytest.raises(CorpusError, match=r"valid\.txt line 3: word 'zz' does not occur"):
         load_stream_corpus(folder, cache_dir=cache)
 
@@ -501,7 +484,7 @@ def test_max_vocab_below_two_is_refused_by_config_and_loader(tmp_path, cache):
             ConfigError, match=rf"data\.max_vocab = {value} is out of range; expected >= 2"
         ):
             load_config(None, ["data.memmap=true", f"data.max_vocab={value}"])
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     with pytest.raises(CorpusError, match=r"data\.max_vocab = 1; expected an int >= 2"):
         load_stream_corpus(folder, max_vocab=1, cache_dir=cache)
 
@@ -524,7 +507,7 @@ def test_seq2seq_does_not_read_the_stream_keys(key):
 
 
 def test_the_second_load_reads_the_cache_and_a_change_rebuilds(tmp_path, cache, monkeypatch):
-    folder = write_corpus(tmp_path / "c", "a b a\n", valid="a\n", test="b\n")
+    folder = write_splits(tmp_path / "c", "a b a\n", valid="a\n", test="b\n")
     first = load_stream_corpus(folder, cache_dir=cache)
     meta = json.loads((first.cache / "meta.json").read_text())
     assert meta["tokens"] == {"train": 4, "valid": 2, "test": 2}
@@ -540,7 +523,7 @@ def test_the_second_load_reads_the_cache_and_a_change_rebuilds(tmp_path, cache, 
 
 
 def test_a_truncated_cache_file_is_rebuilt(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b a\n", valid="a\n", test="b\n")
+    folder = write_splits(tmp_path / "c", "a b a\n", valid="a\n", test="b\n")
     first = load_stream_corpus(folder, cache_dir=cache)
     ids = first.cache / "train.ids"
     del first
@@ -615,7 +598,7 @@ def test_zipf_cli_writes_a_corpus(tmp_path, capsys):
 
 
 def test_a_rebuild_removes_what_killed_builds_left_behind(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b a\nb c\n")
+    folder = write_splits(tmp_path / "c", "a b a\nb c\n")
     built = load_stream_corpus(folder, cache_dir=cache).cache
     shutil.rmtree(built)  # the next load builds again
     leftovers = [built.parent / f".{built.name}.k1ll3d", built.parent / f".{built.name}.x.stale"]
@@ -639,7 +622,7 @@ def test_sentence_ends_of_a_slice_of_a_memory_map_count_from_the_slice(tmp_path)
 
 def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path):
     """Issue: HIGHRANK_CACHE_DIR naming a file gave a FileExistsError traceback."""
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     (tmp_path / "file").write_text("x")
     with pytest.raises(CorpusError, match=r"token cache folder .*file cannot be made: .* is a fi"):
         load_stream_corpus(folder, cache_dir=tmp_path / "file")
@@ -649,7 +632,7 @@ def test_a_cache_folder_that_is_a_file_is_one_line(tmp_path):
 def test_a_cached_id_outside_the_vocabulary_is_refused(tmp_path, cache, bad):
     """Issue: a negative id in valid.ids was accepted, ids beyond the vocabulary ended in a
     traceback later."""
-    folder = write_corpus(tmp_path / "c", "a b c\nb c\n")
+    folder = write_splits(tmp_path / "c", "a b c\nb c\n")
     load_stream_corpus(folder, cache_dir=cache)
     ids_file = next(cache.rglob("valid.ids"))
     damaged = np.fromfile(ids_file, dtype=np.int32)
@@ -661,7 +644,7 @@ def test_a_cached_id_outside_the_vocabulary_is_refused(tmp_path, cache, bad):
 
 def test_a_cached_id_changed_to_another_valid_id_fails_the_checksum(tmp_path, cache):
     """Issue: wrong in-range ids trained silently (the cache carried no checksum)."""
-    folder = write_corpus(tmp_path / "c", "a b c\nb c\n")
+    folder = write_splits(tmp_path / "c", "a b c\nb c\n")
     load_stream_corpus(folder, cache_dir=cache)
     ids_file = next(cache.rglob("train.ids"))
     damaged = np.fromfile(ids_file, dtype=np.int32)

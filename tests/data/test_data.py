@@ -21,15 +21,7 @@ from highrank.data import (
     load_corpus,
 )
 from highrank.data import corpus as data
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-def write_corpus(folder: Path, train: str, valid: str = "a b\n", test: str = "b a\n") -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, text in {"train": train, "valid": valid, "test": test}.items():
-        (folder / f"{split}.txt").write_text(text, encoding="utf-8")
-    return folder
+from tests.conftest import SHARED_DATA, write_splits
 
 
 @pytest.fixture
@@ -53,20 +45,20 @@ def shared_corpus(name: str) -> Path:
 
 def test_vocab_is_ordered_by_train_frequency_with_ties_by_first_appearance(tmp_path, cache):
     # counts: c 3, <eos> 3, a 2, b 2, d 1; b and a tie (b seen first), c and <eos> tie (c first).
-    folder = write_corpus(tmp_path / "c", "b c a\nc a b\nc d\n", valid="a\n", test="d\n")
+    folder = write_splits(tmp_path / "c", "b c a\nc a b\nc d\n", valid="a\n", test="d\n")
     corpus = load(folder, cache)
     assert corpus.vocab.words == ("c", EOS, "b", "a", "d")
     assert corpus.train.tolist() == corpus.vocab.encode("b c a <eos> c a b <eos> c d <eos>".split())
 
 
 def test_valid_and_test_do_not_enter_the_vocabulary(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", f"a {UNK}\n", valid="a zzz\n", test="a\n")
+    folder = write_splits(tmp_path / "c", f"a {UNK}\n", valid="a zzz\n", test="a\n")
     corpus = load(folder, cache)
     assert "zzz" not in corpus.vocab and len(corpus.vocab) == 3
 
 
 def test_eos_per_line_and_blank_lines(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", " a  b \n\n\na\n", valid="a\n\n", test="a")
+    folder = write_splits(tmp_path / "c", " a  b \n\n\na\n", valid="a\n\n", test="a")
     corpus = load(folder, cache)
     v = corpus.vocab
     assert v.decode(corpus.train) == ["a", "b", EOS, EOS, EOS, "a", EOS]
@@ -77,14 +69,14 @@ def test_eos_per_line_and_blank_lines(tmp_path, cache):
 
 
 def test_unknown_words_map_to_unk_and_are_counted(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", f"a {UNK} b\n", valid=f"a x {UNK} y\n", test="b\n")
+    folder = write_splits(tmp_path / "c", f"a {UNK} b\n", valid=f"a x {UNK} y\n", test="b\n")
     corpus = load(folder, cache)
     assert corpus.vocab.decode(corpus.valid) == ["a", UNK, UNK, UNK, EOS]
     assert corpus.oov == {"train": 0, "valid": 2, "test": 0}  # the literal <unk> is not OOV
 
 
 def test_unknown_word_without_unk_names_file_line_and_word(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b\n", valid="a\nb b\nb zebra a\n")
+    folder = write_splits(tmp_path / "c", "a b\n", valid="a\nb b\nb zebra a\n")
     with pytest.raises(CorpusError) as info:
         load(folder, cache)
     message = str(info.value)
@@ -114,7 +106,7 @@ def test_vocab_api_round_trip_and_errors(tmp_path):
 
 
 def test_missing_split_is_named(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     (folder / "test.txt").unlink()
     with pytest.raises(CorpusError, match=r"missing split file .*test\.txt"):
         load(folder, cache)
@@ -127,13 +119,13 @@ def test_missing_directory(tmp_path, cache):
 
 @pytest.mark.parametrize("content", ["", "\n\n", "  \n"])
 def test_empty_split_is_named(tmp_path, cache, content):
-    folder = write_corpus(tmp_path / "c", "a\n", valid=content)
+    folder = write_splits(tmp_path / "c", "a\n", valid=content)
     with pytest.raises(CorpusError, match=r"valid\.txt is empty"):
         load(folder, cache)
 
 
 def test_non_utf8_reports_file_byte_offset_and_line(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     (folder / "test.txt").write_bytes(b"a b\ncaf\xe9 a\n")  # latin-1 e-acute at offset 7
     with pytest.raises(CorpusError) as info:
         load(folder, cache)
@@ -142,14 +134,14 @@ def test_non_utf8_reports_file_byte_offset_and_line(tmp_path, cache):
 
 
 def test_byte_order_mark_is_reported_not_swallowed_into_the_first_word(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     (folder / "train.txt").write_bytes(b"\xef\xbb\xbfa b\n")
     with pytest.raises(CorpusError, match=r"train\.txt starts with a UTF-8 byte-order mark"):
         load(folder, cache)
 
 
 def test_nul_byte_is_reported_with_offset_and_line(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     (folder / "valid.txt").write_bytes(b"a\nb\x00a\n")  # NUL at offset 3, line 2
     with pytest.raises(CorpusError) as info:
         load(folder, cache)
@@ -158,7 +150,7 @@ def test_nul_byte_is_reported_with_offset_and_line(tmp_path, cache):
 
 
 def test_unknown_mode(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a\n")
+    folder = write_splits(tmp_path / "c", "a\n")
     with pytest.raises(CorpusError, match="expected one of word, char"):
         load(folder, cache, mode="byte")
 
@@ -174,7 +166,7 @@ def _forbid_tokenising(monkeypatch):
 
 
 def test_second_load_comes_from_the_cache(tmp_path, cache, monkeypatch):
-    folder = write_corpus(tmp_path / "c", f"a b a\n{UNK}\n", valid="a zz\n")
+    folder = write_splits(tmp_path / "c", f"a b a\n{UNK}\n", valid="a zz\n")
     first = load(folder, cache)
     assert len(list(cache.glob("*.npz"))) == 1
     _forbid_tokenising(monkeypatch)
@@ -186,7 +178,7 @@ def test_second_load_comes_from_the_cache(tmp_path, cache, monkeypatch):
 
 
 def test_changed_file_invalidates_the_cache(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     load(folder, cache)
     (folder / "test.txt").write_text("b b b\n", encoding="utf-8")
     corpus = load(folder, cache)
@@ -194,7 +186,7 @@ def test_changed_file_invalidates_the_cache(tmp_path, cache):
 
 
 def test_word_and_char_modes_are_cached_apart(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "ab ba\n", valid="ba\n", test="ab\n")
+    folder = write_splits(tmp_path / "c", "ab ba\n", valid="ba\n", test="ab\n")
     assert len(load(folder, cache, mode="word").vocab) == 3
     assert len(load(folder, cache, mode="char").vocab) == 4  # a, b, " ", <eos>
     assert len(list(cache.glob("*.npz"))) == 2
@@ -210,7 +202,7 @@ def test_word_and_char_modes_are_cached_apart(tmp_path, cache):
     ids=["truncated", "flipped", "garbage"],
 )
 def test_corrupted_cache_is_rebuilt(tmp_path, cache, damage):
-    folder = write_corpus(tmp_path / "c", "a b c a\n" * 50)
+    folder = write_splits(tmp_path / "c", "a b c a\n" * 50)
     expected = load(folder, cache)
     (cache_file,) = cache.glob("*.npz")
     cache_file.write_bytes(damage(cache_file.read_bytes()))
@@ -220,7 +212,7 @@ def test_corrupted_cache_is_rebuilt(tmp_path, cache, damage):
 
 
 def test_cache_with_a_different_stored_key_is_ignored(tmp_path, cache, monkeypatch):
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     load(folder, cache)
     (cache_file,) = cache.glob("*.npz")
     with np.load(cache_file) as archive:
@@ -233,7 +225,7 @@ def test_cache_with_a_different_stored_key_is_ignored(tmp_path, cache, monkeypat
 
 
 def test_use_cache_false_writes_nothing(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     load(folder, cache, use_cache=False)
     assert not cache.exists()
 
@@ -250,7 +242,7 @@ def test_default_cache_dir_is_the_users_cache_never_the_corpus(tmp_path, monkeyp
 
 
 def test_unwritable_cache_warns_and_still_loads(tmp_path):
-    folder = write_corpus(tmp_path / "c", "a b\n")
+    folder = write_splits(tmp_path / "c", "a b\n")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory", encoding="utf-8")
     with pytest.warns(UserWarning, match="could not write the token cache"):
@@ -262,7 +254,7 @@ def test_unwritable_cache_warns_and_still_loads(tmp_path):
 
 
 def test_char_mode_normalises_whitespace_to_single_spaces(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", " ab  a\t\n\nb\n", valid="ba\n", test="a b\n")
+    folder = write_splits(tmp_path / "c", " ab  a\t\n\nb\n", valid="ba\n", test="a b\n")
     corpus = load(folder, cache, mode="char")
     assert corpus.vocab.decode(corpus.train) == ["a", "b", " ", "a", EOS, EOS, "b", EOS]
     assert corpus.vocab.words == (EOS, "a", "b", " ")  # counts 3, 2, 2, 1
@@ -270,7 +262,7 @@ def test_char_mode_normalises_whitespace_to_single_spaces(tmp_path, cache):
 
 
 def test_char_mode_unknown_character_is_named(tmp_path, cache):
-    folder = write_corpus(tmp_path / "c", "ab\n", valid="ab\nabc\n")
+    folder = write_splits(tmp_path / "c", "ab\n", valid="ab\nabc\n")
     with pytest.raises(CorpusError, match=r"valid\.txt line 2: character 'c'"):
         load(folder, cache, mode="char")
 
@@ -315,7 +307,7 @@ def test_batching_argument_errors():
 
 
 def test_corpus_batchify_names_its_file(tmp_path, cache):
-    corpus = load(write_corpus(tmp_path / "c", "a b c d e\n"), cache)
+    corpus = load(write_splits(tmp_path / "c", "a b c d e\n"), cache)
     assert corpus.batchify("train", 3).shape == (2, 3)
     with pytest.raises(CorpusError, match=r"valid\.txt is shorter than one batch"):
         corpus.batchify("valid", 10)

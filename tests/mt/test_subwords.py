@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +23,9 @@ from highrank.mt.subwords import (  # noqa: E402
     learn_subwords,
     load_or_learn_subwords,
 )
+from tests.conftest import SHARED_DATA  # noqa: E402
 
-MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+MULTI30K = SHARED_DATA / "multi30k"
 
 EN = ["a man", "a woman", "the dog", "the cat", "runs", "sits", "in the park", "on a bench"]
 DE = [

@@ -10,8 +10,9 @@ import pytest
 
 from highrank.data import EOS, CorpusError, load_corpus
 from highrank.data.chars import bits_per_char, char_symbols, ptb_char_text, write_ptb_char
+from tests.conftest import SHARED_DATA
 
-SHARED_PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
+SHARED_PTB = SHARED_DATA / "ptb"
 
 # The first two lines of ptb.valid.txt and, verbatim, the first bytes of the published
 # ptb.char.valid.txt (youngjoo-epfl/gconvRNN datasets/ptb_char/, blob 940c7ea5).

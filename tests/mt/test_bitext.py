@@ -22,8 +22,9 @@ from highrank.mt.bitext import (
     plan_batches,
     read_bitext_split,
 )
+from tests.conftest import SHARED_DATA
 
-MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+MULTI30K = SHARED_DATA / "multi30k"
 SPECIAL = SpecialIds(pad=1, bos=0, eos=2)
 
 
