@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from highrank.heads import HEADS, base_init_knobs, build_head
-from tests.conftest import SMALL_KNOBS
+from tests.conftest import SMALL_KNOBS, head_inputs
 
 DEVICE = os.environ.get("HIGHRANK_TEST_DEVICE", "cuda")
 if DEVICE.startswith("cuda") and not torch.cuda.is_available():
@@ -38,8 +38,9 @@ def test_every_head_computes_the_same_function_on_the_device_in_float64(make_hea
     results = []
     for head, (h, t) in ((cpu_head, (hidden, target)), (device_head, _on(DEVICE, hidden, target))):
         h = h.clone().requires_grad_(True)
-        log_p = head.log_prob(h)
-        loss = head.loss(h, t, chunk_size=7)
+        inputs = head_inputs(head, h)  # MFS, CPR: layers and ids made from h, alike on both
+        log_p = head.log_prob(h, **inputs)
+        loss = head.loss(h, t, chunk_size=7, **inputs)
         loss.backward()
         grads = [p.grad.cpu() for p in head.parameters() if p.grad is not None]
         results.append((log_p.detach().cpu(), loss.detach().cpu(), h.grad.cpu(), grads))
@@ -56,12 +57,13 @@ def test_every_head_computes_the_same_function_on_the_device_in_float64(make_hea
 def test_every_head_trains_on_the_device_in_float32_with_its_noise(make_head, name):
     head = make_head(name, vocab_size=300, stochastic=True).to(DEVICE).train()
     hidden = torch.randn(3, 8, 12, device=DEVICE)
-    log_p = head.log_prob(hidden)
+    inputs = head_inputs(head, hidden)
+    log_p = head.log_prob(hidden, **inputs)
     assert log_p.device.type == torch.device(DEVICE).type and log_p.dtype == torch.float32
     torch.testing.assert_close(
         log_p.logsumexp(-1), torch.zeros(3, 8, device=DEVICE), atol=1e-5, rtol=0
     )
-    loss = head.loss(hidden, torch.randint(0, 300, (3, 8), device=DEVICE))
+    loss = head.loss(hidden, torch.randint(0, 300, (3, 8), device=DEVICE), **inputs)
     loss.backward()
     assert torch.isfinite(loss) and all(
         torch.isfinite(p.grad).all() for p in head.parameters() if p.grad is not None
@@ -73,10 +75,11 @@ def test_every_head_trains_on_the_device_in_float32_with_its_noise(make_head, na
 def test_under_bfloat16_autocast_every_head_returns_normalised_float32(make_head, name):
     head = make_head(name, vocab_size=300).to(DEVICE).eval()
     hidden = torch.randn(64, 12, device=DEVICE)
-    exact = head.log_prob(hidden)
+    inputs = head_inputs(head, hidden)
+    exact = head.log_prob(hidden, **inputs)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        log_p = head.log_prob(hidden)
-        loss = head.loss(hidden, torch.randint(0, 300, (64,), device=DEVICE))
+        log_p = head.log_prob(hidden, **inputs)
+        loss = head.loss(hidden, torch.randint(0, 300, (64,), device=DEVICE), **inputs)
     assert log_p.dtype == loss.dtype == torch.float32
     torch.testing.assert_close(
         log_p.logsumexp(-1), torch.zeros(64, device=DEVICE), atol=1e-5, rtol=0
@@ -97,7 +100,8 @@ def test_a_warm_started_head_equals_its_softmax_on_the_device(name):
     softmax, head = softmax.to(DEVICE), head.to(DEVICE)
     hidden = 3 * torch.randn(40, 12, device=DEVICE)
     torch.testing.assert_close(
-        head.eval().log_prob(hidden), softmax.log_prob(hidden), atol=1e-5, rtol=0
+        head.eval().log_prob(hidden, **head_inputs(head, hidden)), softmax.log_prob(hidden),
+        atol=1e-5, rtol=0
     )
 
 
