@@ -2,6 +2,8 @@
 same global batch (issue 33 item 3): step time, wall time and peak memory per process.
 
     python -m benchmarks.studies.retrofit_scaling [--models tiny,smollm2] [--modes frozen,lora]
+    python -m benchmarks.studies.retrofit_scaling --models smollm2 --modes full,full-fsdp \
+        --out benchmarks/results/retrofit-scaling/fsdp      # DDP against FSDP2 (full mode)
         [--data ../shared/data] [--work ~/.cache/highrank/retrofit-scaling]
         [--out benchmarks/results/retrofit-scaling]
 
@@ -45,7 +47,16 @@ SETTINGS = {
                             "max_train_tokens": 2048, "max_eval_tokens": 512},
     ("smollm2", "lora"): {"window": 128, "batch_tokens": 256, "steps": 6,
                           "max_train_tokens": 2048, "max_eval_tokens": 256},
+    # full mode in DDP (every process the whole model, its gradients and Adam's moments)
+    # against FSDP2 (--fsdp: each process 1/2 of them), 2 processes each: the memory
+    ("smollm2", "full"): {"window": 128, "batch_tokens": 256, "steps": 4,
+                          "max_train_tokens": 2048, "max_eval_tokens": 256},
+    ("smollm2", "full-fsdp"): {"window": 128, "batch_tokens": 256, "steps": 4,
+                               "max_train_tokens": 2048, "max_eval_tokens": 256},
 }
+# modes run in 2 processes only (FSDP2 shards across processes: one process has nothing to
+# shard); each is compared with the mode it shards, in 2 processes
+SHARDED = {"full-fsdp": "full"}
 
 
 def worker(folder: Path, words: list[str]) -> int:
@@ -85,8 +96,9 @@ def one_run(model: str, mode: str, nproc: int, args) -> dict:
     for folder in (out, memory):
         subprocess.run(["rm", "-rf", str(folder)], check=True)
     words = ["retrofit", "--hf", path, "--head", "mos", "--knob", "n_components=2",
-             "--mode", mode, "--train", texts["train"], "--valid", texts["valid"],
-             "--out", str(out), "--threads", "1", "--device", "cpu", "--warmup-steps", "2"]
+             "--mode", SHARDED.get(mode, mode), "--train", texts["train"], "--valid",
+             texts["valid"], "--out", str(out), "--threads", "1", "--device", "cpu",
+             "--warmup-steps", "2", *(["--fsdp"] if mode in SHARDED else [])]
     for key, value in settings.items():
         words += [f"--{key.replace('_', '-')}", str(value)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -117,8 +129,19 @@ def one_run(model: str, mode: str, nproc: int, args) -> dict:
 
 
 def summary(runs: list[dict]) -> list[dict]:
-    """Per model and mode: 1 and 2 processes' step times and the efficiency t1 / (2 t2)."""
+    """Per model and mode: 1 and 2 processes' step times and the efficiency t1 / (2 t2); per
+    sharded mode, its 2 processes' step time and peak memory against the mode it shards."""
     rows = []
+    for mode, plain in SHARDED.items():
+        for model in {m for m, _ in SETTINGS}:
+            pair = {r["mode"]: r for r in runs if r["model"] == model and r["processes"] == 2
+                    and r["mode"] in (mode, plain) and r.get("median_step_seconds")}
+            if set(pair) == {mode, plain}:
+                rows.append({"model": model, "mode": mode, "against": f"{plain}, 2 processes",
+                             "step_seconds": pair[mode]["median_step_seconds"],
+                             "step_seconds_against": pair[plain]["median_step_seconds"],
+                             "peak_rss_mib": pair[mode]["peak_rss_mib"],
+                             "peak_rss_mib_against": pair[plain]["peak_rss_mib"]})
     for model, mode in SETTINGS:
         pair = {r["processes"]: r for r in runs if (r["model"], r["mode"]) == (model, mode)
                 and r.get("median_step_seconds")}
@@ -151,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"machine": machine(1), "runs": []}
     for model in args.models.split(","):
         for mode in args.modes.split(","):
-            for nproc in (1, 2):
+            for nproc in (2,) if mode in SHARDED else (1, 2):
                 run = one_run(model, mode, nproc, args)
                 record["runs"].append(run)
                 print(json.dumps({k: run.get(k) for k in ("model", "mode", "processes",
