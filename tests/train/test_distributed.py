@@ -23,7 +23,7 @@ from highrank.models import build_model
 from highrank.runs.run_dir import read_metrics
 from highrank.train import distributed
 from highrank.train.asgd import switch_to_asgd
-from tests.conftest import write_train_corpus
+from tests.conftest import TINY_AWD_LSTM, write_train_corpus
 
 DEADLINE = 120.0  # seconds for all the processes of one test, imports included
 NO_DROPOUT = [
@@ -33,17 +33,7 @@ NO_DROPOUT = [
     "model.dropout_output=0",
     "model.weight_drop=0",
 ]
-AWD = [
-    "model.d_embed=8",
-    "model.d_hidden=12",
-    "model.n_layers=2",
-    "train.batch_size=4",
-    "train.bptt=6",
-    "train.max_seq_len_delta=3",
-    "train.eval_batch_size=2",
-    "train.lr=5",
-    "train.log_every=1",
-]
+AWD = TINY_AWD_LSTM  # the training tests' tiny AWD-LSTM (tests/conftest.py)
 TRANSFORMER = [
     "model.backbone=transformer",
     "model.d_embed=8",
