@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 # The dataset names of highrank.data.sources, here so that building the parser imports nothing
-# numerical (tests/data/test_sources.py checks that the two lists agree).
+# numerical (tests/data/test_data_sources.py checks that the two lists agree).
 DATASET_NAMES = ("ptb", "wikitext-2", "multi30k", "word-sim")
 
 
