@@ -207,7 +207,7 @@ def check_retrofit(nproc: int, device: str, out: Path, env: dict) -> dict:
     """``highrank retrofit`` in every mode on a tiny Llama with a word-level tokenizer, N
     processes against one: the step losses (history.json) within 1e-4."""
     root = out / "retrofit"
-    model, texts = _retrofit_inputs(root)
+    model, texts = retrofit_inputs(root)
     record: dict = {}
     for mode in ("frozen", "lora", "full"):
         histories, runs = {}, {}
@@ -227,7 +227,7 @@ def check_retrofit(nproc: int, device: str, out: Path, env: dict) -> dict:
     return {**record, "passed": all(r["passed"] for r in record.values())}
 
 
-def _retrofit_inputs(root: Path) -> tuple[Path, dict]:
+def retrofit_inputs(root: Path) -> tuple[Path, dict]:
     import random
 
     import torch

@@ -73,9 +73,9 @@ def worker(folder: Path, words: list[str]) -> int:
 
 def inputs(model: str, args) -> tuple[str, dict]:
     if model == "tiny":
-        from benchmarks.checks.engines_gpu_check import _retrofit_inputs
+        from benchmarks.checks.engines_gpu_check import retrofit_inputs
 
-        folder, texts = _retrofit_inputs(args.work / "tiny")
+        folder, texts = retrofit_inputs(args.work / "tiny")
         return str(folder), {k: str(v) for k, v in texts.items()}
     import importlib.util
 

@@ -6,7 +6,7 @@ MoS-2 and the capacity control (benchmarks/studies/smollm2_warm_start.py has the
 
 On a GPU machine: ``bash benchmarks/studies/smollm2_lora_device.sh`` (what the recorded runs used).
 
-Each run is ``highrank retrofit --mode lora`` (:mod:`highrank.integrations.retrofit_run`): PEFT
+Each run is ``highrank retrofit --mode lora`` (:mod:`highrank.integrations.retrofit.run`): PEFT
 LoRA (rank 8) on every attention and MLP projection of the body plus the whole head, trained
 end to end on windows of 256 tokens of WikiText-2 train, ``--steps`` Adam steps of
 ``--batch-tokens`` tokens (lr ``--lr``, linear warm-up, cosine to 0, clip 1); the head starts
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def plan_for(name: str, seed: int, args):
-    from highrank.integrations.retrofit_run import RetrofitPlan
+    from highrank.integrations.retrofit import RetrofitPlan
 
     head, knobs = HEADS[name]
     text = args.data_dir / "wikitext-2"
@@ -81,7 +81,7 @@ def plan_for(name: str, seed: int, args):
 def run_one(name: str, seed: int, args) -> dict:
     import torch
 
-    from highrank.integrations.retrofit_run import retrofit
+    from highrank.integrations.retrofit import retrofit
 
     torch.set_num_threads(args.threads)
     began = time.perf_counter()
