@@ -188,6 +188,27 @@ def test_a_projection_sets_the_output_width_and_keeps_the_recurrence():
     torch.testing.assert_close(output, projected.projection(hidden))
 
 
+def test_the_output_dropout_acts_on_the_body_not_on_the_projected_width():
+    """Training: the output is the projection of the dropped LSTM output (its locked mask
+    over the 12 hidden units, not over the 3 projected ones); the raw output (TAR) is the
+    projection of the undropped one."""
+    from highrank.models.backbones.awd_lstm import AWDLSTM
+
+    torch.manual_seed(0)
+    model = AWDLSTM(30, d_embed=8, d_hidden=12, n_layers=1, d_last=12, d_project=3,
+                    dropout_output=0.5, dropout_input=0, dropout_embedding=0, weight_drop=0)
+    model.train()
+    tokens = torch.randint(0, 30, (5, 2))
+    torch.manual_seed(1)
+    output, _, extras = model(tokens)
+    hidden, _ = model.layers[0](model.embedding(tokens), model.init_state(2)[0])
+    torch.testing.assert_close(extras.raw_output, model.projection(hidden))
+    torch.manual_seed(1)
+    dropped = model.output_dropout(hidden)  # the same locked mask: the same draw
+    assert (dropped == 0).any()  # the mask deleted hidden units: the check can fail
+    torch.testing.assert_close(output, model.projection(dropped))
+
+
 def test_an_untied_head_on_a_projection_has_the_output_width_as_its_decoder_width(tmp_path):
     """The map's cells differ by their output layer alone: with model.d_project and untied
     weights, the head's decoder has width d_project (the input embedding keeps d_embed)."""
