@@ -18,10 +18,12 @@ Every number comes from highrank's own commands, run as subprocesses as a user w
 
 **The body** (every cell; :data:`BODY`): the small PTB recipe's AWD-LSTM cut to one LSTM layer of
 400 units over a 200-wide input embedding, its output projected linearly to width d
-(``model.d_project``), the head untied from the input embedding. A cell differs from another by
-its output layer alone: the projection to d and the head.
+(``model.d_project``, after the body's output dropout), the head untied from the input
+embedding. A cell differs from another by its output layer alone: the projection to d and the
+head, with no dropout inside either (the first d = 8 cells, with the dropout on the projected
+coordinates and MoS's latent dropout, all ended at unigram perplexity: ``superseded/``).
 
-**The arms** at every d: ``softmax``; ``mos`` (K = 4, the small recipe's latent dropout 0.29);
+**The arms** at every d: ``softmax``; ``mos`` (K = 4, no latent dropout);
 ``mixtape`` (K = 4, its small recipe's gate); ``sigsoftmax``; and two controls, both at least the
 MoS model's parameter count: ``mlp_softmax`` (a softmax over a residual MLP, rank-bounded: its
 width the smallest that reaches MoS's count) and ``wide_softmax`` (a softmax whose output width
@@ -106,10 +108,12 @@ STOP = (
     "train.patience_min_delta=0.002",
     "train.epochs=30",
 )
-# arm -> (the small recipe it starts from, its head overrides)
+# arm -> (the small recipe it starts from, its head overrides). No arm has dropout inside its
+# output layer (MoS's recipe drops 0.29 of its latents, which are d wide: at d = 8 that alone
+# would handicap it); the body's dropout, before the projection to d, is every cell's.
 RECIPE = {
     "softmax": ("softmax", ()),
-    "mos": ("mos", ("head.n_components=4",)),
+    "mos": ("mos", ("head.n_components=4", "head.latent_dropout=0")),
     "mixtape": ("mixtape", ()),
     "sigsoftmax": ("sigsoftmax", ()),
     "mlp_softmax": ("softmax", ("head.name=mlp_softmax",)),
