@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import inspect
 import os
 import signal
@@ -141,8 +142,15 @@ def stop_with_the_launcher() -> None:
 
 
 def _leave() -> None:
+    """At exit under torchrun: the process group destroyed while the interpreter is whole.
+    Cyclic garbage first (a DDP wrapper and its reducer, kept alive by hook cycles, hold the
+    gloo group and its threads): left to interpreter finalization, their teardown aborted a
+    finished process once (SIGABRT, "terminate called without an active exception", LoRA in
+    2 processes on a loaded machine)."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 # ---- the model --------------------------------------------------------------------------------
