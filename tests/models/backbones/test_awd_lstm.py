@@ -188,10 +188,10 @@ def test_a_projection_sets_the_output_width_and_keeps_the_recurrence():
     torch.testing.assert_close(output, projected.projection(hidden))
 
 
-def test_the_output_dropout_acts_on_the_body_not_on_the_projected_width():
+def test_the_output_dropout_and_ar_tar_act_on_the_body_not_on_the_projected_width():
     """Training: the output is the projection of the dropped LSTM output (its locked mask
-    over the 12 hidden units, not over the 3 projected ones); the raw output (TAR) is the
-    projection of the undropped one."""
+    over the 12 hidden units, not over the 3 projected ones); AR and TAR read the LSTM's own
+    12-wide outputs, dropped and raw, as without a projection."""
     from highrank.models.backbones.awd_lstm import AWDLSTM
 
     torch.manual_seed(0)
@@ -202,11 +202,13 @@ def test_the_output_dropout_acts_on_the_body_not_on_the_projected_width():
     torch.manual_seed(1)
     output, _, extras = model(tokens)
     hidden, _ = model.layers[0](model.embedding(tokens), model.init_state(2)[0])
-    torch.testing.assert_close(extras.raw_output, model.projection(hidden))
+    torch.testing.assert_close(extras.raw_output, hidden)
     torch.manual_seed(1)
     dropped = model.output_dropout(hidden)  # the same locked mask: the same draw
     assert (dropped == 0).any()  # the mask deleted hidden units: the check can fail
     torch.testing.assert_close(output, model.projection(dropped))
+    torch.testing.assert_close(extras.dropped_output, dropped)
+    assert extras.raw_output.shape[-1] == 12 and output.shape[-1] == 3
 
 
 def test_an_untied_head_on_a_projection_has_the_output_width_as_its_decoder_width(tmp_path):

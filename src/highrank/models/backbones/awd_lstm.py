@@ -7,12 +7,15 @@ ICLR 2018): an embedding and a stack of weight-dropped single-layer LSTMs with l
       -> LSTM_1 -> locked dropout (dropouth) -> ... -> LSTM_L   each LSTM weight-dropped (wdrop)
       -> raw output (T, B, d_last) -> locked dropout (dropout) -> output (T, B, d_last)
 
-With ``d_project`` a linear projection to that width follows, of both (the raw output for
-TAR, the dropped one for the head and AR): the output width then varies while the body, its
-dropout included, stays the same. Dropout after the projection would not: a locked mask over
-d = 8 coordinates deletes about a third of the output width for a whole sequence, and the
-bottleneck map's first cells, trained so, all ended at a unigram model's perplexity
-(softmax 683.3, MoS 682.5, unigram 687.0 on PTB valid).
+With ``d_project`` a linear projection of the dropped output to that width follows, which
+the head reads; AR and TAR still act on the last layer's own output. The output width then
+varies while the body, its dropout and its regularizers included, stays the same. Either
+after the projection would not: a locked mask over d = 8 coordinates deletes about a third of
+the output width for a whole sequence, and AR (alpha = 2, on the mean square) pulls an
+unbounded 8-wide output toward zero, where the decoder needs it large. The bottleneck map's
+d = 8 softmax cell sat at a unigram model's perplexity with both (683.3) and, with the dropout
+moved, with AR and TAR still on the projected output (687.6 at epoch 8; PTB's unigram valid
+perplexity 687.0); whether this placement lifts it is the map's to show.
 
 The backbone produces hidden states and knows nothing about the vocabulary distribution: the
 output head (``highrank.heads``) takes ``output`` and may tie its decoder to
@@ -151,9 +154,10 @@ class AWDLSTM(nn.Module):
             if i < self.n_layers - 1:
                 x = self.hidden_dropout(x)
         output = self.output_dropout(x)  # (T, B, H_L)
-        if self.projection is not None:  # the body's dropout before the output width's map
-            x, output = self.projection(x), self.projection(output)  # (T, B, d_project)
-        return output, new_state, AWDLSTMExtras(raw_output=x, dropped_output=output)
+        extras = AWDLSTMExtras(raw_output=x, dropped_output=output)  # the body's: AR, TAR
+        if self.projection is not None:  # the output width's map, after the body's dropout
+            output = self.projection(output)  # (T, B, d_project)
+        return output, new_state, extras
 
     def init_state(self, batch_size: int) -> AWDLSTMState:
         """Zero ``(h, c)`` per layer, each ``(1, batch_size, H_layer)``, on the model's device."""
