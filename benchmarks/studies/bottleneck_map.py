@@ -34,7 +34,7 @@ d' is the smallest that reaches it). :func:`cell` gives each arm's command.
 steps at each of :data:`PILOT_LRS`, scored on the whole validation split; when the best is at an
 end of the grid the grid is extended by a factor of 2 that way (at most :data:`MAX_EXTENSIONS`
 times). A run stops at one rule: ``train.patience = 3`` epoch-end validations without an
-improvement of more than ``patience_min_delta = 0.002`` nats (0.2% perplexity), or 30 epochs.
+improvement of more than ``patience_min_delta = 0.002`` nats (0.2% perplexity), or 20 epochs (the budget's cap, see the page).
 
 **The 15-epoch runs** (``long-<head>-seed<S>``): the replication study's small recipes of softmax
 and MoS (``configs/ptb/small-<head>.toml``, d_hidden matched to the softmax model's parameter
@@ -106,7 +106,7 @@ STOP = (
     "train.nonmono=3",
     "train.patience=3",
     "train.patience_min_delta=0.002",
-    "train.epochs=30",
+    "train.epochs=20",
 )
 # arm -> (the small recipe it starts from, its head overrides). No arm has dropout inside its
 # output layer (MoS's recipe drops 0.29 of its latents, which are d wide: at d = 8 that alone
