@@ -531,9 +531,73 @@ def figures(rows: list[dict], cells: list[dict]) -> None:
         figure.tight_layout()
         save_figure(figure, OUT / name, dpi=110)
         plt.close(figure)
+    gain_figure(plt, cells, colours)
     _curves(plt, [r for r in rows if not r["arm"].startswith("long-")], "curves.png", colours)
     _curves(plt, [r for r in rows if r["arm"].startswith("long-")], "long-curves.png",
             {"long-softmax": "C0", "long-mos": "C1"})
+
+
+SYNTHETIC = RESULTS / "synthetic-sweep" / "summary.json"
+SMOLLM2 = RESULTS / "smollm2-warm-start" / "summary.json"
+
+
+def gain_points(cells: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Nats per token a high-rank head saves, against the output width d, from three studies
+    on one axis: the map (each head against the softmax, and MoS against the stronger of its two
+    controls: log of the perplexity ratio), the synthetic sweep (MoS-15 against the softmax at
+    true rank 64 and 256, V = 256: the difference of their KLs, which is the difference of their
+    cross-entropies) and SmolLM2-135M's frozen warm start (MoS-4 against its rank-bounded
+    control, d = 576, V = 49,152). Each series is a list of (d, nats)."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    mean = {(c["arm"], c["d"]): c["test_ppl_mean"] for c in cells}
+    for arm, d in sorted(mean, key=lambda key: key[1]):
+        if arm in HEADS[1:] and ("softmax", d) in mean:
+            series.setdefault(f"PTB map: {arm} - softmax", []).append(
+                (d, math.log(mean[("softmax", d)] / mean[(arm, d)])))
+        if arm == "mos" and all((c, d) in mean for c in CONTROLS):
+            stronger = min(mean[(c, d)] for c in CONTROLS)
+            series.setdefault("PTB map: mos - best control", []).append(
+                (d, math.log(stronger / mean[(arm, d)])))
+    if SYNTHETIC.is_file():
+        kl = {(r["r"], r["d"], r["head"]): r["kl_mean"]
+              for r in json.loads(SYNTHETIC.read_text())["rows"]}
+        for rank in (64, 256):
+            series[f"synthetic r = {rank}: mos - softmax"] = sorted(
+                (d, kl[(rr, d, "softmax")] - kl[(rr, d, "mos")])
+                for rr, d, head in kl if rr == rank and head == "mos")
+    if SMOLLM2.is_file():
+        for pair in json.loads(SMOLLM2.read_text())["against_controls"]:
+            if (pair["head"], pair["split"]) == ("mos4", "test"):
+                series["SmolLM2 frozen: mos4 - control"] = [
+                    (576, math.log(pair["control_mean"] / pair["head_mean"]))]
+    return series
+
+
+def gain_figure(plt, cells: list[dict], colours: dict) -> None:
+    """gain-vs-d.png: :func:`gain_points` on one axis (the languages differ: V = 256, 10,000
+    and 49,152; what is shared is the width d and the unit, nats per token)."""
+    series = gain_points(cells)
+    if not series:
+        return
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for label, points in series.items():
+        arm = label.split(": ", 1)[1].split(" - ", 1)[0]
+        style = {"marker": "o", "color": colours.get(arm, "C7")}
+        if label.startswith("synthetic"):
+            style.update(marker="s", color="k", linestyle=":" if "64" in label else "--")
+        elif label.startswith("SmolLM2"):
+            style.update(marker="*", markersize=12, color="C1", linestyle="none")
+        elif "control" in label:
+            style.update(linestyle="--")
+        axis.plot([d for d, _ in points], [g for _, g in points], label=label, **style)
+    axis.axhline(0.0, color="grey", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("output width d")
+    axis.set_ylabel("nats per token saved (> 0: the high-rank head is better)")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    save_figure(figure, OUT / "gain-vs-d.png", dpi=110)
+    plt.close(figure)
 
 
 def _curves(plt, rows: list[dict], name: str, colours: dict) -> None:

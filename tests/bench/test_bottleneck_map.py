@@ -103,3 +103,36 @@ def test_the_summary_pairs_seeds_and_tests_the_differences(tmp_path, monkeypatch
     bm.summarize()  # writes the files and the figures without error
     assert json.loads((tmp_path / "summary.json").read_text()) == rows
     assert (tmp_path / "test-ppl-vs-d.png").is_file()
+
+
+def test_the_gain_figure_puts_three_studies_on_one_axis_in_nats(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    synthetic = tmp_path / "synthetic.json"
+    synthetic.write_text(json.dumps({"rows": [
+        {"r": 256, "d": 8, "head": "softmax", "kl_mean": 1.0},
+        {"r": 256, "d": 8, "head": "mos", "kl_mean": 0.6}]}))
+    smollm2 = tmp_path / "smollm2.json"
+    smollm2.write_text(json.dumps({"against_controls": [
+        {"head": "mos4", "control": "control3m", "split": "valid", "head_mean": 1.0,
+         "control_mean": 9.0},
+        {"head": "mos4", "control": "control3m", "split": "test", "head_mean": 20.0,
+         "control_mean": 21.0}]}))
+    monkeypatch.setattr(bm, "SYNTHETIC", synthetic)
+    monkeypatch.setattr(bm, "SMOLLM2", smollm2)
+    cells = [{"arm": arm, "d": 8, "test_ppl_mean": ppl} for arm, ppl in
+             (("softmax", 300.0), ("mos", 250.0), ("mlp_softmax", 280.0),
+              ("wide_softmax", 290.0), ("mixtape", 320.0))]
+    series = bm.gain_points(cells)
+    assert series["PTB map: mos - softmax"] == [(8, pytest.approx(math.log(300 / 250)))]
+    # against the stronger control (the lower perplexity), not the weaker
+    assert series["PTB map: mos - best control"] == [(8, pytest.approx(math.log(280 / 250)))]
+    assert series["PTB map: mixtape - softmax"][0][1] < 0
+    assert series["synthetic r = 256: mos - softmax"] == [(8, pytest.approx(0.4))]
+    assert series["SmolLM2 frozen: mos4 - control"] == [(576, pytest.approx(math.log(21 / 20)))]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bm.gain_figure(plt, cells, {})
+    assert (tmp_path / "gain-vs-d.png").is_file()
