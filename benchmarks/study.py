@@ -95,7 +95,7 @@ class Study:
 
     def __init__(
         self,
-        stages: Iterable[Stage],
+        stages: Iterable[Stage] | Callable[[], Iterable[Stage]],
         work: Callable[[str], dict] | None = None,
         *,
         records: Path | None,
@@ -111,10 +111,10 @@ class Study:
         cwd: Path | None = None,
         log: Callable[[str], Any] | None = None,
     ) -> None:
-        self.stages = list(stages)
-        names = [stage.name for stage in self.stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"stage names repeat: {names}")
+        # a callable: the stages are read again before each stage is chosen (a study whose
+        # later stages depend on earlier results, e.g. a third seed where two disagree)
+        self._source = stages if callable(stages) else None
+        self.stages = self._read_stages(stages() if callable(stages) else stages)
         self.work, self.child, self.extra, self.after = work, child, extra, after
         if records is None and (done is None or locks is None):
             raise ValueError("a Study without records needs its own done test and a lock folder")
@@ -123,6 +123,14 @@ class Study:
         self._done, self.busy = done, busy
         self.wait_seconds, self.indent, self.end, self.cwd = wait_seconds, indent, end, cwd
         self.log = log or (lambda line: print(line, flush=True))
+
+    @staticmethod
+    def _read_stages(stages: Iterable[Stage]) -> list[Stage]:
+        stages = list(stages)
+        names = [stage.name for stage in stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stage names repeat: {names}")
+        return stages
 
     # ---- state on disk ----------------------------------------------------------------------
 
@@ -136,6 +144,8 @@ class Study:
         return self._done(name) if self._done is not None else self.record_path(name).exists()
 
     def pending(self) -> list[str]:
+        if self._source is not None:
+            self.stages = self._read_stages(self._source())
         return [stage.name for stage in self.stages if not self.is_done(stage.name)]
 
     def inputs_ready(self, stage: Stage) -> bool:
@@ -184,7 +194,11 @@ class Study:
 
     def run_round(self) -> tuple[int, list[str], int]:
         """Run every stage that is not done, not held by another process and whose inputs are
-        there, in order: ``(stages run, stages still pending, stages being made elsewhere)``."""
+        there, in order: ``(stages run, stages still pending, stages being made elsewhere)``.
+        A study whose stages are a callable reads them again first and returns after one stage
+        (the next round sees the stages its record added)."""
+        if self._source is not None:
+            self.stages = self._read_stages(self._source())
         ran, elsewhere = 0, 0
         for stage in self.stages:
             if self.is_done(stage.name):
@@ -206,6 +220,8 @@ class Study:
                 self.log(f"   {stage.name} done in {time.perf_counter() - began:.0f} s")
             if self.after is not None:
                 self.after(stage.name)
+            if self._source is not None:
+                break
         return ran, self.pending(), elsewhere
 
     def run(self) -> int:

@@ -34,7 +34,9 @@ d' is the smallest that reaches it). :func:`cell` gives each arm's command.
 steps at each of :data:`PILOT_LRS`, scored on the whole validation split; when the best is at an
 end of the grid the grid is extended by a factor of 2 that way (at most :data:`MAX_EXTENSIONS`
 times). A run stops at one rule: ``train.patience = 3`` epoch-end validations without an
-improvement of more than ``patience_min_delta = 0.002`` nats (0.2% perplexity), or 20 epochs (the budget's cap, see the page).
+improvement of more than ``patience_min_delta = 0.002`` nats (0.2% perplexity), or 20 epochs
+(the budget's cap, see the page). Seeds 1 and 2 for every cell; a third where a gap is within
+two spreads (:func:`third_seed_arms`).
 
 **The 15-epoch runs** (``long-<head>-seed<S>``): the replication study's small recipes of softmax
 and MoS (``configs/ptb/small-<head>.toml``, d_hidden matched to the softmax model's parameter
@@ -81,6 +83,7 @@ HEADS = ("softmax", "mos", "mixtape", "sigsoftmax")
 CONTROLS = ("mlp_softmax", "wide_softmax")
 ARMS = HEADS + CONTROLS
 SEEDS = (1, 2)
+THIRD_SEED = 3  # where a gap is within two spreads (:func:`third_seed_arms`)
 LONG_HEADS = ("softmax", "mos")
 LONG_EPOCHS = 15
 PILOT_LRS = (5.0, 10.0, 20.0, 40.0)
@@ -238,6 +241,8 @@ def long_dir(head: str, seed: int) -> Path:
 
 
 def map_stages() -> list[Stage]:
+    """Per d: the pilots, seeds 1 and 2 of every arm, their tests, then the third seed of the
+    arms :func:`third_seed_arms` names (read from the records: the list grows as they come)."""
     stages = []
     for d in D_VALUES:
         stages += [Stage(f"lr-{arm}-d{d}") for arm in ARMS]
@@ -247,7 +252,33 @@ def map_stages() -> list[Stage]:
         for seed in SEEDS:
             stages += [Stage(f"test-{arm}-d{d}-seed{seed}",
                              needs=(f"train-{arm}-d{d}-seed{seed}",)) for arm in ARMS]
+        third = third_seed_arms(d)
+        stages += [Stage(f"train-{arm}-d{d}-seed{THIRD_SEED}", needs=(f"lr-{arm}-d{d}",))
+                   for arm in third]
+        stages += [Stage(f"test-{arm}-d{d}-seed{THIRD_SEED}",
+                         needs=(f"train-{arm}-d{d}-seed{THIRD_SEED}",)) for arm in third]
     return stages
+
+
+def third_seed_arms(d: int) -> list[str]:
+    """The arms of width ``d`` that get a third seed, once every arm's seeds 1 and 2 are
+    tested: both arms of every pair (a high-rank head against the softmax or a control) whose
+    gap is within two spreads, i.e. whose mean test log-perplexities differ by at most twice
+    the larger of the two arms' standard deviations over the seeds."""
+    scores: dict[str, list[float]] = {}
+    for arm in ARMS:
+        for seed in SEEDS:
+            path = OUT / "records" / f"test-{arm}-d{d}-seed{seed}.json"
+            if not path.is_file():
+                return []
+            scores.setdefault(arm, []).append(math.log(json.loads(path.read_text())["test_ppl"]))
+    chosen: set[str] = set()
+    for head in HEADS[1:]:
+        for other in ("softmax", *CONTROLS):
+            gap = abs(statistics.fmean(scores[head]) - statistics.fmean(scores[other]))
+            if gap <= 2 * max(statistics.stdev(scores[head]), statistics.stdev(scores[other])):
+                chosen |= {head, other}
+    return [arm for arm in ARMS if arm in chosen]
 
 
 def long_stages() -> list[Stage]:
@@ -703,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: Penn Treebank not found at {DATA / 'ptb'}", file=sys.stderr)
         return 0
     study = Study(
-        stages(args.first), work, records=OUT / "records", locks=OUT / ".locks",
+        lambda: stages(args.first), work, records=OUT / "records", locks=OUT / ".locks",
         child=lambda name: [sys.executable, "-m", MODULE, "--stage", name],
         extra=lambda: {"load_average": os.getloadavg(), "machine": machine(threads=THREADS)},
         after=lambda name: summarize(), cwd=REPO,

@@ -136,3 +136,24 @@ def test_the_gain_figure_puts_three_studies_on_one_axis_in_nats(tmp_path, monkey
 
     bm.gain_figure(plt, cells, {})
     assert (tmp_path / "gain-vs-d.png").is_file()
+
+
+def test_a_third_seed_goes_to_both_arms_of_a_gap_within_two_spreads(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    # seeds 1, 2: MoS far below everything (no third seed for its pairs); Mixtape within two
+    # spreads of the softmax only; SigSoftmax far above everything
+    ppl = {"softmax": (200, 210), "mos": (120, 121), "mixtape": (204, 214),
+           "sigsoftmax": (400, 401), "mlp_softmax": (300, 301), "wide_softmax": (350, 351)}
+    for arm, (first, second) in ppl.items():
+        write_cell(tmp_path, arm, 16, 1, first)
+        if arm != "wide_softmax":
+            write_cell(tmp_path, arm, 16, 2, second)
+    assert bm.third_seed_arms(16) == []  # not before every arm's seeds 1 and 2 are tested
+    assert not any(s.name.endswith("seed3") for s in bm.map_stages())
+    write_cell(tmp_path, "wide_softmax", 16, 2, ppl["wide_softmax"][1])
+    assert bm.third_seed_arms(16) == ["softmax", "mixtape"]
+    names = [s.name for s in bm.map_stages()]
+    assert names.index("train-softmax-d16-seed3") > names.index("test-wide_softmax-d16-seed2")
+    assert names.index("test-mixtape-d16-seed3") < names.index("lr-softmax-d32")
+    assert not any(n.startswith(("train-mos-d16-seed3", "train-sigsoftmax-d16-seed3"))
+                   for n in names)

@@ -163,3 +163,20 @@ def test_without_records_the_done_test_decides_and_a_busy_stage_is_waited_for(tm
     assert not list(tmp_path.glob("*.json"))  # no record of the runner's own
     with pytest.raises(ValueError):
         Study([Stage("x")], records=None)
+
+
+def test_stages_given_as_a_callable_are_read_again_after_every_stage(tmp_path):
+    """A stage a record adds (a third seed where two disagree) runs before the later stages of
+    the list, and one added by the last stage still runs."""
+    def stages() -> list[Stage]:
+        listed = [Stage("first"), Stage("second"), Stage("last")]
+        if (tmp_path / "out" / "first.json").exists():
+            listed.insert(1, Stage("first-again", needs=("first",)))
+        if (tmp_path / "out" / "last.json").exists():
+            listed.append(Stage("after-last"))
+        return listed
+
+    study, ran = study_of(tmp_path, stages=stages)
+    assert study.run() == 0
+    assert ran == ["first", "first-again", "second", "last", "after-last"]
+    assert study.pending() == []
