@@ -78,7 +78,9 @@ MODULE = module_name(__file__)  # benchmarks.studies.bottleneck_map
 
 OUT = RESULTS / "bottleneck-map"
 PTB_VOCAB = 10_000
-D_VALUES = (8, 16, 32, 64, 128, 256)
+# In the order they run: the range first, every factor of 4 (the budget may end the map there),
+# then the widths between.
+D_VALUES = (8, 32, 128, 16, 64, 256)
 HEADS = ("softmax", "mos", "mixtape", "sigsoftmax")
 CONTROLS = ("mlp_softmax", "wide_softmax")
 ARMS = HEADS + CONTROLS
@@ -473,7 +475,7 @@ def gain_table(rows: list[dict]) -> list[dict]:
 
     by_cell = {(r["arm"], r["d"], r["seed"]): r for r in _tested(rows)}
     table = []
-    for d in D_VALUES:
+    for d in sorted(D_VALUES):
         for head in HEADS[1:]:
             for other in ("softmax", *CONTROLS):
                 seeds = sorted(seed for arm, dd, seed in by_cell
@@ -553,7 +555,7 @@ def figures(rows: list[dict], cells: list[dict]) -> None:
             axis.errorbar([c["d"] for c in points], [c[key] for c in points], yerr=errors,
                           marker="o", capsize=3, label=arm, color=colours[arm])
         if key == "press_rank_mean":
-            axis.plot(D_VALUES, [d + 1 for d in D_VALUES], "k:", label="d + 1")
+            axis.plot(sorted(D_VALUES), [d + 1 for d in sorted(D_VALUES)], "k:", label="d + 1")
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel("output width d")
@@ -675,11 +677,13 @@ def plan(study: Study) -> None:
     per_run = statistics.median(epochs) if epochs else PRIOR_EPOCHS
     rates = _pilot_rates()
     hours: dict[str, float] = {}
+    by_d: dict[int, float] = {}
     for name in pending:
         kind = name.split("-", 1)[0]
         if kind == "train":
             arm, d, _ = _cell(name.removeprefix("train-"))
             seconds = per_run * PTB_TRAIN_TOKENS / _rate(rates, arm, d) * 1.1
+            by_d[d] = by_d.get(d, 0.0) + seconds / 3600
         elif kind == "long":
             head = name.removeprefix("long-").rsplit("-seed", 1)[0]
             seconds = LONG_EPOCHS * PTB_TRAIN_TOKENS / PRIOR_TOKENS_PER_S[head] * 1.1
@@ -693,6 +697,7 @@ def plan(study: Study) -> None:
           f"({'median of ' + str(len(epochs)) + ' finished' if epochs else 'assumed'})")
     for kind, value in sorted(hours.items()):
         print(f"  {kind}: about {value:.1f} process-hours")
+    print("  train by d: " + ", ".join(f"d = {d}: {h:.1f}" for d, h in sorted(by_d.items())))
     print(f"  in all about {sum(hours.values()):.1f} process-hours "
           f"({sum(hours.values()) / 2:.1f} h with two processes)")
     for name in pending[:6]:

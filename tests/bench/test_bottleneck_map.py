@@ -63,8 +63,9 @@ def test_an_interior_best_keeps_the_grid(monkeypatch):
 def test_stages_run_d_by_d_and_each_training_needs_its_pilot():
     stages = bm.map_stages()
     names = [s.name for s in stages]
-    first_16 = names.index("lr-softmax-d16")
-    assert all(n.endswith(("-d8", "-d8-seed1", "-d8-seed2")) for n in names[:first_16])
+    second = names.index("lr-softmax-d32")  # the range first: 8, 32, 128, then 16, 64, 256
+    assert all(n.endswith(("-d8", "-d8-seed1", "-d8-seed2")) for n in names[:second])
+    assert names.index("lr-softmax-d128") < names.index("lr-softmax-d16")
     train = next(s for s in stages if s.name == "train-mos-d32-seed2")
     assert train.needs == ("lr-mos-d32",)
     assert bm.stages("long")[0].name.startswith("long-")
@@ -154,6 +155,6 @@ def test_a_third_seed_goes_to_both_arms_of_a_gap_within_two_spreads(tmp_path, mo
     assert bm.third_seed_arms(16) == ["softmax", "mixtape"]
     names = [s.name for s in bm.map_stages()]
     assert names.index("train-softmax-d16-seed3") > names.index("test-wide_softmax-d16-seed2")
-    assert names.index("test-mixtape-d16-seed3") < names.index("lr-softmax-d32")
+    assert names.index("test-mixtape-d16-seed3") < names.index("lr-softmax-d64")
     assert not any(n.startswith(("train-mos-d16-seed3", "train-sigsoftmax-d16-seed3"))
                    for n in names)
