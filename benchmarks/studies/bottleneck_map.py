@@ -457,14 +457,25 @@ def cell_table(rows: list[dict]) -> list[dict]:
     for (arm, d), group in sorted(groups.items(), key=lambda item: (item[0][1],
                                                                       ARMS.index(item[0][0]))):
         ppl = [r["test_ppl"] for r in group]
-        ranks = [r["press_rank"] for r in group if r["press_rank"] is not None]
         table.append({"arm": arm, "d": d, "seeds": sorted(r["seed"] for r in group),
                       "test_ppl_mean": statistics.fmean(ppl),
                       "test_ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else None,
-                      "press_rank_mean": statistics.fmean(ranks) if ranks else None,
+                      "press_rank_mean": _mean(group, "press_rank"),
+                      "gradient_share_mean": _mean(group, "gradient_share"),
+                      "decoder_top10_energy_mean": _mean(group, "decoder_top10_energy"),
+                      "anisotropy_mean": _mean(group, "anisotropy"),
                       "params": group[0]["params"], "lr": group[0]["lr"],
                       "epochs": [r["epochs"] for r in group]})
     return table
+
+
+def _shown(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.fmean(values) if values else None
 
 
 def gain_table(rows: list[dict]) -> list[dict]:
@@ -501,13 +512,21 @@ def summary_markdown(cells: list[dict], gains: list[dict]) -> str:
     lines = [f"# Bottleneck map: summary (written by `python -m {MODULE} "
              "--summarize`)", "", "Test perplexity (whole PTB test split) per cell, mean ± sd "
              "over seeds; Press rank of the first 2,000 test contexts' log-prob matrix.", "",
-             "| d | arm | seeds | lr | params | epochs | test ppl | Press rank |",
-             "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: |"]
+             "| d | arm | seeds | lr | params | epochs | test ppl | Press rank | gradient share "
+             "| decoder top-10 energy | anisotropy |",
+             "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for c in cells:
         sd = f" ± {c['test_ppl_sd']:.2f}" if c["test_ppl_sd"] is not None else ""
-        rank = f"{c['press_rank_mean']:.0f}" if c["press_rank_mean"] is not None else "-"
+        rank = _shown(c["press_rank_mean"], ".0f")
         lines.append(f"| {c['d']} | {c['arm']} | {c['seeds']} | {c['lr']:g} | "
-                     f"{c['params']:,} | {c['epochs']} | {c['test_ppl_mean']:.2f}{sd} | {rank} |")
+                     f"{c['params']:,} | {c['epochs']} | {c['test_ppl_mean']:.2f}{sd} | {rank} | "
+                     f"{_shown(c['gradient_share_mean'], '.3f')} | "
+                     f"{_shown(c['decoder_top10_energy_mean'], '.3f')} | "
+                     f"{_shown(c['anisotropy_mean'], '.3f')} |")
+    lines += ["", "Gradient share: the part of the logit gradient's norm that reaches the "
+              "hidden state (`highrank analyze gradient-bottleneck`); decoder top-10 energy, "
+              "anisotropy: `highrank analyze saturation` (each a mean over the seeds, on the "
+              f"first {RANK_CONTEXTS:,} test contexts)."]
     lines += ["", "Learning rates chosen by the pilots (validation perplexity after "
               f"{PILOT_STEPS} steps at each lr of the grid; `pilots/`):", "",
               "| d | arm | lr | grid: validation perplexity |", "| ---: | --- | ---: | --- |"]

@@ -79,7 +79,7 @@ def write_cell(out, arm, d, seed, test_ppl, lr=10.0):
              "epochs": 2}
     (records / f"train-{arm}-d{d}-seed{seed}.json").write_text(json.dumps(train))
     (records / f"test-{arm}-d{d}-seed{seed}.json").write_text(json.dumps(
-        {"test_ppl": test_ppl, "press_rank": d + 1}))
+        {"test_ppl": test_ppl, "press_rank": d + 1, "gradient_share": 0.1 * seed}))
 
 
 def test_the_summary_pairs_seeds_and_tests_the_differences(tmp_path, monkeypatch):
@@ -101,6 +101,7 @@ def test_the_summary_pairs_seeds_and_tests_the_differences(tmp_path, monkeypatch
     cells = bm.cell_table(rows)
     mos = next(c for c in cells if c["arm"] == "mos")
     assert mos["test_ppl_mean"] == pytest.approx(182.5) and mos["seeds"] == [1, 2]
+    assert mos["gradient_share_mean"] == pytest.approx(0.15) and mos["anisotropy_mean"] is None
     bm.summarize()  # writes the files and the figures without error
     assert json.loads((tmp_path / "summary.json").read_text()) == rows
     assert (tmp_path / "test-ppl-vs-d.png").is_file()
