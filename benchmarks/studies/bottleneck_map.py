@@ -438,8 +438,9 @@ def summarize() -> None:
     write_json(OUT / "summary.json", rows)
     cells = cell_table(rows)
     gains = gain_table(rows)
-    write_json(OUT / "cells.json", {"cells": cells, "gains": gains})
-    write_text(OUT / "summary.md", summary_markdown(cells, gains))
+    beats = beats_both_controls(gains)
+    write_json(OUT / "cells.json", {"cells": cells, "gains": gains, "beats_both_controls": beats})
+    write_text(OUT / "summary.md", summary_markdown(cells, gains, beats))
     figures(rows, cells)
     print(f"{len(rows)} finished run(s): {OUT / 'summary.json'}, {OUT / 'summary.md'}")
 
@@ -508,7 +509,36 @@ def gain_table(rows: list[dict]) -> list[dict]:
     return table
 
 
-def summary_markdown(cells: list[dict], gains: list[dict]) -> str:
+SIGNIFICANCE = 0.05
+
+
+def beats_both_controls(gains: list[dict]) -> list[dict]:
+    """Per high-rank head and tested width: whether it beats *both* controls (a positive mean
+    gain over each, each paired test below :data:`SIGNIFICANCE`), and per head the widths where
+    it does and the first tested width above them where it does not (the width at which its
+    gain over the controls stops being significant; None while it beats them at every tested
+    width above)."""
+    by = {(g["head"], g["d"], g["against"]): g for g in gains}
+    rows = []
+    for head in HEADS[1:]:
+        widths = sorted({d for h, d, _ in by if h == head})
+        verdicts = {}
+        for d in widths:
+            pairs = [by.get((head, d, control)) for control in CONTROLS]
+            if None in pairs:
+                continue
+            verdicts[d] = all(g["mean_gain_percent"] > 0 and g["paired_p"] is not None
+                              and g["paired_p"] < SIGNIFICANCE for g in pairs)
+        if not verdicts:
+            continue
+        beaten = [d for d, won in verdicts.items() if won]
+        above = [d for d, won in verdicts.items() if not won and beaten and d > max(beaten)]
+        rows.append({"head": head, "tested": sorted(verdicts), "beats_both_at": beaten,
+                     "stops_at": min(above) if above else None})
+    return rows
+
+
+def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = ()) -> str:
     lines = [f"# Bottleneck map: summary (written by `python -m {MODULE} "
              "--summarize`)", "", "Test perplexity (whole PTB test split) per cell, mean ± sd "
              "over seeds; Press rank of the first 2,000 test contexts' log-prob matrix.", "",
@@ -542,6 +572,13 @@ def summary_markdown(cells: list[dict], gains: list[dict]) -> str:
         p = f"{g['paired_p']:.3f}" if g["paired_p"] is not None else "-"
         lines.append(f"| {g['d']} | {g['head']} | {g['against']} | {per_seed} | "
                      f"{g['mean_gain_percent']:+.2f} | {p} |")
+    lines += ["", f"Where a head beats both controls (a gain over each, each paired p < "
+              f"{SIGNIFICANCE}), and the first tested width above where it no longer does:", "",
+              "| head | widths tested | beats both at | stops at |", "| --- | --- | --- | --- |"]
+    for b in beats:
+        stops = b["stops_at"] if b["stops_at"] is not None else "-"
+        lines.append(f"| {b['head']} | {b['tested']} | {b['beats_both_at'] or 'none'} | "
+                     f"{stops} |")
     return "\n".join(lines) + "\n"
 
 

@@ -159,3 +159,25 @@ def test_a_third_seed_goes_to_both_arms_of_a_gap_within_two_spreads(tmp_path, mo
     assert names.index("test-mixtape-d16-seed3") < names.index("lr-softmax-d64")
     assert not any(n.startswith(("train-mos-d16-seed3", "train-sigsoftmax-d16-seed3"))
                    for n in names)
+
+
+def test_the_width_where_a_head_stops_beating_both_controls():
+    def gain(d, against, mean, p):
+        return {"d": d, "head": "mos", "against": against, "mean_gain_percent": mean,
+                "paired_p": p}
+
+    gains = [gain(8, "mlp_softmax", 5.0, 0.01), gain(8, "wide_softmax", 6.0, 0.02),
+             gain(32, "mlp_softmax", 2.0, 0.03), gain(32, "wide_softmax", 1.0, 0.04),
+             # at 128 one control is not beaten significantly: the gain stops there
+             gain(128, "mlp_softmax", 1.0, 0.01), gain(128, "wide_softmax", 0.5, 0.30),
+             gain(128, "softmax", 9.0, 0.001)]
+    (row,) = bm.beats_both_controls(gains)
+    assert row == {"head": "mos", "tested": [8, 32, 128], "beats_both_at": [8, 32],
+                   "stops_at": 128}
+    # a significant loss is no win, and a width with one control untested is not judged
+    gains = [gain(8, "mlp_softmax", -5.0, 0.01), gain(8, "wide_softmax", -6.0, 0.01),
+             gain(32, "mlp_softmax", 2.0, 0.01)]
+    (row,) = bm.beats_both_controls(gains)
+    assert row == {"head": "mos", "tested": [8], "beats_both_at": [], "stops_at": None}
+    assert "| mos | [8] | none | - |" in bm.summary_markdown([], [],
+                                                             bm.beats_both_controls(gains))
