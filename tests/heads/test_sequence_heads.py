@@ -152,6 +152,36 @@ def test_the_heads_compute_their_papers_equations(name, variant):
                 torch.testing.assert_close(got[b, t], expected, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("variant", ["CPR", "C", "P", "R", "MoS+CPR"])
+def test_cprs_gradients_are_its_equations_gradients(variant):
+    """The loss's gradients, for every parameter and every input, equal those of the
+    position-by-position reference (words repeat in the context: a repeated word's logit
+    counts once)."""
+    head = make("cpr", variant).double()
+    randomise(head)
+    hidden, layers, ids = context(history=2)
+    layers = [layer.clone().requires_grad_(True) for layer in layers]
+    hidden = layers[-1][:, 2:]
+    target = torch.randint(0, V, hidden.shape[:-1])
+    for paths in (False, True):
+        with reference_paths(paths):
+            head.zero_grad()
+            head.loss(hidden, target, layers=layers, context_ids=ids, chunk_size=7,
+                      reduction="none").sum().backward()
+        got = [p.grad.clone() for p in head.parameters()] + [x.grad.clone() for x in layers]
+        head.zero_grad()
+        for layer in layers:
+            layer.grad = None
+        reference = -sum(cpr_reference(head, layers, ids, b, 2 + t)[target[b, t]]
+                         for b in range(3) for t in range(9))
+        reference.backward()
+        expected = [p.grad for p in head.parameters()] + [x.grad for x in layers]
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, atol=1e-9, rtol=1e-9)
+        for layer in layers:
+            layer.grad = None
+
+
 # ---- warm start -----------------------------------------------------------------------------
 
 

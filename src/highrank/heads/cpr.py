@@ -36,6 +36,10 @@ Defaults: the paper's strongest single-softmax configuration, "Softmax + CPR:20,
 
 Memory: C and P score each row against the positions of its own sequence only, chunk by chunk
 (``heads/sequence.py``: ``chunk x S`` scores per chunk); the authors built ``B x T x T x d``.
+Cost: besides the K V-wide products, one ``top_{k1+k2}`` per row (the second stage's top k2 lie
+among the first stage's k1 and the next k2), one gather of E's rows for R's candidates and C's
+words together, and a V-wide copy per reranker stage and one for C and P, whose per-word
+means are found by sorting each row's context (``WordGroups``), not over V.
 
 Warm start (``start_at_base``): the softmax, C and R facets at [I, 0] (each reads g_t alone, as
 the replaced softmax: C and R then assign the logits they replace), the pointer's query facet
@@ -60,6 +64,28 @@ from highrank.heads.sequence import (
     mixture_loss,
 )
 from highrank.util.checks import check_bool, check_positive_int
+
+
+class WordGroups:
+    """The positions of each row's context grouped by word, ``ids (N, S)``: ``first (N, S)``
+    marks each word's first position in its row, and :meth:`total` sums a value over each
+    word's positions. Found by a stable sort of each row (``N S log S``), so nothing is
+    ``V`` wide."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        with torch.no_grad():
+            sorted_ids, order = ids.sort(dim=1, stable=True)
+            starts = torch.ones_like(sorted_ids, dtype=torch.bool)
+            starts[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]  # a new word begins
+            group = starts.long().cumsum(1) - 1  # each sorted position's word, 0..S-1
+            self.group = torch.empty_like(group).scatter_(1, order, group)  # (N, S)
+            self.first = torch.empty_like(starts).scatter_(1, order, starts)  # (N, S)
+
+    def total(self, values: torch.Tensor) -> torch.Tensor:
+        """``(N, S)``: at each position, the sum of ``values (N, S)`` over its word's
+        positions in the row."""
+        sums = torch.zeros_like(values).scatter_add(1, self.group, values)
+        return sums.gather(1, self.group)
 
 
 def check_candidates(key: str, value: object) -> int:
@@ -127,8 +153,9 @@ class SoftmaxCPR(SequenceHead):
             self.facets.start(i, self.d_in, projection, zero=name == "pointer_query")
 
     def logits_per_token(self) -> int:
-        # the K softmaxes, and the context partition's counts and sums
-        extra = 3 if self.context_partition or self.pointer else 0
+        # the K softmaxes, a copy per reranker stage and one for C and P together
+        extra = bool(self.reranker_k1) + bool(self.reranker_k2)
+        extra += self.context_partition or self.pointer
         return (self.n_components + extra) * self.vocab_size
 
     # ---- rows ------------------------------------------------------------------------------
@@ -152,44 +179,94 @@ class SoftmaxCPR(SequenceHead):
         facets = self.facets(q)  # (N, n_facets, d_embed)
         logits = [self._decoder_logits(facets[:, k]) for k in range(self.n_components)]
         first = logits[0]
-        for stage, top in (("rerank1", self.reranker_k1), ("rerank2", self.reranker_k2)):
-            if top:
-                first = self._rerank(first, facets[:, self.facet_index[stage]], top)
+        stages = [(self.facet_index[name], min(top, self.vocab_size)) for name, top in
+                  (("rerank1", self.reranker_k1), ("rerank2", self.reranker_k2)) if top]
+        candidates = first.detach().topk(min(sum(k for _, k in stages), self.vocab_size)) \
+            if stages else None
+        rows = self._embedding_rows(None if candidates is None else candidates.indices, context)
+        if stages:
+            first = self._rerank(first, facets, candidates, rows[0], stages)
         if self.context_partition or self.pointer:
-            first = self._context_logits(first, facets, context)
+            first = self._context_logits(first, facets, context, rows[1])
         return torch.stack([first, *logits[1:]], dim=1)
 
-    def _facet_logits(self, facet: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``f . e_x + b_x`` for the ids ``(N, k)`` of each row, facet ``(N, d)``: ``(N, k)``."""
-        scores = torch.einsum("nd,nkd->nk", facet, self.weight[ids].to(facet.dtype))
-        return widen(scores) + self.bias[ids]
+    def _embedding_rows(self, candidates: torch.Tensor | None, context: ContextRows) -> tuple:
+        """``((e_x, b_x) of the reranker's candidates (N, k), (e_x, b_x) of the context's words
+        (k_seq, S) per sequence held)``, gathered in one index of E and b (each index costs a
+        V x d gradient in the backward pass); None for a part the head does not have."""
+        ids = []
+        if candidates is not None:
+            ids.append(candidates.reshape(-1))
+        if self.context_partition:
+            ids.append(context.ids.clamp_min(0).reshape(-1))
+        if not ids:
+            return None, None
+        sizes = [part.numel() for part in ids]
+        ids = torch.cat(ids) if len(ids) > 1 else ids[0]
+        # split, not sliced: a slice's backward pass fills a zero tensor of the whole
+        weights = self.weight[ids].split(sizes)  # (n, d_embed) each
+        biases = self.bias[ids].split(sizes)
+        parts = iter(zip(weights, biases, strict=True))
+        reranked = contextual = None
+        if candidates is not None:
+            weight, bias = next(parts)
+            reranked = (weight.view(*candidates.shape, weight.shape[-1]),
+                        bias.view(candidates.shape))
+        if self.context_partition:
+            weight, bias = next(parts)
+            contextual = (weight.view(*context.ids.shape, weight.shape[-1]), bias)
+        return reranked, contextual
 
-    def _rerank(self, logits: torch.Tensor, facet: torch.Tensor, top: int) -> torch.Tensor:
-        """R: the ``top`` largest logits replaced by the facet's."""
-        ids = logits.detach().topk(min(top, self.vocab_size), dim=-1).indices  # (N, k)
-        return logits.scatter(1, ids, self._facet_logits(facet, ids).to(logits.dtype))
+    def _rerank(self, logits, facets, candidates, rows, stages) -> torch.Tensor:
+        """R: the top k1 logits replaced by the first facet's, then the top k2 of the logits
+        so obtained by the second's. The top k2 after the first stage lie among the top
+        k1 + k2 before it (the k1 replaced, or the next k2), so both stages read the same
+        ``candidates`` (their ids ``(N, k1 + k2)``, descending) and ``rows``, their e_x, b_x."""
+        table, bias = rows
+        ids, values = candidates.indices, candidates.values  # (N, k1 + k2)
+        stage_facets = facets[:, [index for index, _ in stages]]  # (N, stages, d_embed)
+        # every candidate against every stage's facet, one product: (N, k1 + k2, stages)
+        all_scores = torch.bmm(table.to(facets.dtype), stage_facets.transpose(1, 2))
+        all_scores = (widen(all_scores) + bias[..., None]).to(logits.dtype)
+        for stage, (_, top) in enumerate(stages):
+            scores = all_scores[..., stage]  # (N, k1 + k2)
+            if stage == 0:
+                chosen = torch.arange(top, device=ids.device).expand(ids.shape[0], top)
+            else:  # the candidates' logits after the first stage decide
+                chosen = values.topk(top, dim=-1).indices  # positions among the candidates
+            new = scores.gather(1, chosen)
+            values = values.scatter(1, chosen, new.detach())
+            logits = logits.scatter(1, ids.gather(1, chosen), new)
+        return logits
 
     def _context_logits(
-        self, logits: torch.Tensor, facets: torch.Tensor, context: ContextRows
+        self, logits: torch.Tensor, facets: torch.Tensor, context: ContextRows,
+        rows: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """C and P over the words of each row's earlier positions (module docstring)."""
+        """C and P over the words of each row's earlier positions (module docstring).
+
+        Worked out at the ``(N, S)`` context positions, then written into the ``(N, V)``
+        logits in one scatter: every position of a word in a row carries that word's value
+        (C's logit, or the logit so far, plus the mean of P's scores over its earlier
+        occurrences), so repeated writes agree; only a word's first position carries the
+        gradient, so the word counts once."""
         ids, counted = context.earlier()  # (N, S) each
+        words = WordGroups(ids)
         weights = counted.to(logits.dtype)
-        count = torch.zeros_like(logits).scatter_add(1, ids, weights)  # occurrences (N, V)
-        occurrences = count.clamp_min(1.0)
+        occurrences = words.total(weights)  # earlier occurrences of x_j: (N, S)
+        value = logits.gather(1, ids)  # the logit so far of x_j: (N, S)
         if self.context_partition:
-            table = self.weight[context.ids.clamp_min(0)]  # e_{x_j}: (k, S, d_embed)
+            table, bias = rows  # e_{x_j} (k, S, d_embed) per sequence held, b_{x_j} flat
             scores = context.scores(facets[:, self.facet_index["context"]], table)
-            scores = widen(scores) + self.bias[ids]  # (N, S)
-            summed = torch.zeros_like(logits).scatter_add(1, ids, scores.to(logits.dtype) * weights)
-            logits = torch.where(count > 0, summed / occurrences, logits)
+            # (N, S): b_{x_j} for each row's own sequence; equal over a word's positions
+            scores = widen(scores) + bias.view(context.ids.shape)[context.row_seq()]
+            value = torch.where(occurrences > 0, scores.to(logits.dtype), value)
         if self.pointer:
             scores = context.scores(facets[:, self.facet_index["pointer_query"]], context.keys)
-            summed = torch.zeros_like(logits).scatter_add(
-                1, ids, widen(scores).to(logits.dtype) * weights
-            )
-            logits = logits + summed / occurrences
-        return logits
+            summed = words.total(widen(scores).to(logits.dtype) * weights)
+            value = value + summed / occurrences.clamp_min(1.0)
+        value = torch.where(words.first, value, value.detach())
+        return logits.scatter(1, ids, value)
 
     def _log_prob_rows(self, q: torch.Tensor, context: ContextRows) -> torch.Tensor:
         return mixture_log_prob(gate_log_prior(self.gate, q), self.component_logits(q, context))
