@@ -342,3 +342,31 @@ def test_what_is_read_is_checked_in_one_line(make_head):
         make_head("cpr", time_dim=2).log_prob(hidden, **inputs)
     with pytest.raises(ValueError, match=r"reranker_k1 must be an integer >= 0"):
         make_head("cpr", reranker_k1=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_fused_mixture_nll_has_the_autograd_chains_value_and_gradients(dtype):
+    from highrank.heads.functional import mixture_nll
+    from highrank.heads.kernels.mixture_nll import may_fuse, mixture_nll_fused
+
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(6, 3, V, dtype=dtype)).requires_grad_()
+    log_prior = torch.log_softmax(torch.randn(6, 3, dtype=dtype), -1).requires_grad_()
+    target = torch.randint(0, V, (6,))
+    weights = torch.rand(6, dtype=dtype)  # an incoming gradient other than ones
+    values, grads = [], []
+    for nll in (mixture_nll, mixture_nll_fused):
+        loss = nll(log_prior, logits, target)
+        values.append(loss.detach())
+        grads.append(torch.autograd.grad((loss * weights).sum(), (log_prior, logits)))
+    tolerance = {"atol": 1e-12, "rtol": 1e-12} if dtype == torch.float64 else {}
+    torch.testing.assert_close(values[1], values[0], **tolerance)
+    for fused, chain in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(fused, chain, **tolerance)
+    assert may_fuse(logits)
+    with reference_paths():
+        assert not may_fuse(logits)  # the reference path is the autograd chain
+    # a torch.func transform takes the chain (a custom function has no batching rule)
+    seen = []
+    torch.func.vmap(lambda row: seen.append(may_fuse(row)) or row.sum())(logits.detach())
+    assert seen == [False]

@@ -35,6 +35,7 @@ from highrank.heads.base import OutputHead, RowOrder
 from highrank.heads.functional import log_mixture, mixture_nll, smoothed_nll, widen
 from highrank.heads.kernels.chunking import SharedRows
 from highrank.heads.kernels.in_place import log_softmax_fresh
+from highrank.heads.kernels.mixture_nll import may_fuse, mixture_nll_fused
 
 
 class SequenceOrder(RowOrder):
@@ -354,6 +355,8 @@ def mixture_loss(
         return smoothed_nll(mixture_log_prob(log_prior, logits), target, label_smoothing)
     if log_prior is None:
         return F.cross_entropy(logits[:, 0], target, reduction="none")
+    if may_fuse(logits):  # the same value, a hand-written backward (kernels/mixture_nll.py)
+        return mixture_nll_fused(log_prior, logits, target)
     return mixture_nll(log_prior, logits, target)
 
 

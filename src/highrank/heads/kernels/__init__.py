@@ -12,6 +12,8 @@ What is here computes the same values with less memory or time, and is taken by 
   differentiable, eagerly and as one custom operator under torch.compile;
 * ``mixture_ce.py``: the fused loss of a mixture of softmaxes over one decoder (softmax, MoC,
   the MLP softmax: K = 1; MoS); ``mixtape_ce.py``: Mixtape's;
+* ``mixture_nll.py``: a mixture's NLL from its components' logits with a hand-written
+  backward (MFS, MoS + CPR, whose components are not one decoder's);
 * ``in_place.py``: inference without gradients, overwriting intermediates (the single-softmax
   heads' normalisation, MoS's mixing, Mixtape's logit assembly);
 * ``paths.py``: ``reference_paths()``, the one way to ask for the reference paths instead.
