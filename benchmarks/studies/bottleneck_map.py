@@ -783,6 +783,9 @@ def plan(study: Study) -> None:
     print("  train by d: " + ", ".join(f"d = {d}: {h:.1f}" for d, h in sorted(by_d.items())))
     print(f"  in all about {sum(hours.values()):.1f} process-hours "
           f"({sum(hours.values()) / 2:.1f} h with two processes)")
+    spent = sum(r.get("stage_seconds", 0.0) for r in records.values()) / 3600
+    print(f"  spent so far: {spent:.1f} process-hours in {len(records)} finished stages "
+          "(a resumed stage counts its last process only; superseded rounds apart)")
     for name in pending[:6]:
         print(f"  next: {name}")
 
