@@ -748,17 +748,21 @@ def _train_record_name(row: dict) -> str:
 PTB_TRAIN_TOKENS = 929_589
 PRIOR_EPOCHS = 12  # epochs a map run is assumed to take before any has finished
 PRIOR_TOKENS_PER_S = {"softmax": 3000.0, "mos": 1000.0}  # the 15-epoch runs, before measured
+PRIOR_TEST_SECONDS = 300.0  # a test stage, before one has finished
 
 
 def plan(study: Study) -> None:
     """The stages left and their estimated process-hours, from the rates measured so far:
     each (arm, d)'s pilot tokens/s (its nearest measured d until then), the median epochs of
-    the finished map runs (:data:`PRIOR_EPOCHS` before), and 10% more for validation."""
+    the finished map runs (:data:`PRIOR_EPOCHS` before), and 10% more for validation; a test
+    stage the median of those finished (:data:`PRIOR_TEST_SECONDS` before)."""
     pending = study.pending()
     records = {p.stem: json.loads(p.read_text()) for p in (OUT / "records").glob("*.json")}
     epochs = [r["epochs"] for name, r in records.items() if name.startswith("train-")]
     per_run = statistics.median(epochs) if epochs else PRIOR_EPOCHS
     rates = _pilot_rates()
+    tests = [r["stage_seconds"] for name, r in records.items() if name.startswith("test-")]
+    per_test = statistics.median(tests) if tests else PRIOR_TEST_SECONDS
     hours: dict[str, float] = {}
     by_d: dict[int, float] = {}
     for name in pending:
@@ -774,7 +778,7 @@ def plan(study: Study) -> None:
             arm, d = name.removeprefix("lr-").rsplit("-d", 1)
             seconds = len(PILOT_LRS) * PILOT_STEPS * 1120 / _rate(rates, arm, int(d)) + 60
         else:
-            seconds = 300
+            seconds = per_test
         hours[kind] = hours.get(kind, 0.0) + seconds / 3600
     print(f"{len(pending)} of {len(study.stages)} stages left; a map run takes {per_run} epochs "
           f"({'median of ' + str(len(epochs)) + ' finished' if epochs else 'assumed'})")
