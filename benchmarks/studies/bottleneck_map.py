@@ -290,9 +290,13 @@ def beyond_two_spreads(first: list[float], second: list[float]) -> bool:
 
 
 def long_stages() -> list[Stage]:
-    stages = [Stage(f"long-{head}-seed{seed}") for seed in SEEDS for head in LONG_HEADS]
-    return stages + [Stage(f"test-long-{head}-seed{seed}", needs=(f"long-{head}-seed{seed}",))
-                     for seed in SEEDS for head in LONG_HEADS]
+    """Each 15-epoch run, then its test (half a minute: its figures come at once)."""
+    stages = []
+    for seed in SEEDS:
+        for head in LONG_HEADS:
+            run = f"long-{head}-seed{seed}"
+            stages += [Stage(run), Stage(f"test-{run}", needs=(run,))]
+    return stages
 
 
 def stages(first: str) -> list[Stage]:
