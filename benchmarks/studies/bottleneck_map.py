@@ -29,7 +29,8 @@ MoS model's parameter count: ``mlp_softmax`` (a softmax over a residual MLP, ran
 width the smallest that reaches MoS's count) and ``wide_softmax`` (a softmax whose output width
 d' is the smallest that reaches it). :func:`cell` gives each arm's command.
 
-**Fair training** (:data:`STOP`): SGD then averaged SGD (NT-ASGD, n = 3) from the recipe, each
+**Fair training** (:data:`STOP`): SGD then averaged SGD (NT-ASGD, n = 3, after epoch 12 at the
+latest: ``train.latest_switch_epoch``) from the recipe, each
 (arm, d) at its own learning rate, chosen by a pilot (:func:`choose_lr`): :data:`PILOT_STEPS`
 steps at each of :data:`PILOT_LRS`, scored on the whole validation split; when the best is at an
 end of the grid the grid is extended by a factor of 2 that way (at most :data:`MAX_EXTENSIONS`
@@ -109,6 +110,9 @@ BODY = (
 STOP = (
     "train.optimizer=nt-asgd",
     "train.nonmono=3",
+    # averaged SGD by epoch 12 at the latest, so that every run averages for 8 epochs of its 20
+    # (the first d = 8 cell, without it, switched in its 20th and last: superseded/round3/)
+    "train.latest_switch_epoch=12",
     "train.patience=3",
     "train.patience_min_delta=0.002",
     "train.epochs=20",

@@ -296,6 +296,16 @@ def test_et_asgd_switch_epoch_must_come_before_the_last_epoch():
     assert load_config(None, ["train.optimizer=et-asgd", "train.switch_epoch=50"])
 
 
+def test_a_latest_switch_epoch_bounds_nt_asgd_only():
+    config = load_config(None, ["train.latest_switch_epoch=12"])
+    assert (config.train.optimizer, config.train.latest_switch_epoch) == ("nt-asgd", 12)
+    assert load_config(None, []).train.latest_switch_epoch is None
+    message = error_of(None, ["train.optimizer=et-asgd", "train.switch_epoch=5",
+                              "train.latest_switch_epoch=12"])
+    assert "train.latest_switch_epoch bounds nt-asgd's switch" in message
+    assert "expected > 0" in error_of(None, ["train.latest_switch_epoch=0"])
+
+
 def test_invalid_toml_and_missing_file(tmp_path):
     path = write(tmp_path, "[train\nlr = 3\n")
     assert f"{path}: invalid TOML" in error_of(path)

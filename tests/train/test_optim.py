@@ -9,6 +9,7 @@ from highrank.heads import build_head
 from highrank.train.asgd import (
     FixedEpochTrigger,
     NeverTrigger,
+    NonMonotoneByEpochTrigger,
     NonMonotoneTrigger,
     averaged_parameters,
     build_trigger,
@@ -95,10 +96,33 @@ def test_et_resume_from_state_dict():
         FixedEpochTrigger(5).load_state_dict(first.state_dict())
 
 
+def test_nt_with_a_latest_epoch_switches_by_it_or_earlier_by_the_rule():
+    improving = [5.0 - 0.1 * i for i in range(8)]  # the rule alone never fires
+    assert decisions(NonMonotoneTrigger(3), improving) == [False] * 8
+    assert decisions(NonMonotoneByEpochTrigger(3, latest=4), improving) == [
+        False, False, False, True, False, False, False, False]  # after epoch 4, once
+    # the rule firing first decides as NT-ASGD does (epoch 6 here), not the latest epoch (7)
+    stalled = [5.0, 4.0, 4.5, 4.6, 4.7, 4.8, 4.9]
+    assert decisions(NonMonotoneByEpochTrigger(3, latest=7), stalled) == [False] * 5 + [
+        True, False]
+    # resumable, and a state of another latest epoch is refused
+    first = NonMonotoneByEpochTrigger(3, latest=5)
+    decisions(first, improving[:3])
+    resumed = NonMonotoneByEpochTrigger(3, latest=5)
+    resumed.load_state_dict(first.state_dict())
+    assert decisions(resumed, improving[3:]) == [False, True, False, False, False]
+    with pytest.raises(ValueError, match="latest=5 but this trigger has latest=6"):
+        NonMonotoneByEpochTrigger(3, latest=6).load_state_dict(first.state_dict())
+    with pytest.raises(ValueError, match="positive int"):
+        NonMonotoneByEpochTrigger(3, latest=0)
+
+
 def test_build_trigger_for_each_policy():
     assert isinstance(build_trigger("nt-asgd", nonmono=3), NonMonotoneTrigger)
     assert build_trigger("nt-asgd", nonmono=3).n == 3
     assert build_trigger("et-asgd", switch_epoch=7).epoch == 7
+    bounded = build_trigger("nt-asgd", nonmono=3, latest_switch=12)
+    assert isinstance(bounded, NonMonotoneByEpochTrigger) and bounded.latest == 12
     never = build_trigger("sgd")
     assert isinstance(never, NeverTrigger) and not any(decisions(never, [3.0, 2.0, 9.0] * 5))
     with pytest.raises(ValueError, match="unknown optimizer policy 'adam'"):

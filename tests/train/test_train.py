@@ -136,6 +136,16 @@ def test_refuses_to_overwrite_an_existing_run(corpus, tmp_path):
 SWITCHING = ("train.epochs=3", "train.optimizer=et-asgd", "train.switch_epoch=1")
 
 
+def test_nt_asgd_switches_by_its_latest_epoch(corpus, tmp_path):
+    """nonmono 5 cannot fire within 3 epochs; train.latest_switch_epoch = 1 switches after
+    the first, and the run resumes the bounded trigger."""
+    out = tmp_path / "bounded"
+    overrides = ("train.epochs=3", "train.nonmono=5", "train.latest_switch_epoch=1")
+    result = train(tiny_config(corpus, out, *overrides), options=QUIET)
+    phases = [r["phase"] for r in read_metrics(out / "metrics.jsonl", "epoch")]
+    assert result.phase == "asgd" and phases == ["sgd", "asgd", "asgd"]
+
+
 @pytest.fixture
 def straight_run(corpus, tmp_path) -> Path:
     out = tmp_path / "straight"

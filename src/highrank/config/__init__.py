@@ -36,9 +36,9 @@ the MoS values of Yang et al. 2018 are in the docstrings):
   holds every knob, defaults filled in, so the written config records them.
 * ``[train]`` batch_size, bptt, max_seq_len_delta, lr, weight_decay, clip, epochs, optimizer
   (``nt-asgd`` | ``et-asgd`` | ``sgd``, see :mod:`highrank.train.asgd`), nonmono, switch_epoch,
-  seed, eval_batch_size, test_batch_size, log_every, checkpoint_every, checkpoint_minutes,
-  chunk_size (unset: "auto"), max_nonfinite_skips, patience (unset: none),
-  patience_min_delta.
+  latest_switch_epoch (unset: none), seed, eval_batch_size, test_batch_size, log_every,
+  checkpoint_every, checkpoint_minutes, chunk_size (unset: "auto"), max_nonfinite_skips,
+  patience (unset: none), patience_min_delta.
   ``seq2seq`` reads max_tokens, label_smoothing, warmup_steps, lr_schedule, adam_beta2,
   eval_every (:mod:`highrank.train.seq2seq`) besides lr, weight_decay, clip, epochs, seed,
   log_every, checkpoint_every, chunk_size, max_nonfinite_skips.

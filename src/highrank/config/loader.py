@@ -469,6 +469,11 @@ def _head_error(name: str, knobs: Mapping[str, Any], d_embed: int) -> str | None
 
 def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
     train = config.train
+    if train.latest_switch_epoch is not None and train.optimizer != "nt-asgd":
+        raise ConfigError(
+            f"{_origin(origins, 'train.latest_switch_epoch')}: train.latest_switch_epoch bounds "
+            f"nt-asgd's switch; train.optimizer is {train.optimizer!r} (use nt-asgd, or unset it)"
+        )
     if train.optimizer == "et-asgd" and train.switch_epoch >= train.epochs:
         raise ConfigError(
             f"{_origin(origins, 'train.switch_epoch')}: train.switch_epoch = "

@@ -166,6 +166,9 @@ class TrainConfig:
         optimizer: SGD -> ASGD policy, ``"nt-asgd"``, ``"et-asgd"`` or ``"sgd"``.
         nonmono: n of the non-monotone trigger (also the finetune stop rule).
         switch_epoch: the epoch after which ``et-asgd`` switches (rank study: 200).
+        latest_switch_epoch: ``nt-asgd`` switches after this epoch at the latest if its
+            non-monotone rule has not fired by then (a run bounded by train.epochs then
+            averages for the epochs after it); None (unset): the rule alone.
         seed: random seed.
         eval_batch_size: validation batch size.
         test_batch_size: test batch size.
@@ -219,6 +222,7 @@ class TrainConfig:
     optimizer: str = "nt-asgd"
     nonmono: int = 5
     switch_epoch: int = 200
+    latest_switch_epoch: int | None = None
     seed: int = 141
     eval_batch_size: int = 10
     test_batch_size: int = 1

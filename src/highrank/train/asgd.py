@@ -117,6 +117,46 @@ class NonMonotoneTrigger:
         return f"NonMonotoneTrigger(n={self.n}, epochs={epochs}, triggered={triggered})"
 
 
+class NonMonotoneByEpochTrigger(NonMonotoneTrigger):
+    """NT-ASGD's trigger with a latest epoch: switch when the non-monotone rule fires, or
+    after validating epoch ``latest`` (1-based, as :class:`FixedEpochTrigger`) if it has not
+    fired by then. For a run bounded in epochs (``train.epochs``): averaging then has the
+    epochs after ``latest`` at least, where the rule alone may fire in the last one or never
+    (``train.latest_switch_epoch``)."""
+
+    def __init__(self, n: int = 5, latest: int = 200) -> None:
+        super().__init__(n)
+        if isinstance(latest, bool) or not isinstance(latest, int) or latest < 1:
+            raise ValueError(f"the latest switch epoch must be a positive int; got {latest!r}")
+        self.latest = latest
+
+    def update(self, val_loss: float) -> bool:
+        """Record one epoch's validation loss; True on the call that decides the switch."""
+        if self._triggered:
+            return False
+        fire = super().update(val_loss)  # the history grows by one epoch
+        if not fire and len(self.history) >= self.latest:
+            self._triggered = fire = True
+        return fire
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "latest": self.latest}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_state_keys(self, state, ("n", "history", "triggered", "latest"))
+        if state["latest"] != self.latest:
+            raise ValueError(
+                f"NonMonotoneByEpochTrigger state has latest={state['latest']!r} but this "
+                f"trigger has latest={self.latest}; build it with the run's "
+                "train.latest_switch_epoch"
+            )
+        super().load_state_dict({k: v for k, v in state.items() if k != "latest"})
+
+    def __repr__(self) -> str:
+        return (f"NonMonotoneByEpochTrigger(n={self.n}, latest={self.latest}, "
+                f"epochs={len(self.history)}, triggered={self._triggered})")
+
+
 class FixedEpochTrigger:
     """ET-ASGD: switch after a fixed epoch (the rank study's choice: 200).
 
@@ -183,9 +223,14 @@ class NeverTrigger:
         return "NeverTrigger()"
 
 
-def build_trigger(policy: str, *, nonmono: int = 5, switch_epoch: int = 200) -> SwitchTrigger:
-    """The trigger of ``policy`` (one of :data:`SWITCH_POLICIES`, config ``train.optimizer``)."""
+def build_trigger(
+    policy: str, *, nonmono: int = 5, switch_epoch: int = 200, latest_switch: int | None = None
+) -> SwitchTrigger:
+    """The trigger of ``policy`` (one of :data:`SWITCH_POLICIES`, config ``train.optimizer``);
+    ``latest_switch`` bounds NT-ASGD's switch (:class:`NonMonotoneByEpochTrigger`)."""
     if policy == "nt-asgd":
+        if latest_switch is not None:
+            return NonMonotoneByEpochTrigger(nonmono, latest_switch)
         return NonMonotoneTrigger(nonmono)
     if policy == "et-asgd":
         return FixedEpochTrigger(switch_epoch)

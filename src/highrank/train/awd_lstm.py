@@ -159,7 +159,8 @@ class AWDLSTMRecipe:
         t = self.config.train
         if self.finetuning:  # the non-monotone rule stops finetuning instead of switching
             return NonMonotoneTrigger(t.nonmono)
-        return build_trigger(t.optimizer, nonmono=t.nonmono, switch_epoch=t.switch_epoch)
+        return build_trigger(t.optimizer, nonmono=t.nonmono, switch_epoch=t.switch_epoch,
+                             latest_switch=t.latest_switch_epoch)
 
     @property
     def phase(self) -> str:

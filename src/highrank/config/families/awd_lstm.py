@@ -39,6 +39,7 @@ AWD_LSTM = Family(
             "optimizer": one_of(SWITCH_POLICIES),
             "nonmono": POSITIVE,
             "switch_epoch": POSITIVE,
+            "latest_switch_epoch": POSITIVE,
         },
         "finetune": {"max_seq_len_delta": NON_NEGATIVE},
     },
