@@ -588,7 +588,8 @@ def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = (
               f"{PILOT_STEPS} steps at each lr of the grid; `pilots/`):", "",
               "| d | arm | lr | grid: validation perplexity |", "| ---: | --- | ---: | --- |"]
     for choice in pilot_choices():
-        grid = ", ".join(f"{lr}: {ppl:,.0f}" for lr, ppl in choice["valid_ppl"].items())
+        grid = ", ".join(f"{lr}: {ppl:,.0f}" if ppl < 1e6 else f"{lr}: {ppl:.1e}"
+                         for lr, ppl in choice["valid_ppl"].items())
         lines.append(f"| {choice['d']} | {choice['arm']} | {choice['lr']:g} | {grid} |")
     lines += ["", "Gain of a head over the softmax and the controls: 100 (exp(log ppl_other - "
               "log ppl_head) - 1) per seed (positive: the head is better); paired t-test over "
