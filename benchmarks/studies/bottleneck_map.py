@@ -718,7 +718,7 @@ def gain_figure(plt, gains: list[dict], colours: dict) -> None:
     axis.axhline(0.0, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.set_xlabel("output width d")
-    axis.set_ylabel("nats per token saved (> 0: the high-rank head is better)")
+    axis.set_ylabel("nats per token saved (> 0: head better)")
     axis.legend(fontsize=7)
     figure.tight_layout()
     save_figure(figure, OUT / "gain-vs-d.png", dpi=110)
