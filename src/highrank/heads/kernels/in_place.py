@@ -26,15 +26,21 @@ from highrank.heads.kernels.paths import fast_paths
 N_GATES = 3  # Mixtape's sigmoid tree: 3 gates for 4 components
 
 
-def writable_in_place(tensor: torch.Tensor) -> bool:
-    """May an inference path overwrite ``tensor`` with ``out=`` ops? Only a plain tensor: no
-    autograd history, and not inside a ``torch.func`` transform (vmap, jvp, jacrev wrap their
-    tensors; their batching rules refuse ``out=`` ops), as the Jacobian instruments use. Not
-    while torch.compile traces either: the functorch check is opaque to Dynamo (a fullgraph
-    compile would fail), and the compiled graph fuses the general path anyway."""
+def eager_plain(tensor: torch.Tensor) -> bool:
+    """Is ``tensor`` an eager tensor outside any ``torch.func`` transform (vmap, jvp, jacrev
+    wrap their tensors, and their batching rules refuse ``out=`` ops and custom autograd
+    functions alike), as the Jacobian instruments use? False while torch.compile traces too:
+    the functorch check is opaque to Dynamo (a fullgraph compile would fail), and the compiled
+    graph fuses the general path anyway."""
     if torch.compiler.is_compiling():
         return False
-    return not tensor.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+    return not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+def writable_in_place(tensor: torch.Tensor) -> bool:
+    """May an inference path overwrite ``tensor`` with ``out=`` ops? Only a plain tensor
+    (:func:`eager_plain`) with no autograd history."""
+    return not tensor.requires_grad and eager_plain(tensor)
 
 
 def may_write_in_place(tensor: torch.Tensor) -> bool:

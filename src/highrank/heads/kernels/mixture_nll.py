@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from highrank.heads.kernels.in_place import eager_plain
 from highrank.heads.kernels.paths import fast_paths
 
 
 def may_fuse(logits: torch.Tensor) -> bool:
-    """Take the hand-written backward for ``logits``? Outside ``reference_paths()``, and not
-    while torch.compile traces or inside a ``torch.func`` transform (a custom autograd
-    function has no batching rule; both take the autograd chain)."""
-    if not fast_paths() or torch.compiler.is_compiling():
-        return False
-    return not torch._C._functorch.is_functorch_wrapped_tensor(logits)
+    """Take the hand-written backward for ``logits``? Outside ``reference_paths()``, on an
+    eager tensor outside torch.compile and ``torch.func`` (:func:`eager_plain`: a custom
+    autograd function has no batching rule); elsewhere the autograd chain."""
+    return fast_paths() and eager_plain(logits)
 
 
 def mixture_nll_fused(
