@@ -45,6 +45,23 @@ def test_greedy_generation_with_the_cache_equals_the_recomputation(attached, bas
 
 
 @pytest.mark.parametrize("head", HEADS)
+def test_a_left_padded_prompt_gets_the_distribution_of_the_prompt_alone(attached, head):
+    """Padding reads as positions before the start (hf_context.py): Mi's window and CPR's
+    pointer keys see zeros there, not the body's states at the pad tokens. Llama's rotary
+    positions make the body's own states the same for both (the softmax's check)."""
+    model = attached("llama", head)
+    ids, mask = padded_prompts()
+    alone = ids[1:, 3:]
+    with torch.no_grad():
+        padded_out = model(ids[1:], attention_mask=mask[1:]).logits[:, 3:]
+        torch.testing.assert_close(padded_out, model(alone).logits, atol=1e-5, rtol=1e-5)
+    padded_gen = generate(model, ids[1:], mask[1:])
+    alone_gen = generate(model, alone, torch.ones_like(alone))
+    assert torch.equal(padded_gen[0][:, 3:], alone_gen[0])
+    torch.testing.assert_close(padded_gen[1], alone_gen[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head", HEADS)
 def test_beam_search_with_the_cache_equals_the_recomputation(attached, head):
     """Beams reorder the cache, and the head's context with it (HighrankForCausalLM's
     _reorder_cache)."""

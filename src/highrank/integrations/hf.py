@@ -326,7 +326,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         inputs = {}
         if reads_more(self.head):  # the layers and tokens of the context so far
             states = getattr(outputs, "hidden_states", None)
-            inputs = head_inputs(
+            hidden, inputs = head_inputs(
                 self.head, hidden, states, input_ids, attention_mask, outputs.get(CACHE)
             )
         if fused:

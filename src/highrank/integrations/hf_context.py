@@ -2,8 +2,7 @@
 
 Multi-Facet Softmax and Softmax-CPR (``OutputHead.reads``) read the last ``input_layers``
 layers of the body (its ``hidden_states``, the top one the final hidden state) and the
-context's token ids (``input_ids``; positions the attention mask leaves out are padding,
-id -1), over the whole context: with a key-value cache, the positions of earlier calls too.
+context's token ids (``input_ids``), over the whole context: with a key-value cache, the positions of earlier calls too.
 
 The cache holds those: each forward that uses a cache keeps the context's layers and ids on
 the cache object (``HISTORY``), and the next call puts them before its own positions, so a
@@ -12,6 +11,11 @@ generation step sees exactly what a recomputation of the whole sequence would (t
 reorders them with the cache (``reorder``); a cache cropped by assisted decoding is cut to
 its length; a cache whose positions the head has not seen (filled by another model or by a
 forward of this one without the cache) is refused in one line.
+
+Positions the attention mask leaves out (left padding in a batch) read as positions before
+the context's start: their ids are -1, which no partition counts, and their layers zeros,
+which Mi's window reads before the start. A padded prompt so gets the distribution of the
+same prompt alone (tested).
 """
 
 from __future__ import annotations
@@ -42,30 +46,45 @@ def head_inputs(
     input_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     cache,
-) -> dict:
-    """The inputs ``head`` reads besides ``hidden (B, T, d)`` (module docstring), over the
-    context so far; ``cache`` (the body's, already holding this call's positions, or None)
-    gets the context for the next call."""
+) -> tuple[torch.Tensor, dict]:
+    """``hidden (B, T, d)`` with its padded positions zeroed and the inputs ``head`` reads
+    besides it (module docstring), over the context so far; ``cache`` (the body's, already
+    holding this call's positions, or None) gets the context for the next call. The top layer
+    a head reads ends with ``hidden`` (``SequenceHead``), so the two are zeroed alike."""
     name = type(head).__name__
     count = max(layers_read(head), 1)
     if count > 1 and (hidden_states is None or len(hidden_states) < count):
         have = "none" if hidden_states is None else len(hidden_states)
         raise ValueError(f"{name} reads the last {count} layers; the body gave {have}")
+    kept = _kept(attention_mask, hidden)
+    if kept is not None:  # a padded position reads as one before the start: zeros (Mi's window)
+        hidden = hidden * kept[..., None].to(hidden.dtype)
     top = [] if count == 1 else list(hidden_states[len(hidden_states) - count : -1])
+    if kept is not None:
+        top = [h * kept[..., None].to(h.dtype) for h in top]
     layers = torch.stack([*(h.to(hidden.dtype) for h in top), hidden], dim=1)  # (B, L, T, d)
-    ids = _current_ids(name, head, hidden, input_ids, attention_mask)
+    ids = _current_ids(name, head, hidden, input_ids, kept)
     layers, ids = _with_history(name, layers, ids, cache, hidden.shape[1])
     inputs: dict = {}
     if "layers" in head.reads:
         inputs["layers"] = tuple(layers.unbind(1))
     if "context_ids" in head.reads:
         inputs["context_ids"] = ids
-    return inputs
+    return hidden, inputs
 
 
-def _current_ids(name, head, hidden, input_ids, attention_mask) -> torch.Tensor:
-    """This call's token ids ``(B, T)``, -1 where the attention mask leaves a position out
-    (padding); zeros for a head that reads no ids (kept only for the cache's sake)."""
+def _kept(attention_mask: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor | None:
+    """``(B, T)`` bool: this call's positions that the attention mask keeps (False: padding);
+    None without a 2-D mask."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    length = hidden.shape[1]
+    return attention_mask[:, attention_mask.shape[1] - length :].to(hidden.device).bool()
+
+
+def _current_ids(name, head, hidden, input_ids, kept) -> torch.Tensor:
+    """This call's token ids ``(B, T)``, -1 where ``kept`` is False (padding); zeros for a
+    head that reads no ids (kept only for the cache's sake)."""
     batch, length = hidden.shape[:2]
     if "context_ids" not in head.reads:
         return torch.zeros(batch, length, dtype=torch.long, device=hidden.device)
@@ -75,10 +94,7 @@ def _current_ids(name, head, hidden, input_ids, attention_mask) -> torch.Tensor:
             "give it none)"
         )
     ids = input_ids.to(hidden.device).long()
-    if attention_mask is not None and attention_mask.dim() == 2:
-        kept = attention_mask[:, attention_mask.shape[1] - length :].to(ids.device).bool()
-        ids = torch.where(kept, ids, -1)
-    return ids
+    return ids if kept is None else torch.where(kept, ids, -1)
 
 
 def _with_history(name, layers, ids, cache, length):
