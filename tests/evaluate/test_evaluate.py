@@ -21,9 +21,11 @@ from highrank.evaluate import (
     gradient_statistics,
     write_token_nll,
 )
+from highrank.evaluate.dynamic import unmeasured_statistics
 from highrank.evaluate.scoring import scoring_mode
 from highrank.models import build_model
 from highrank.models.backbones.regularizers import LockedDropout, WeightDrop
+from highrank.train import TrainingError
 
 V = 20
 SMALL = ["model.d_embed=16", "model.d_hidden=24", "model.n_layers=2"]
@@ -300,6 +302,24 @@ def test_callers_model_is_unchanged_after_dynamic_eval_even_on_error(monkeypatch
     with pytest.raises(RuntimeError, match="interrupted"):
         dynamic_evaluate(model, _stream(60), stats, lr=0.5, epsilon=0.001, prior_decay=0.1)
     assert unchanged() and [m.training for m in model.modules()] == flags
+
+
+def test_a_diverging_adaptation_stops_naming_the_segment_and_the_unmeasured_statistics():
+    """Statistics of 0 (a parameter the statistics' segments never reached) make steps of
+    lr * grad / epsilon; an adaptation that reaches a non-finite NLL stops (TrainingError,
+    the CLI's exit 1), not a perplexity of nan, and the model is restored."""
+    torch.manual_seed(0)
+    model = _model()
+    before = {key: p.detach().clone() for key, p in model.state_dict().items()}
+    stats = gradient_statistics(model, _stream(300), batch_size=10, bptt=5)
+    stats = {key: torch.zeros_like(ms) if "decoder" in key or "head" in key else ms
+             for key, ms in stats.items()}
+    assert unmeasured_statistics(stats)[0] > 0
+    with pytest.raises(TrainingError, match=r"^dynamic evaluation diverged: segment \d+ .* "
+                       r"elements of the gradient statistics are 0 \(.*--max-stats-batches"):
+        dynamic_evaluate(model, _stream(60), stats, lr=1e30, epsilon=1e-30, prior_decay=0.0)
+    after = model.state_dict()
+    assert all(torch.equal(after[key], value) for key, value in before.items())
 
 
 def test_weight_drop_and_every_dropout_are_off_while_adapting(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from highrank.cli.common import guarded, positive_int, refuse
 from highrank.cli.evaluate import add_eval_options, report_eval
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         dynamic_evaluate,
         gradient_statistics,
         refuse_transformer_dynamic_eval,
+        unmeasured_statistics,
     )
     from highrank.evaluate.perplexity import evaluate_perplexity
     from highrank.evaluate.run import eval_record, load_for_eval, split_tokens
@@ -47,6 +49,11 @@ def run(args: argparse.Namespace) -> int:
             max_batches=args.max_stats_batches,
             name=str(corpus.path("train")),
         )
+        zeros, names = unmeasured_statistics(stats)
+        if zeros:  # steps of lr * grad / epsilon there: a likely divergence, said up front
+            print(f"note: {zeros:,} elements of the gradient statistics are 0 (in "
+                  f"{', '.join(names)}): the statistics' training segments never reached "
+                  "them; more segments (--max-stats-batches) measure them", file=sys.stderr)
         knobs = {
             "lr": settings.lr if args.lr is None else args.lr,
             "epsilon": settings.epsilon if args.epsilon is None else args.epsilon,

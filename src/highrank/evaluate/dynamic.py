@@ -8,7 +8,9 @@ adapts the model to the recent history while it is being scored:
 3. :func:`dynamic_evaluate`: B = 1, segments of 5; score a segment, then
    ``theta <- theta + lambda * decay ⊙ (theta_0 - theta) - eta * grad / (MS + epsilon)``,
    theta_0 being the trained parameters (the global prior). :data:`DYNAMIC_EVAL_DEFAULTS`
-   holds the published (eta, epsilon, lambda).
+   holds the published (eta, epsilon, lambda). A segment whose NLL is not finite stops it
+   (:class:`~highrank.train.TrainingError`, naming the segment and any statistics of 0:
+   their elements step by ``eta * grad / epsilon``), the parameters restored.
 
 Unlike the public MoS port (which adapts in train mode and so keeps weight drop on), every
 dropout is off both while collecting the statistics and while adapting. Gradients are taken
@@ -33,6 +35,7 @@ from highrank.evaluate.scoring import (
 )
 from highrank.models import LanguageModel
 from highrank.runs.run_dir import RunDirError
+from highrank.train.state import TrainingError
 from highrank.util.checks import check_positive_int
 
 # Krause et al. (2017) hyperparameters as used for AWD-LSTM-MoS (Yang et al., 2018, Sec. 3);
@@ -169,14 +172,44 @@ def dynamic_evaluate(
     try:
         with scoring_mode(model, adapting=True):
             state = model.init_state(batch_size)
-            for tokens, target in segments(source, bptt, progress, "dynamic eval"):
+            for index, (tokens, target) in enumerate(
+                segments(source, bptt, progress, "dynamic eval")
+            ):
                 nll, state = model.nll(tokens, target, state)  # (L, B)
+                if not torch.isfinite(nll).all():
+                    raise TrainingError(_diverged(index, bptt, stats))
                 tally.add(nll.detach())  # scored before the update
                 rule.step(_gradients(nll.mean(), params))
                 state = model.backbone.detach_state(state)
     finally:
         rule.restore_prior()
     return tally.result()
+
+
+def unmeasured_statistics(stats: Mapping[str, torch.Tensor]) -> tuple[int, list[str]]:
+    """How many elements of ``stats`` are 0 (their parameters took no part in the segments
+    the statistics came from), and the names of the tensors holding them. Such an element's
+    step is ``lr * grad / epsilon``: with the published epsilon, a thousand times a measured
+    one's."""
+    names = [key for key, ms in stats.items() if bool((ms == 0).any())]
+    return sum(int((stats[key] == 0).sum()) for key in names), names
+
+
+def _diverged(index: int, bptt: int, stats: Mapping[str, torch.Tensor]) -> str:
+    zeros, names = unmeasured_statistics(stats)
+    advice = "lower --lr or raise --epsilon"
+    if zeros:
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        advice = (
+            f"{zeros:,} elements of the gradient statistics are 0 ({shown}), and their steps "
+            "lr * grad / epsilon: compute the statistics over more training segments "
+            f"(--max-stats-batches), or {advice}"
+        )
+    return (
+        f"dynamic evaluation diverged: segment {index + 1} (from token {index * bptt:,} of "
+        f"each column) scores a non-finite NLL after {index} adapting steps; the model's "
+        f"parameters are restored; {advice}"
+    )
 
 
 class _UpdateRule:
