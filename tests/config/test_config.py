@@ -213,6 +213,13 @@ def test_number_for_bool_is_an_error():
     assert "model.tie_weights = 1 has type int; expected bool" in message
 
 
+@pytest.mark.parametrize("spelling", ["False", "TRUE"])
+def test_a_capitalised_bool_says_toml_spells_it_lower_case(spelling):
+    message = error_of(None, [f"model.tie_weights={spelling}"])
+    assert message.endswith(f'model.tie_weights = "{spelling}" has type str; expected bool '
+                            f"(TOML booleans are lower case: {spelling.lower()})"), message
+
+
 def test_section_must_be_a_table(tmp_path):
     message = error_of(write(tmp_path, "train = 3\n"))
     assert "'train' must be a table ([train])" in message

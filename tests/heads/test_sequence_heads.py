@@ -338,6 +338,12 @@ def test_what_is_read_is_checked_in_one_line(make_head):
         ValueError, match=r"layers\[0\] has shape \(2, 4, 12\); expected \(2, >=5, 12\)"
     ):
         head.log_prob(hidden, layers=(hidden[:, 1:], hidden), context_ids=inputs["context_ids"])
+    beyond = inputs["context_ids"].clone()
+    beyond[1, 2] = head.vocab_size + 7
+    with pytest.raises(ValueError, match=rf"^SoftmaxCPR: context_ids must lie below the vocabulary "
+                       rf"size {head.vocab_size} \(an id below 0 marks padding\); got "
+                       rf"\[{head.vocab_size + 7}\]$"):
+        head.log_prob(hidden, layers=inputs["layers"], context_ids=beyond)
     with pytest.raises(ValueError, match=r"time_dim=2 is not a time axis"):
         make_head("cpr", time_dim=2).log_prob(hidden, **inputs)
     with pytest.raises(ValueError, match=r"reranker_k1 must be an integer >= 0"):

@@ -136,6 +136,18 @@ def test_inputs_embeds_without_ids_are_refused_for_cpr(attached):
     attached("gpt2", "mfs")(inputs_embeds=embeds)  # MFS reads layers only
 
 
+@pytest.mark.parametrize("head", ["softmax", "mos", "mfs"])
+def test_generation_from_inputs_embeds_continues_as_from_the_ids(attached, head):
+    """A new user's walk: generate(inputs_embeds=...) was refused for every head (the
+    wrapper's prepare_inputs_for_generation did not name the argument)."""
+    model = attached("llama", head)
+    ids = torch.randint(3, 20, (2, 5))
+    embeds = model.get_input_embeddings()(ids)
+    options = {"max_new_tokens": 4, "do_sample": False}
+    from_embeds = model.generate(inputs_embeds=embeds, **options)
+    assert torch.equal(from_embeds, model.generate(ids, **options)[:, 5:])
+
+
 @pytest.mark.parametrize("head", HEADS)
 def test_logits_to_keep_and_hidden_states_as_asked(attached, token_batch, head):
     model = attached("gpt2", head)
@@ -149,8 +161,15 @@ def test_logits_to_keep_and_hidden_states_as_asked(attached, token_batch, head):
         torch.testing.assert_close(model(ids, logits_to_keep=positions).logits, every[:, positions])
 
 
-def test_trl_fused_output_is_refused_in_one_line(attached, token_batch):
-    model = attached("gpt2", "mfs")
-    ids, labels = token_batch
-    with pytest.raises(ValueError, match="also reads its context's layers and tokens"):
-        model(ids, labels=labels, fused_lm_head=True)
+@pytest.mark.parametrize("head", HEADS)
+def test_more_layers_than_the_body_gives_is_refused_when_attached(head):
+    """A new user's walk: the default input_layers = 3 on a 1-block model was accepted, and
+    the first forward failed without saying what to change."""
+    from .conftest import tiny_llama
+
+    base = tiny_llama()  # 2 blocks: 3 hidden states
+    with pytest.raises(ValueError, match=r"reads the last 4 layers but this model gives 3 \(its "
+                       r"embeddings' output and each of its 2 blocks'\): pass input_layers=3 "
+                       r"or fewer$"):
+        hf.attach_head(base, head, input_layers=4)
+    assert hf.attach_head(base, head, input_layers=3).head.input_layers == 3

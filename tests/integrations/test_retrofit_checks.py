@@ -59,6 +59,8 @@ def no_model_loading(monkeypatch):
     ("--train", "{folder}", r"--train: text file .* is a folder"),
     ("--knob", "n_components=0", r"--head mos: n_components must be a positive integer"),
     ("--knob", "colour=2", r"--head mos: head 'mos' has no knob\(s\) colour"),
+    ("--knob", "time_dim=0", r"--head mos: time_dim is set by attach_head .*; valid knobs of "
+                             r"'mos': (?!.*time_dim)"),
     ("--head", "sigsoftmax", r"cannot start at the base model"),
     ("--hf", "/no/such/model", r"model /no/such/model does not exist"),
 ])
@@ -76,6 +78,33 @@ def test_what_needs_no_model_is_checked_before_loading_it(
     line = one_line(capsys.readouterr().err, ERROR)
     assert re.search(message, line), line
     assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize("mode", ["frozen", "lora"])
+def test_more_layers_than_the_model_gives_is_refused_before_caching(texts, tmp_path, capsys, mode):
+    """A new user's walk: CPR's default 3 layers on a 1-block model failed inside the cache
+    (a traceback, a partial cache left behind) or, with LoRA, named PEFT's wrapper."""
+    model, files = texts
+    blocks = transformers.AutoConfig.from_pretrained(model).num_hidden_layers
+    out = tmp_path / "out"
+    argv = command(model, files, out, "--head", "cpr", "--mode", mode,
+                   "--knob", f"input_layers={blocks + 2}")
+    assert main(argv) == 2
+    line = one_line(capsys.readouterr().err, ERROR)
+    assert line.endswith(f"--head cpr: SoftmaxCPR reads the last {blocks + 2} layers but this "
+                         f"model gives {blocks + 1} (its embeddings' output and each of its "
+                         f"{blocks} blocks'): --knob input_layers={blocks + 1} or fewer"), line
+    assert not (out / "cache-train").exists()
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("pointer=true", True), ("pointer=True", True), ("pointer=False", False),
+    ("d_embed=None", None), ("d_embed=null", None), ("n_components=2", 2), ("name=mos", "mos"),
+])
+def test_a_knob_reads_json_and_the_python_spellings_the_knob_lists_show(text, value):
+    from highrank.cli.retrofit import knob
+
+    assert knob(text) == (text.partition("=")[0], value)
 
 
 def test_a_huge_knob_is_sized_not_built(texts, tmp_path, capsys, monkeypatch):
@@ -173,6 +202,24 @@ def test_results_record_the_warm_up_that_ran(texts, tmp_path, capsys):
     assert results["effective"]["warmup_steps"] == 6 and results["effective"]["steps"] == 6
     assert results["effective"]["notes"] == [
         "--warmup-steps 20 exceeds the 6 steps: the warm-up took all 6"]
+
+
+@pytest.mark.parametrize(("mode", "batch_tokens", "windows"), [("lora", "20", 2), ("full", "5", 1)])
+def test_results_say_the_whole_windows_a_step_trained_on(texts, tmp_path, capsys, mode,
+                                                         batch_tokens, windows):
+    """A new user's walk: a step over whole windows recorded --batch-tokens 20 as
+    batch_tokens 2 (windows) and rounded it silently."""
+    model, files = texts
+    out = tmp_path / "out"
+    argv = with_option(command(model, files, out, "--head", "softmax", "--mode", mode),
+                       "--batch-tokens", batch_tokens)
+    assert main(argv) == 0
+    note = (f"--batch-tokens {batch_tokens} is not a whole number of --window 8 windows: each "
+            f"step trains on {windows} whole window{'s' * (windows > 1)} ({8 * windows} tokens)")
+    assert f"note: {note}" in capsys.readouterr().out
+    effective = json.loads((out / "results.json").read_text())["effective"]
+    assert effective["windows_per_step"] == windows
+    assert effective["tokens_per_step"] == 8 * windows and effective["notes"] == [note]
 
 
 def test_results_say_how_many_steps_one_pass_took(texts, tmp_path):

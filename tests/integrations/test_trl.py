@@ -33,7 +33,7 @@ def fused_fields_by_hand(model, ids, labels):
     return [torch.where(valid, x, 0) for x in (picked, entropy, top1)] + [valid]
 
 
-@pytest.mark.parametrize("head", ["softmax", "mos", "mixtape", "gss"])
+@pytest.mark.parametrize("head", ["softmax", "mos", "mixtape", "gss", "mfs", "cpr"])
 def test_trls_fused_lm_head_gets_the_heads_own_fields(attached, token_batch, head):
     from trl.trainer.utils import add_fused_lm_head
 
@@ -74,11 +74,13 @@ def test_the_fields_dpo_asks_for_on_a_softmax_head_are_the_base_models(token_bat
     assert out.entropy is None and out.is_top1 is None
 
 
-def test_fused_fields_train_with_chunks_and_gradients(attached, token_batch, monkeypatch):
-    """Chunked (4 tokens) with gradients: the loss's gradients equal those of the own loss."""
+@pytest.mark.parametrize("head", ["mos", "cpr"])
+def test_fused_fields_train_with_chunks_and_gradients(attached, token_batch, monkeypatch, head):
+    """Chunked (4 tokens) with gradients: the loss's gradients equal those of the own loss
+    (CPR: its context's layers and ids, chunked as the head's own loss chunks them)."""
     from trl.trainer.utils import add_fused_lm_head
 
-    model = attached("llama", "mos")
+    model = attached("llama", head)
     add_fused_lm_head(model)
     ids, labels = token_batch
 
@@ -108,7 +110,7 @@ def sft_data(n: int, length: int):
     return datasets.Dataset.from_dict({"text": [" ".join(f"w{i}" for i in row) for row in ids]})
 
 
-@pytest.mark.parametrize(("base", "head"), [("gpt2", "mos"), ("llama", "mixtape")])
+@pytest.mark.parametrize(("base", "head"), [("gpt2", "mos"), ("llama", "mixtape"), ("llama", "cpr")])
 def test_sft_trainer_trains_the_heads_loss_with_right_metrics(attached, tmp_path, base, head):
     model = attached(base, head)
     args = trl.SFTConfig(

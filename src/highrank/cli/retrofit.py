@@ -16,11 +16,18 @@ from highrank.cli.common import AFTER_INTERRUPT, guarded, non_negative_int, posi
 MODES = ("frozen", "lora", "full")
 
 
+# Python's spellings, as a head's knobs are listed (``pointer=True``), read as JSON's.
+PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+
+
 def knob(text: str) -> tuple[str, object]:
-    """``KEY=VALUE``; VALUE read as JSON (numbers, true/false), else kept as a string."""
+    """``KEY=VALUE``; VALUE read as JSON (numbers, true/false; Python's True/False/None too),
+    else kept as a string."""
     key, equals, value = text.partition("=")
     if not equals or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. n_components=2); got {text!r}")
+    if value.strip() in PYTHON_LITERALS:
+        return key.strip(), PYTHON_LITERALS[value.strip()]
     try:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:

@@ -31,8 +31,9 @@ authors formed log(p + 1e-8)):  log p = logsumexp_k(log pi_k + log_softmax(z_k))
 
 Defaults: the paper's strongest single-softmax configuration, "Softmax + CPR:20,100 + Mi"
 (K = 1, C, P, R with k1 = 100, k2 = 20, MFS's inputs: 3 layers, 2 previous positions);
-``n_components=3`` is their "MoS + CPR". ``reranker_k1`` / ``reranker_k2`` = 0 drop a stage,
-``context_partition`` / ``pointer`` = False drop C / P.
+``n_components=3`` is their "MoS + CPR". ``reranker_k1`` / ``reranker_k2`` = 0 drop a stage
+(with k1 = 0 the remaining stage reranks the top k2 of the softmax's own logits), counts above
+V are read as V; ``context_partition`` / ``pointer`` = False drop C / P.
 
 Memory: C and P score each row against the positions of its own sequence only, chunk by chunk
 (``heads/sequence.py``: ``chunk x S`` scores per chunk); the authors built ``B x T x T x d``.

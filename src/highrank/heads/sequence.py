@@ -252,7 +252,15 @@ class SequenceHead(OutputHead):
                 f"{name}: context_ids cover {seqs.shape[1]} positions but the layers {length}; "
                 "both cover the context (module docstring of highrank.heads.sequence)"
             )
-        return seqs.long()
+        seqs = seqs.long()
+        valid = seqs < self.vocab_size  # below 0: padding
+        message = f"{name}: context_ids must lie below the vocabulary size {self.vocab_size}"
+        if torch.compiler.is_compiling() or seqs.device.type != "cpu":  # as the targets
+            torch._assert_async(valid.all(), message)
+        elif not bool(valid.all()):
+            bad = seqs[~valid][:5].tolist()
+            raise ValueError(f"{message} (an id below 0 marks padding); got {bad}")
+        return seqs
 
 
 def _check_like(

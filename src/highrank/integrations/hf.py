@@ -67,7 +67,8 @@ raw logits z = E h + b, and SigSoftmax, GSS and PLIF their transformed logits f(
 softmax is their distribution), so penalties defined on raw logits act as on the base model:
 ``attach_head(base, "softmax")`` (and GSS or PLIF with ``init="base"``) generates exactly the
 base's tokens under ``repetition_penalty`` or ``exponential_decay_length_penalty`` (tested).
-The mixtures (MoS, MoC, Mixtape) and ``mlp_softmax`` hand over their log-probabilities
+The mixtures (MoS, MoC, Mixtape), ``mlp_softmax``, MFS and Softmax-CPR (whose partitions
+add to its logits) hand over their log-probabilities
 log p <= 0, on which the penalties have this meaning: ``repetition_penalty=theta`` multiplies
 the log-probability of every token already in the sequence by theta, i.e. raises its
 probability to the power theta (p -> p**theta, then renormalised by the search): a token the
@@ -119,7 +120,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import math
 
 import torch
@@ -141,12 +141,13 @@ from highrank.heads import (
     base_init_knobs,
     build_head,
     check_init,
-    head_knobs,
 )
 from highrank.heads.mixtape import Mixtape
 from highrank.heads.softmax import PointwiseSoftmax
+from highrank.integrations.attach_knobs import check_attach_knobs
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
 from highrank.integrations.hf_context import (
+    check_layers_given,
     head_inputs,
     layers_read,
     reads_more,
@@ -157,8 +158,6 @@ from highrank.integrations.hf_fused import FIELDS as FUSED_FIELDS
 from highrank.integrations.hf_fused import FusedCausalLMOutput, fused_output, trl_fused_settings
 from highrank.integrations.hf_parallel import fully_shard_highrank, save_pretrained_gathered
 
-# Knobs the model wires itself; a user value would contradict the base model or the layout.
-WIRED_KNOBS = ("tied_weight", "dropout_time_dim", "time_dim")
 # Fewest rows of V logits per chunk of the training loss (see loss_chunk_tokens).
 MIN_CHUNK_ROWS = 256
 # Keyword arguments of forward that belong to the loss, not to the body.
@@ -391,11 +390,6 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         **inputs: object,
     ) -> FusedCausalLMOutput:
         """TRL's per-token fields (``log_probs``, ``entropy``, ``is_top1``, ...) and loss."""
-        if inputs:
-            raise ValueError(
-                f"fused_lm_head=True scores rows of hidden states; the {self.config.head_name!r} "
-                "head also reads its context's layers and tokens (not supported yet)"
-            )
         if labels is None and shift_labels is None:
             raise ValueError("fused_lm_head=True scores labels: pass labels or shift_labels")
         if ignore_index != -100:
@@ -406,15 +400,16 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             num_items_in_batch=num_items_in_batch, raw_logits=raw,
             chunk_tokens=loss_chunk_tokens(self.head, hidden.device),
             # the fields TRL asked add_fused_lm_head for; all of them for a direct call
-            outputs=getattr(self, "_trl_fused_outputs", FUSED_FIELDS),
+            outputs=getattr(self, "_trl_fused_outputs", FUSED_FIELDS), inputs=inputs,
         )  # fmt: skip
 
     # ---- generation ----------------------------------------------------------------------
 
-    def prepare_inputs_for_generation(self, *args, **kwargs) -> dict:
+    def prepare_inputs_for_generation(self, *args, inputs_embeds=None, **kwargs) -> dict:
         """transformers' own inputs, marked so that ``forward`` returns the generation logits
-        (``_generation_logits``): every forward pass of ``generate`` goes through here."""
-        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        (``_generation_logits``): every forward pass of ``generate`` goes through here.
+        ``inputs_embeds`` is named so that ``generate(inputs_embeds=...)`` is accepted."""
+        inputs = super().prepare_inputs_for_generation(*args, inputs_embeds=inputs_embeds, **kwargs)
         inputs[GENERATING] = True
         return inputs
 
@@ -683,7 +678,7 @@ def attach_head(
     head trained on cached features of the frozen body needs).
     """
     lm_head = _check_causal_lm(model)
-    _check_head_and_knobs(name, knobs)
+    check_attach_knobs(name, knobs)
     if check_init(init) == "base":
         knobs = base_init_knobs(name, knobs)
     body = model.base_model
@@ -699,6 +694,7 @@ def attach_head(
         tie_word_embeddings=tied,
     )
     head = _build_head_for(config, body)
+    check_layers_given(head, model.config)
     _initialise_from_lm_head(head, lm_head, tied)
     if init == "base":
         _start_at_lm_head(head, lm_head)
@@ -760,29 +756,6 @@ def _check_causal_lm(model: object) -> nn.Module:
             "could not rebuild it"
         )
     return lm_head
-
-
-def _check_head_and_knobs(name: str, knobs: dict) -> None:
-    if name not in HEADS:
-        raise ValueError(f"unknown head {name!r}; choose one of: {', '.join(HEADS)}")
-    valid = {k: v for k, v in head_knobs(name).items() if k not in WIRED_KNOBS}
-    wired = sorted(set(knobs) & set(WIRED_KNOBS))
-    if wired:
-        raise TypeError(
-            f"{', '.join(wired)} is set by attach_head (tying follows the base model; hidden "
-            f"states are batch-first); valid knobs of {name!r}: {', '.join(valid) or 'none'}"
-        )
-    unknown = sorted(set(knobs) - set(valid))
-    if unknown:
-        raise TypeError(
-            f"head {name!r} has no knob(s) {', '.join(unknown)}; valid knobs: "
-            + (", ".join(f"{k}={v!r}" for k, v in valid.items()) or "none")
-        )
-    try:
-        json.dumps(knobs)
-    except TypeError as error:
-        message = f"head knobs must be JSON values (they go to config.json): {error}"
-        raise TypeError(message) from None
 
 
 # Importing this module makes "highrank" a model type that the Auto classes know.

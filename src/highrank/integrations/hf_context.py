@@ -2,7 +2,8 @@
 
 Multi-Facet Softmax and Softmax-CPR (``OutputHead.reads``) read the last ``input_layers``
 layers of the body (its ``hidden_states``, the top one the final hidden state) and the
-context's token ids (``input_ids``), over the whole context: with a key-value cache, the positions of earlier calls too.
+context's token ids (``input_ids``), over the whole context: with a key-value cache, the
+positions of earlier calls too.
 
 The cache holds those: each forward that uses a cache keeps the context's layers and ids on
 the cache object (``HISTORY``), and the next call puts them before its own positions, so a
@@ -37,6 +38,28 @@ def reads_more(head: OutputHead) -> bool:
 
 def layers_read(head: OutputHead) -> int:
     return head.input_layers if "layers" in head.reads else 0
+
+
+def layers_given(model_config) -> int | None:
+    """How many ``hidden_states`` a model of ``model_config`` gives: its embeddings' output
+    and each block's (``num_hidden_layers`` + 1); None where the config does not say."""
+    text_config = (
+        model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    )
+    blocks = getattr(text_config, "num_hidden_layers", None)
+    return blocks + 1 if isinstance(blocks, int) else None
+
+
+def check_layers_given(head: OutputHead, model_config, *, fix: str = "pass input_layers=") -> None:
+    """Refuse, in one line with its fix, a head that reads more layers than a model of
+    ``model_config`` gives (``layers_given``)."""
+    wanted, given = layers_read(head), layers_given(model_config)
+    if given is None or wanted <= given:
+        return
+    raise ValueError(
+        f"{type(head).__name__} reads the last {wanted} layers but this model gives {given} "
+        f"(its embeddings' output and each of its {given - 1} blocks'): {fix}{given} or fewer"
+    )
 
 
 def head_inputs(

@@ -29,6 +29,7 @@ from transformers.utils import ModelOutput
 
 from highrank.heads import OutputHead
 from highrank.heads.kernels.chunking import chunk_masks, chunk_slices
+from highrank.integrations.hf_context import shifted_targets
 
 # The function add_fused_lm_head installs, by its code's qualified name (functools.wraps gives
 # it our forward's name and module, so those cannot tell it apart).
@@ -87,6 +88,7 @@ def fused_output(
     chunk_tokens: int,
     raw_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
     outputs: tuple[str, ...] = FIELDS,
+    inputs: dict | None = None,
 ) -> FusedCausalLMOutput:
     """TRL's fused fields for hidden states ``(B, T, d)`` and next-token labels (shifted as
     transformers shifts them, or ``shift_labels`` as given), from the head's log-probs.
@@ -94,9 +96,15 @@ def fused_output(
     ``outputs`` names the fields to compute (``log_probs`` always; the others are None unless
     named, as in TRL). ``mean_logits`` is the mean over V of ``raw_logits(rows)`` for heads
     that have raw logits (what ``generate`` hands the logits processors), else of the
-    log-probabilities.
+    log-probabilities. ``inputs``: what a head that reads its context (MFS, CPR) reads besides
+    ``hidden``, over all T positions; such a head scores every position of its sequences (its
+    rows are not selectable one by one) and the ignored ones are zeroed after.
     """
     wanted = [name for name in FIELDS if name in outputs or name == "log_probs"]
+    if inputs:
+        return _fused_context_output(
+            head, hidden, labels, shift_labels, num_items_in_batch, chunk_tokens, wanted, inputs
+        )
     if shift_labels is None:
         hidden, targets = hidden[:, :-1], labels[:, 1:]
     else:
@@ -104,22 +112,10 @@ def fused_output(
     label_mask = targets != -100
     valid = label_mask.reshape(-1)
     rows = head._flatten_hidden(hidden)[valid]  # only the scored positions, as TRL on GPUs
-    target_rows = targets.reshape(-1)[valid]
     # One dropout draw (locked over time, as in training) for the whole batch.
     masks = tuple(m[valid] if m is not None else None for m in head._draw_masks(hidden))
-
-    def statistics(h: torch.Tensor, target: torch.Tensor, *chunk: torch.Tensor | None):
-        log_p = head._log_prob_rows(h, *chunk)  # (n, V), float32, normalised
-        return torch.stack([_field(name, log_p, target, h, raw_logits) for name in wanted])
-
-    pieces = [hidden.new_zeros((len(wanted), 0), dtype=torch.float32)]
-    for part in chunk_slices(rows.shape[0], chunk_tokens):
-        args = (rows[part], target_rows[part], *chunk_masks(masks, part))
-        if torch.is_grad_enabled():  # recomputed in backward, RNG state replayed
-            pieces.append(checkpoint(statistics, *args, use_reentrant=False))
-        else:
-            pieces.append(statistics(*args))
-    per_token = torch.cat(pieces, dim=1)
+    per_token = _per_token(head, rows, targets.reshape(-1)[valid], masks, chunk_tokens, wanted,
+                           raw_logits)
     if per_token.shape[1] == 0:  # nothing scored: keep the loss on the graph for backward
         per_token = per_token + hidden.sum() * 0.0
     # Every field 0 where the label is ignored; masked_scatter keeps the graph, as in TRL.
@@ -128,6 +124,47 @@ def fused_output(
         name: zeros.masked_scatter(label_mask, values)
         for name, values in zip(wanted, per_token, strict=True)
     }
+    return _output(fields, label_mask, num_items_in_batch)
+
+
+def _fused_context_output(head, hidden, labels, shift_labels, num_items_in_batch, chunk_tokens,
+                          wanted, inputs) -> FusedCausalLMOutput:
+    """``fused_output`` for a head that reads its context: all B T positions scored (each
+    position t on ``labels[:, t + 1]``, the last on nothing), the ignored ones zeroed."""
+    targets = shift_labels if shift_labels is not None else shifted_targets(labels, -100)
+    rows, masks, order = head._head_rows(hidden, inputs)  # one dropout draw, as in training
+    target_rows = order.flatten(targets)
+    scored = target_rows != -100
+    per_token = _per_token(head, rows, torch.where(scored, target_rows, 0), masks, chunk_tokens,
+                           wanted, raw_logits=None)
+    fields = {name: order.restore(torch.where(scored, values, 0.0))
+              for name, values in zip(wanted, per_token, strict=True)}
+    label_mask = targets != -100
+    if shift_labels is None:  # transformers' shift: T - 1 positions, as the plain path's
+        fields = {name: values[:, :-1] for name, values in fields.items()}
+        label_mask = label_mask[:, :-1]
+    return _output(fields, label_mask, num_items_in_batch)
+
+
+def _per_token(head, rows, target_rows, masks, chunk_tokens, wanted, raw_logits) -> torch.Tensor:
+    """The ``wanted`` fields of ``rows (n, width)`` and their per-row inputs, ``(F, n)``,
+    ``chunk_tokens`` rows at a time (each chunk recomputed in backward)."""
+
+    def statistics(h: torch.Tensor, target: torch.Tensor, *chunk: object):
+        log_p = head._log_prob_rows(h, *chunk)  # (n, V), float32, normalised
+        return torch.stack([_field(name, log_p, target, h, raw_logits) for name in wanted])
+
+    pieces = [rows.new_zeros((len(wanted), 0), dtype=torch.float32)]
+    for part in chunk_slices(rows.shape[0], chunk_tokens):
+        args = (rows[part], target_rows[part], *chunk_masks(masks, part))
+        if torch.is_grad_enabled():  # recomputed in backward, RNG state replayed
+            pieces.append(checkpoint(statistics, *args, use_reentrant=False))
+        else:
+            pieces.append(statistics(*args))
+    return torch.cat(pieces, dim=1)
+
+
+def _output(fields: dict, label_mask: torch.Tensor, num_items_in_batch) -> FusedCausalLMOutput:
     if "is_top1" in fields:
         fields["is_top1"] = fields["is_top1"].bool()
     count = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch

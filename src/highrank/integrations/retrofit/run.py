@@ -83,6 +83,8 @@ from torch import nn
 
 from highrank import causal_lm
 from highrank.heads import base_init_knobs, build_head
+from highrank.integrations.attach_knobs import check_attach_knobs
+from highrank.integrations.hf_context import check_layers_given
 from highrank.integrations.hf_parallel import full_state_dict, fully_shard_highrank
 from highrank.integrations.retrofit.cache import (
     CacheSettingsError,
@@ -313,6 +315,7 @@ def _head_on_meta(plan: RetrofitPlan, width: int, vocab: int):
     nothing allocated: ``n_components=1000000000`` is sized, not built)."""
     knobs = _head_knobs(plan)
     try:
+        check_attach_knobs(plan.head, plan.knobs)
         with torch.device("meta"):
             return build_head(plan.head, d_in=width, vocab_size=vocab, **knobs)
     except (TypeError, ValueError) as error:
@@ -358,6 +361,10 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
         except causal_lm.HFInputError as error:
             raise RetrofitError(str(error)) from None
     probe = _head_on_meta(plan, width, vocab)
+    try:
+        check_layers_given(probe, model.config, fix="--knob input_layers=")
+    except ValueError as error:
+        raise RetrofitError(f"--head {plan.head}: {error}") from None
     positions = causal_lm.max_positions(model)
     if positions is not None and plan.window > positions:
         raise RetrofitError(f"--window {plan.window} exceeds the model's {positions} positions")
@@ -536,22 +543,46 @@ def _cache(plan: RetrofitPlan, model, ids: torch.Tensor, out: Path, split: str,
 
 
 def effective_budget(plan: RetrofitPlan, budget: dict) -> dict:
-    """What ran, beside the plan as given: the steps, warm-up and lr, and a note where they
-    differ from the plan (``--steps`` left to one pass; a warm-up longer than the steps)."""
+    """What ran, beside the plan as given: the steps, warm-up, lr and tokens a step, and a note
+    where they differ from the plan (``--steps`` left to one pass; a warm-up longer than the
+    steps; ``--batch-tokens`` rounded to whole windows)."""
     record = {k: budget[k] for k in ("steps", "warmup_steps", "lr")}
     notes = []
     if plan.steps is None:
         notes.append(f"--steps not given: one pass over the training text, {budget['steps']} "
                      "steps")
+    if _by_windows(plan):  # the budget's rows are windows
+        windows = budget["batch_tokens"]
+        record.update(windows_per_step=windows, tokens_per_step=windows * plan.window)
+        if windows * plan.window != plan.batch_tokens:
+            notes.append(_window_rounding(plan, windows))
+    else:
+        record["tokens_per_step"] = budget["batch_tokens"]
     if budget["warmup_steps"] < plan.warmup_steps:
         notes.append(f"--warmup-steps {plan.warmup_steps} exceeds the {budget['steps']} steps: "
                      f"the warm-up took all {budget['warmup_steps']}")
     return {**record, **({"notes": notes} if notes else {})}
 
 
+def _by_windows(plan: RetrofitPlan) -> bool:
+    """Whether a step trains on whole windows (lora / full, or a head reading its context)."""
+    return plan.mode != "frozen" or plan.reads_context
+
+
+def _window_rounding(plan: RetrofitPlan, windows: int) -> str:
+    return (
+        f"--batch-tokens {plan.batch_tokens} is not a whole number of --window {plan.window} "
+        f"windows: each step trains on {windows} whole window{'s' * (windows > 1)} "
+        f"({windows * plan.window} tokens)"
+    )
+
+
 def _say_effective(plan: RetrofitPlan, budget: dict, progress: bool) -> None:
-    if progress and budget["warmup_steps"] < plan.warmup_steps:
-        print(f"note: {effective_budget(plan, budget)['notes'][-1]}", flush=True)
+    """Print the notes of ``effective_budget`` that change what a step trains on."""
+    if progress:
+        for note in effective_budget(plan, budget).get("notes", []):
+            if not note.startswith("--steps not given"):
+                print(f"note: {note}", flush=True)
 
 
 def make_trainable(hf_model, plan: RetrofitPlan):
