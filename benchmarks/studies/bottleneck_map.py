@@ -395,14 +395,25 @@ def test_record(directory: Path) -> dict:
     gradient = _analysis(directory, "gradient-bottleneck-test-best*.json")
     run("analyze", "saturation", str(directory), "--which", "best", "--split", "test",
         "--max-contexts", str(RANK_CONTEXTS), "--no-progress")
-    saturation = _analysis(directory, "saturation-test*.json").get("checkpoints", [{}])[0]
+    saturation = _saturation_point(directory)
     return {"test_ppl": score["perplexity"], "test_loss": score["loss"],
             "press_rank": rank.get("press_rank"), "effective_rank": rank.get("effective_rank"),
             "rank_contexts": RANK_CONTEXTS,
             "gradient_share": gradient.get("share", {}).get("mean"),
             "decoder_top10_energy": saturation.get("top_mass", {}).get("10"),
             "decoder_entropy_rank": saturation.get("entropy_effective_rank"),
-            "anisotropy": saturation.get("anisotropy", {}).get("mean_cosine")}
+            "anisotropy": saturation.get("anisotropy", {}).get("mean_cosine"),
+            "tanh_saturated": _tanh_share(saturation)}
+
+
+def _tanh_share(saturation_point: dict) -> float | None:
+    """The share of the head's context-forming tanh units with |tanh| > 0.95 (None for heads
+    without them, and for records written before the instrument had it)."""
+    return (saturation_point.get("tanh_contexts") or {}).get("share_saturated")
+
+
+def _saturation_point(directory: Path) -> dict:
+    return _analysis(directory, "saturation-test*.json").get("checkpoints", [{}])[0]
 
 
 def _rank_record(directory: Path) -> dict:
@@ -440,6 +451,9 @@ def summary_rows() -> list[dict]:
             "gradient_share": test.get("gradient_share"),
             "decoder_top10_energy": test.get("decoder_top10_energy"),
             "anisotropy": test.get("anisotropy"),
+            # read from the run's record: test stages recorded before the instrument had it
+            "tanh_saturated": test.get("tanh_saturated", _tanh_share(_saturation_point(
+                OUT / "runs" / path.stem.removeprefix("train-")))) if test else None,
             "control": arm if arm in CONTROLS else None,
         })
     return rows
@@ -479,6 +493,7 @@ def cell_table(rows: list[dict]) -> list[dict]:
                       "gradient_share_mean": _mean(group, "gradient_share"),
                       "decoder_top10_energy_mean": _mean(group, "decoder_top10_energy"),
                       "anisotropy_mean": _mean(group, "anisotropy"),
+                      "tanh_saturated_mean": _mean(group, "tanh_saturated"),
                       "params": group[0]["params"], "lr": group[0]["lr"],
                       "epochs": [r["epochs"] for r in group]})
     return table
@@ -570,8 +585,8 @@ def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = (
              "--summarize`)", "", "Test perplexity (whole PTB test split) per cell, mean ± sd "
              "over seeds; Press rank of the first 2,000 test contexts' log-prob matrix.", "",
              "| d | arm | seeds | lr | params | epochs | test ppl | Press rank | gradient share "
-             "| decoder top-10 energy | anisotropy |",
-             "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| decoder top-10 energy | anisotropy | tanh units saturated |",
+             "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in cells:
         sd = f" ± {c['test_ppl_sd']:.2f}" if c["test_ppl_sd"] is not None else ""
         rank = _shown(c["press_rank_mean"], ".0f")
@@ -579,11 +594,15 @@ def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = (
                      f"{c['params']:,} | {c['epochs']} | {c['test_ppl_mean']:.2f}{sd} | {rank} | "
                      f"{_shown(c['gradient_share_mean'], '.3f')} | "
                      f"{_shown(c['decoder_top10_energy_mean'], '.3f')} | "
-                     f"{_shown(c['anisotropy_mean'], '.3f')} |")
+                     f"{_shown(c['anisotropy_mean'], '.3f')} | "
+                     f"{_shown(c.get('tanh_saturated_mean'), '.3f')} |")
     lines += ["", "Gradient share: the part of the logit gradient's norm that reaches the "
               "hidden state (`highrank analyze gradient-bottleneck`); decoder top-10 energy, "
               "anisotropy: `highrank analyze saturation` (each a mean over the seeds, on the "
-              f"first {RANK_CONTEXTS:,} test contexts)."]
+              f"first {RANK_CONTEXTS:,} test contexts); tanh units saturated: of the tanh units "
+              "that form the head's contexts (MoS's latents, Mixtape's contexts, the "
+              "`mlp_softmax` control's hidden layer), the share with |tanh(a)| > 0.95, the same "
+              "instrument."]
     lines += ["", "Learning rates chosen by the pilots (validation perplexity after "
               f"{PILOT_STEPS} steps at each lr of the grid; `pilots/`):", "",
               "| d | arm | lr | grid: validation perplexity |", "| ---: | --- | ---: | --- |"]

@@ -13,6 +13,7 @@ from highrank.analysis.saturation import (
     analyze_saturation_run,
     anisotropy,
     anisotropy_of_blocks,
+    context_statistics,
     entropy_effective_rank,
     spectrum_record,
     top_mass,
@@ -88,6 +89,36 @@ def test_zero_states_are_skipped_and_too_few_refused():
     assert record["zero_states_skipped"] == 2 and record["n_contexts"] == 3
     with pytest.raises(SaturationError, match="at least 2"):
         anisotropy(torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("name", ["mos", "moc", "mixtape", "mlp_softmax"])
+def test_saturated_tanh_units_are_counted_by_hand(name):
+    """The share of a head's context-forming tanh units with |tanh(a)| > 0.95, over blocks,
+    against the pre-activations written by hand: units at a = +-3 count, at 0.1 do not."""
+    from highrank.heads import build_head
+
+    head = build_head(name, d_in=2, vocab_size=7)
+    layer = head.components if name == "mixtape" else head.latent
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.bias.zero_()
+        layer.weight[:, 0] = 1.0  # every unit reads g's first coordinate: a = g_0
+    g = torch.tensor([[3.0, 5.0], [0.1, 5.0], [-3.0, 0.0], [0.1, -1.0]])
+    blocks = iter([(g[:3], None), (g[3:], None)])
+    found = context_statistics(blocks, head)["tanh_contexts"]
+    assert found["share_saturated"] == pytest.approx(0.5)  # 2 of 4 rows, every unit alike
+    expected_abs = float(torch.tanh(torch.tensor([3.0, 0.1, 3.0, 0.1], dtype=torch.float64)).mean())
+    assert found["mean_abs"] == pytest.approx(expected_abs)
+    assert found["units"] == layer.out_features
+
+
+def test_a_head_without_tanh_contexts_reports_none_and_the_same_anisotropy():
+    from highrank.heads import build_head
+
+    hidden = torch.randn(5, 3)
+    found = context_statistics(iter([(hidden, None)]), build_head("softmax", d_in=3, vocab_size=7))
+    assert found["tanh_contexts"] is None
+    assert found["anisotropy"] == anisotropy(hidden)
 
 
 def test_a_run_gives_one_point_per_checkpoint(tiny_run, tmp_path):

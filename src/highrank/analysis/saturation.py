@@ -179,10 +179,62 @@ def anisotropy(hidden: torch.Tensor | np.ndarray) -> dict[str, Any]:
 
 def anisotropy_of_blocks(blocks: Iterator[tuple[torch.Tensor, Any]]) -> dict[str, Any]:
     """:func:`anisotropy` over ``(hidden (b, d), ...)`` blocks, never holding them all."""
-    tally = CosineTally()
+    return context_statistics(blocks, None)["anisotropy"]
+
+
+# ---- saturated tanh units of the head's contexts ---------------------------------------------
+
+# |tanh(a)| above this: a unit in tanh's flat tails, where its gradient 1 - tanh(a)^2 < 0.0975.
+TANH_SATURATED = 0.95
+
+
+class TanhTally:
+    """How many of a head's context-forming tanh units (``OutputHead.tanh_context_inputs``)
+    are saturated, and their mean |tanh(a)|, over blocks of head inputs; nothing (None) for a
+    head without such units."""
+
+    def __init__(self, head) -> None:
+        self.head = head
+        self.values = 0
+        self.saturated = 0
+        self.total_abs = 0.0
+        self.units = None
+
+    @torch.no_grad()
+    def add(self, g: torch.Tensor) -> None:
+        rows = g.reshape(-1, g.shape[-1]).to(self.head.weight.dtype)
+        pre = self.head.tanh_context_inputs(rows)  # (b, units), or None
+        if pre is None:
+            return
+        magnitude = torch.tanh(pre.double()).abs()
+        self.units = pre.shape[-1]
+        self.values += magnitude.numel()
+        self.saturated += int((magnitude > TANH_SATURATED).sum())
+        self.total_abs += float(magnitude.sum())
+
+    def result(self) -> dict[str, Any] | None:
+        if not self.values:
+            return None
+        return {
+            "share_saturated": self.saturated / self.values,
+            "mean_abs": self.total_abs / self.values,
+            "units": self.units,
+            "threshold": TANH_SATURATED,
+        }
+
+
+def context_statistics(blocks: Iterator[tuple[torch.Tensor, Any]], head) -> dict[str, Any]:
+    """In one pass over ``(head inputs (b, d), ...)`` blocks: their ``anisotropy`` and, for a
+    ``head`` whose contexts are formed by tanh units, ``tanh_contexts`` (the share of those
+    units with |tanh(a)| > 0.95 and their mean |tanh(a)|; None for other heads or no head)."""
+    cosines = CosineTally()
+    tanh = None if head is None else TanhTally(head)
     for hidden, *_ in blocks:
-        tally.add(hidden)
-    return tally.result()
+        cosines.add(hidden)
+        if tanh is not None:
+            tanh.add(hidden)
+    saturated = None if tanh is None else tanh.result()
+    return {"anisotropy": cosines.result(), "tanh_contexts": saturated}
 
 
 # ---- runs: every checkpoint ------------------------------------------------------------------
@@ -235,7 +287,7 @@ def analyze_saturation_run(
             **spectrum_record(head.weight, top_k=top_k),
         }
         blocks = iter_run_head_inputs(loaded, max_contexts=max_contexts, progress=progress)
-        point["anisotropy"] = anisotropy_of_blocks(blocks)
+        point.update(context_statistics(blocks, head))
         point["seconds"] = round(time.perf_counter() - began, 2)
         points.append(point)
     points.sort(key=lambda p: (p["step"] is None, p["step"] or 0, p["checkpoint"]))
@@ -282,7 +334,7 @@ def analyze_saturation_hf(
     point.update(spectrum_record(layer.weight, top_k=top_k))
     started = time.perf_counter()
     blocks = iter_causal_lm_head_inputs(loaded, max_contexts=max_contexts, progress=progress)
-    point["anisotropy"] = anisotropy_of_blocks(blocks)
+    point.update(context_statistics(blocks, highrank_head(loaded.model)))
     point["seconds"] = round(time.perf_counter() - started, 2)
     return {
         "kind": "saturation",
@@ -302,6 +354,9 @@ def _definitions() -> dict[str, str]:
         "top_mass": "sum_{i<=k} s_i^2 / sum_i s_i^2",
         "anisotropy": "mean cosine similarity over ordered pairs of distinct contexts' head "
         "inputs, exact (mean-vector identity)",
+        "tanh_contexts": "heads whose context vectors are formed by tanh units (MoS, MoC, "
+        "Mixtape, mlp_softmax): the share of those units with |tanh(a)| > 0.95, and their mean "
+        "|tanh(a)|; null for other heads",
     }
 
 
@@ -322,9 +377,19 @@ def curve_rows(record: dict[str, Any], top_k: Sequence[int] | None = None) -> li
                 *[round(point["top_mass"][k], 4) for k in ks],
                 round(point["anisotropy"]["mean_cosine"], 4),
                 point["anisotropy"]["n_contexts"],
+                *([_tanh_share(point)] if _has_tanh(record) else []),
             ]
         )
     return rows
+
+
+def _has_tanh(record: dict[str, Any]) -> bool:
+    return any(point.get("tanh_contexts") for point in record["checkpoints"])
+
+
+def _tanh_share(point: dict[str, Any]) -> float | None:
+    share = (point.get("tanh_contexts") or {}).get("share_saturated")
+    return None if share is None else round(share, 4)
 
 
 def curve_headers(record: dict[str, Any]) -> list[str]:
@@ -339,4 +404,5 @@ def curve_headers(record: dict[str, Any]) -> list[str]:
         *[f"top-{k} energy" for k in ks],
         "anisotropy",
         "contexts",
+        *(["tanh units saturated"] if _has_tanh(record) else []),
     ]

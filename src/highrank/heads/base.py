@@ -303,6 +303,13 @@ class OutputHead(nn.Module, metaclass=_HeadClass):
         logits = self._logits_rows(h, *masks)
         return F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
 
+    def tanh_context_inputs(self, g: torch.Tensor) -> torch.Tensor | None:
+        """The pre-activations ``a (N, units)`` of the tanh units that form this head's context
+        vectors, for rows ``g (N, d_in)`` (MoS's and MoC's latents, Mixtape's contexts,
+        ``mlp_softmax``'s hidden layer); None for a head without (read by
+        ``analysis/saturation.py``: how many of them sit in tanh's flat tails)."""
+        return None
+
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """Per-row dropout masks ``(N, width)`` (or None when off); none by default."""
         return ()

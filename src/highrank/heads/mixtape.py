@@ -178,6 +178,11 @@ class Mixtape(OutputHead):
             return pre_activation
         return pre_activation + std * torch.randn_like(pre_activation)
 
+    def tanh_context_inputs(self, g: torch.Tensor) -> torch.Tensor:
+        """``H_k g + a_k`` for every k, ``(N, 4 d_embed)`` (``OutputHead``; the gate features'
+        tanh units only weigh the contexts, and are not counted)."""
+        return self.components(g)
+
     def _contexts(self, h: torch.Tensor, component_mask: torch.Tensor | None) -> torch.Tensor:
         """The component contexts h_k ``(N, 4, d_embed)``."""
         contexts = apply_mask(torch.tanh(self.components(h)), component_mask)

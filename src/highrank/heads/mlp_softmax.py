@@ -77,6 +77,10 @@ class MLPSoftmax(OutputHead):
     def _draw_masks(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None]:
         return (self._dropout_mask(hidden, self.mlp_width, self.latent_dropout_layer),)
 
+    def tanh_context_inputs(self, g: torch.Tensor) -> torch.Tensor:
+        """``W g + a``, ``(N, mlp_width)`` (``OutputHead``)."""
+        return self.latent(g)
+
     def context(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``g' + Z tanh(W g + a)``: ``(N, d_in) -> (N, 1, d_embed)``."""
         latent = apply_mask(torch.tanh(self.latent(h)), mask).unsqueeze(1)  # (N, 1, width)

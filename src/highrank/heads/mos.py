@@ -89,6 +89,10 @@ class ContextMixture(OutputHead):
         width = self.n_components * self.d_embed
         return (self._dropout_mask(hidden, width, self.latent_dropout_layer),)
 
+    def tanh_context_inputs(self, g: torch.Tensor) -> torch.Tensor:
+        """``W_k g + a_k`` for every k, ``(N, K d_embed)`` (``OutputHead``)."""
+        return self.latent(g)
+
     def _prior_and_latents(
         self, h: torch.Tensor, latent_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
