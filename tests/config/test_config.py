@@ -220,6 +220,12 @@ def test_a_capitalised_bool_says_toml_spells_it_lower_case(spelling):
                             f"(TOML booleans are lower case: {spelling.lower()})"), message
 
 
+def test_a_quoted_bool_in_a_file_says_toml_booleans_are_unquoted(tmp_path):
+    message = error_of(write(tmp_path, '[model]\ntie_weights = "true"\n'))
+    assert message.endswith('model.tie_weights = "true" has type str; expected bool '
+                            "(TOML booleans are unquoted: true)"), message
+
+
 def test_section_must_be_a_table(tmp_path):
     message = error_of(write(tmp_path, "train = 3\n"))
     assert "'train' must be a table ([train])" in message

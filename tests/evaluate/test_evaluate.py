@@ -322,6 +322,16 @@ def test_a_diverging_adaptation_stops_naming_the_segment_and_the_unmeasured_stat
     assert all(torch.equal(after[key], value) for key, value in before.items())
 
 
+def test_a_checkpoint_that_scores_non_finite_values_is_named_not_the_learning_rate():
+    model = _model()
+    stats = gradient_statistics(model, _stream(300), batch_size=10, bptt=5)
+    with torch.no_grad():
+        next(model.head.parameters()).fill_(float("nan"))
+    with pytest.raises(TrainingError, match=r"^dynamic evaluation stopped: the first segment's "
+                       r"NLL is not finite before any adaptation"):
+        dynamic_evaluate(model, _stream(60), stats, lr=0.01, epsilon=0.001, prior_decay=0.0)
+
+
 def test_weight_drop_and_every_dropout_are_off_while_adapting(monkeypatch):
     model = _model("model.weight_drop=0.9", "model.dropout_output=0.9")
     model.train()

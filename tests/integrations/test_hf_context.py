@@ -55,10 +55,26 @@ def test_a_left_padded_prompt_gets_the_distribution_of_the_prompt_alone(attached
     with torch.no_grad():
         padded_out = model(ids[1:], attention_mask=mask[1:]).logits[:, 3:]
         torch.testing.assert_close(padded_out, model(alone).logits, atol=1e-5, rtol=1e-5)
-    padded_gen = generate(model, ids[1:], mask[1:])
     alone_gen = generate(model, alone, torch.ones_like(alone))
-    assert torch.equal(padded_gen[0][:, 3:], alone_gen[0])
-    torch.testing.assert_close(padded_gen[1], alone_gen[1], atol=1e-5, rtol=1e-5)
+    for cache in ("dynamic", "static"):  # a static cache gives the body a 4-D mask
+        padded_gen = generate(model, ids[1:], mask[1:], cache_implementation=cache)
+        assert torch.equal(padded_gen[0][:, 3:], alone_gen[0]), cache
+        torch.testing.assert_close(padded_gen[1], alone_gen[1], atol=1e-5, rtol=1e-5)
+
+
+def test_masks_that_do_not_say_which_positions_are_padding_are_refused(attached):
+    """A 4-D mask, and packed rows (no mask, position ids restarting: TRL's padding-free
+    batches), would let MFS/CPR read across what the caller meant to keep apart."""
+    model = attached("llama", "cpr")
+    ids = torch.randint(3, 20, (1, 6))
+    with pytest.raises(ValueError, match=r"^SoftmaxCPR reads which positions are padding from a "
+                       r"2-D attention mask .* shape \(1, 1, 6, 6\): pass the 2-D mask$"):
+        model(ids, attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    with pytest.raises(ValueError, match=r"these rows pack several sequences .* "
+                       r"SFTConfig\(packing=False\)"):
+        model(ids, position_ids=packed)
+    model(ids, position_ids=torch.arange(6)[None])  # one sequence a row: fine
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -130,7 +146,8 @@ def test_inputs_embeds_without_ids_are_refused_for_cpr(attached):
     model = attached("gpt2", "cpr")
     embeds = model.get_input_embeddings()(torch.randint(3, 20, (1, 4)))
     with pytest.raises(
-        ValueError, match="SoftmaxCPR reads the context's token ids: pass input_ids"
+        ValueError, match="SoftmaxCPR reads the context's token ids, which inputs_embeds do not "
+        "carry: call it \\(or generate\\) with input_ids alone"
     ):
         model(inputs_embeds=embeds)
     attached("gpt2", "mfs")(inputs_embeds=embeds)  # MFS reads layers only

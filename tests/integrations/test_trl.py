@@ -75,6 +75,28 @@ def test_the_fields_dpo_asks_for_on_a_softmax_head_are_the_base_models(token_bat
 
 
 @pytest.mark.parametrize("head", ["mos", "cpr"])
+def test_shift_labels_give_the_fields_of_labels_and_one_more_position(attached, token_batch, head):
+    """transformers' labels (shifted inside: T - 1 positions) and already-shifted
+    shift_labels (T positions, the last ignored) score the same tokens; the context heads take
+    their own path (hf_fused._fused_context_output)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from highrank.integrations.hf_context import shifted_targets
+
+    model = attached("llama", head)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    ids, labels = token_batch
+    with torch.no_grad():
+        by_labels = model(ids, labels=labels, fused_lm_head=True)
+        shifted = model(ids, shift_labels=shifted_targets(labels, -100), fused_lm_head=True)
+    assert by_labels.log_probs.shape == (ids.shape[0], ids.shape[1] - 1)
+    assert shifted.log_probs.shape == ids.shape and not shifted.label_mask[:, -1].any()
+    torch.testing.assert_close(shifted.log_probs[:, :-1], by_labels.log_probs)
+    torch.testing.assert_close(shifted.entropy[:, :-1], by_labels.entropy)
+    torch.testing.assert_close(shifted.loss, by_labels.loss)
+
+
+@pytest.mark.parametrize("head", ["mos", "cpr"])
 def test_fused_fields_train_with_chunks_and_gradients(attached, token_batch, monkeypatch, head):
     """Chunked (4 tokens) with gradients: the loss's gradients equal those of the own loss
     (CPR: its context's layers and ids, chunked as the head's own loss chunks them)."""

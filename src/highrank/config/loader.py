@@ -292,7 +292,8 @@ def _check_type(dotted: str, value: Any, expected: Any, origins: _Origins) -> An
     if base is float:
         hint = hint or " (an int is accepted)"
     if base is bool and isinstance(value, str) and value.lower() in ("true", "false"):
-        hint = f" (TOML booleans are lower case: {value.lower()})"
+        unquoted = value == value.lower()  # "true" in quotes is a string
+        hint = f" (TOML booleans are {'unquoted' if unquoted else 'lower case'}: {value.lower()})"
     raise ConfigError(
         f"{_origin(origins, dotted)}: {dotted} = {_show(value)} has type {type(value).__name__}; "
         f"expected {base.__name__}{hint}"

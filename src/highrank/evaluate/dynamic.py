@@ -172,18 +172,45 @@ def dynamic_evaluate(
     try:
         with scoring_mode(model, adapting=True):
             state = model.init_state(batch_size)
-            for index, (tokens, target) in enumerate(
-                segments(source, bptt, progress, "dynamic eval")
-            ):
+            finite = FiniteWatch(bptt, stats)
+            for tokens, target in segments(source, bptt, progress, "dynamic eval"):
                 nll, state = model.nll(tokens, target, state)  # (L, B)
-                if not torch.isfinite(nll).all():
-                    raise TrainingError(_diverged(index, bptt, stats))
+                finite.add(nll)
                 tally.add(nll.detach())  # scored before the update
                 rule.step(_gradients(nll.mean(), params))
                 state = model.backbone.detach_state(state)
+            finite.check()
     finally:
         rule.restore_prior()
     return tally.result()
+
+
+class FiniteWatch:
+    """Stops dynamic evaluation once a segment's NLL is not finite (TrainingError naming the
+    first such segment). Checked every segment on the CPU; on an accelerator the flags stay
+    on the device and are read every ``ACCELERATOR_EVERY`` segments (a read waits for it)."""
+
+    ACCELERATOR_EVERY = 64
+
+    def __init__(self, bptt: int, stats: Mapping[str, torch.Tensor]) -> None:
+        self.bptt, self.stats = bptt, stats
+        self.checked = 0  # segments read so far
+        self.pending: list[torch.Tensor] = []  # per segment since: a 0-d bool, True: not finite
+
+    def add(self, nll: torch.Tensor) -> None:
+        self.pending.append(~torch.isfinite(nll.detach()).all())
+        if nll.device.type == "cpu" or len(self.pending) == self.ACCELERATOR_EVERY:
+            self.check()
+
+    def check(self) -> None:
+        """Read the pending flags; raise at the first non-finite segment."""
+        if not self.pending:
+            return
+        bad = torch.stack(self.pending).nonzero()
+        if len(bad):
+            raise TrainingError(_diverged(self.checked + int(bad[0, 0]), self.bptt, self.stats))
+        self.checked += len(self.pending)
+        self.pending = []
 
 
 def unmeasured_statistics(stats: Mapping[str, torch.Tensor]) -> tuple[int, list[str]]:
@@ -196,6 +223,12 @@ def unmeasured_statistics(stats: Mapping[str, torch.Tensor]) -> tuple[int, list[
 
 
 def _diverged(index: int, bptt: int, stats: Mapping[str, torch.Tensor]) -> str:
+    if index == 0:
+        return (
+            "dynamic evaluation stopped: the first segment's NLL is not finite before any "
+            "adaptation: the checkpoint itself scores non-finite values (check it with "
+            "`highrank eval`)"
+        )
     zeros, names = unmeasured_statistics(stats)
     advice = "lower --lr or raise --epsilon"
     if zeros:

@@ -147,7 +147,9 @@ from highrank.heads.softmax import PointwiseSoftmax
 from highrank.integrations.attach_knobs import check_attach_knobs
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
 from highrank.integrations.hf_context import (
+    GENERATION_MASK,
     check_layers_given,
+    check_not_packed,
     head_inputs,
     layers_read,
     reads_more,
@@ -303,6 +305,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         """
         loss_kwargs = {key: kwargs.pop(key) for key in LOSS_KWARGS if key in kwargs}
         generating = kwargs.pop(GENERATING, False)
+        generation_mask = kwargs.pop(GENERATION_MASK, None)
         fused = kwargs.pop("fused_lm_head", False)  # TRL's trainers (hf_fused.py)
         if fused:
             use_cache = False  # as TRL's own fused forward: training needs no cache
@@ -324,9 +327,11 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         hidden = outputs.last_hidden_state  # (B, T, d)
         inputs = {}
         if reads_more(self.head):  # the layers and tokens of the context so far
+            check_not_packed(type(self.head).__name__, position_ids, attention_mask)
             states = getattr(outputs, "hidden_states", None)
+            mask = attention_mask if generation_mask is None else generation_mask
             hidden, inputs = head_inputs(
-                self.head, hidden, states, input_ids, attention_mask, outputs.get(CACHE)
+                self.head, hidden, states, input_ids, mask, outputs.get(CACHE)
             )
         if fused:
             return self._fused_output(hidden, labels, **loss_kwargs, **inputs)
@@ -411,6 +416,9 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         ``inputs_embeds`` is named so that ``generate(inputs_embeds=...)`` is accepted."""
         inputs = super().prepare_inputs_for_generation(*args, inputs_embeds=inputs_embeds, **kwargs)
         inputs[GENERATING] = True
+        mask = kwargs.get("attention_mask")
+        if reads_more(self.head) and mask is not None and mask.dim() == 2:
+            inputs[GENERATION_MASK] = mask  # the body may get a 4-D one (hf_context.py)
         return inputs
 
     def _generation_logits(self, hidden: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:

@@ -13,10 +13,13 @@ reorders them with the cache (``reorder``); a cache cropped by assisted decoding
 its length; a cache whose positions the head has not seen (filled by another model or by a
 forward of this one without the cache) is refused in one line.
 
-Positions the attention mask leaves out (left padding in a batch) read as positions before
+Positions a 2-D attention mask leaves out (left padding in a batch) read as positions before
 the context's start: their ids are -1, which no partition counts, and their layers zeros,
 which Mi's window reads before the start. A padded prompt so gets the distribution of the
-same prompt alone (tested).
+same prompt alone (tested, with the dynamic and the static cache: ``generate`` hands the
+forward its 2-D mask, ``GENERATION_MASK``). A mask of another shape cannot say which positions
+are padding and is refused; so are packed sequences (position ids that restart within a
+row), whose contexts these heads would read across the boundary.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from highrank.heads import OutputHead
 # The attribute of a transformers Cache object that keeps the head's context so far:
 # (layers (B, L, S, d), ids (B, S)).
 HISTORY = "_highrank_head_context"
+# The forward keyword under which generate's 2-D attention mask reaches the head (transformers
+# may hand the body a 4-D one, e.g. with a static cache).
+GENERATION_MASK = "_highrank_attention_mask_2d"
 
 
 def reads_more(head: OutputHead) -> bool:
@@ -79,12 +85,12 @@ def head_inputs(
     if count > 1 and (hidden_states is None or len(hidden_states) < count):
         have = "none" if hidden_states is None else len(hidden_states)
         raise ValueError(f"{name} reads the last {count} layers; the body gave {have}")
-    kept = _kept(attention_mask, hidden)
+    kept = _kept(name, attention_mask, hidden)
     if kept is not None:  # a padded position reads as one before the start: zeros (Mi's window)
-        hidden = hidden * kept[..., None].to(hidden.dtype)
+        hidden = _zeroed(hidden, kept)
     top = [] if count == 1 else list(hidden_states[len(hidden_states) - count : -1])
     if kept is not None:
-        top = [h * kept[..., None].to(h.dtype) for h in top]
+        top = [_zeroed(h, kept) for h in top]
     layers = torch.stack([*(h.to(hidden.dtype) for h in top), hidden], dim=1)  # (B, L, T, d)
     ids = _current_ids(name, head, hidden, input_ids, kept)
     layers, ids = _with_history(name, layers, ids, cache, hidden.shape[1])
@@ -96,13 +102,38 @@ def head_inputs(
     return hidden, inputs
 
 
-def _kept(attention_mask: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor | None:
-    """``(B, T)`` bool: this call's positions that the attention mask keeps (False: padding);
-    None without a 2-D mask."""
-    if attention_mask is None or attention_mask.dim() != 2:
+def _kept(name: str, attention_mask: torch.Tensor | None, hidden: torch.Tensor):
+    """``(B, T)`` bool: this call's positions that the 2-D attention mask keeps (False:
+    padding); None without a mask. Another mask cannot say which positions are padding."""
+    if attention_mask is None:
         return None
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"{name} reads which positions are padding from a 2-D attention mask (batch, "
+            f"positions); got one of shape {tuple(attention_mask.shape)}: pass the 2-D mask"
+        )
     length = hidden.shape[1]
     return attention_mask[:, attention_mask.shape[1] - length :].to(hidden.device).bool()
+
+
+def _zeroed(states: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``states (B, T, d)`` with the padded positions zero (``where``, not a product: a
+    non-finite state at a pad must not become nan)."""
+    return torch.where(kept[..., None], states, torch.zeros((), dtype=states.dtype,
+                                                             device=states.device))
+
+
+def check_not_packed(name: str, position_ids: torch.Tensor | None, attention_mask) -> None:
+    """Refuse packed sequences (TRL's padding-free batches: no attention mask, position ids
+    that restart within a row): the head would read its context across their boundaries."""
+    if attention_mask is not None or position_ids is None or position_ids.shape[-1] < 2:
+        return
+    if bool((position_ids[..., 1:] <= position_ids[..., :-1]).any()):
+        raise ValueError(
+            f"{name} reads its context's layers and tokens, but these rows pack several "
+            "sequences (position ids restart within a row): they would read across the "
+            "boundaries; give one sequence a row (TRL: SFTConfig(packing=False))"
+        )
 
 
 def _current_ids(name, head, hidden, input_ids, kept) -> torch.Tensor:
@@ -113,8 +144,8 @@ def _current_ids(name, head, hidden, input_ids, kept) -> torch.Tensor:
         return torch.zeros(batch, length, dtype=torch.long, device=hidden.device)
     if input_ids is None:
         raise ValueError(
-            f"{name} reads the context's token ids: pass input_ids (inputs_embeds alone "
-            "give it none)"
+            f"{name} reads the context's token ids, which inputs_embeds do not carry: call it "
+            "(or generate) with input_ids alone"
         )
     ids = input_ids.to(hidden.device).long()
     return ids if kept is None else torch.where(kept, ids, -1)

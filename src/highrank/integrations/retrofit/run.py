@@ -55,8 +55,11 @@ SIGTERM during training saves the state between two steps
 (:class:`~highrank.train.state.Interrupted`). What a rerun reads from ``OUT`` is checked: a
 damaged ``plan.json``, cache or ``state.pt``, a cache of changed contents (its checksums) or
 of another text, a state of another run: each one line naming the file and how to go on.
-``results.json`` keeps the plan as given and, under ``effective``, what ran where that
-differs (the steps of one pass; a warm-up longer than the steps takes them all).
+``results.json`` keeps the plan as given and, under ``effective``, what ran: the steps, the
+warm-up, the lr and the tokens a step (``tokens_per_step``; ``windows_per_step`` where a step
+trains on whole windows), with a note where that differs from the plan (the steps of one
+pass; a warm-up longer than the steps takes them all; ``--batch-tokens`` rounded to whole
+windows), printed as it starts.
 
 Nothing non-finite is saved: the training loop skips a step whose loss or gradient norm is
 not finite and stops after :data:`~highrank.integrations.retrofit.train.MAX_NONFINITE_STEPS`
@@ -347,7 +350,7 @@ def _token_ids(plan: RetrofitPlan, tokenizer, split: str) -> torch.Tensor:
 def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
     """Head and knobs valid, window within the model's positions, the batch shared evenly
     among the processes under torchrun, memory and disk enough."""
-    if plan.mode == "frozen" and not plan.reads_context:
+    if not _by_windows(plan):
         _check_share(plan, "--batch-tokens", plan.batch_tokens)
     else:  # whole windows per step
         _check_share(plan, f"--batch-tokens {plan.batch_tokens} // --window {plan.window}",
@@ -442,7 +445,7 @@ def _check_share(plan: RetrofitPlan, what: str, rows: int) -> None:
     """Under torchrun the batch is the global one, split evenly among the processes."""
     n = distributed.world_size()
     if rows % n:
-        unit = "tokens" if plan.mode == "frozen" and not plan.reads_context else "windows"
+        unit = "windows" if _by_windows(plan) else "tokens"
         raise RetrofitError(
             f"{what} = {rows} {unit} per step is the global batch, split among {n} "
             f"processes: it must divide by {n}; start as many processes as divide it "
@@ -547,21 +550,27 @@ def effective_budget(plan: RetrofitPlan, budget: dict) -> dict:
     where they differ from the plan (``--steps`` left to one pass; a warm-up longer than the
     steps; ``--batch-tokens`` rounded to whole windows)."""
     record = {k: budget[k] for k in ("steps", "warmup_steps", "lr")}
-    notes = []
+    notes = _changed_notes(plan, budget)
     if plan.steps is None:
-        notes.append(f"--steps not given: one pass over the training text, {budget['steps']} "
-                     "steps")
+        notes.insert(0, f"--steps not given: one pass over the training text, "
+                        f"{budget['steps']} steps")
     if _by_windows(plan):  # the budget's rows are windows
         windows = budget["batch_tokens"]
         record.update(windows_per_step=windows, tokens_per_step=windows * plan.window)
-        if windows * plan.window != plan.batch_tokens:
-            notes.append(_window_rounding(plan, windows))
     else:
         record["tokens_per_step"] = budget["batch_tokens"]
+    return {**record, **({"notes": notes} if notes else {})}
+
+
+def _changed_notes(plan: RetrofitPlan, budget: dict) -> list[str]:
+    """The notes on what a step trains on that differs from the plan as given."""
+    notes = []
+    if _by_windows(plan) and budget["batch_tokens"] * plan.window != plan.batch_tokens:
+        notes.append(_window_rounding(plan, budget["batch_tokens"]))
     if budget["warmup_steps"] < plan.warmup_steps:
         notes.append(f"--warmup-steps {plan.warmup_steps} exceeds the {budget['steps']} steps: "
                      f"the warm-up took all {budget['warmup_steps']}")
-    return {**record, **({"notes": notes} if notes else {})}
+    return notes
 
 
 def _by_windows(plan: RetrofitPlan) -> bool:
@@ -580,9 +589,8 @@ def _window_rounding(plan: RetrofitPlan, windows: int) -> str:
 def _say_effective(plan: RetrofitPlan, budget: dict, progress: bool) -> None:
     """Print the notes of ``effective_budget`` that change what a step trains on."""
     if progress:
-        for note in effective_budget(plan, budget).get("notes", []):
-            if not note.startswith("--steps not given"):
-                print(f"note: {note}", flush=True)
+        for note in _changed_notes(plan, budget):
+            print(f"note: {note}", flush=True)
 
 
 def make_trainable(hf_model, plan: RetrofitPlan):
