@@ -46,6 +46,18 @@ def test_recorded_analyses_appear_with_their_numbers(runs, tmp_path):
     assert "highrank eval RUN_DIR --split test" in page  # second has no eval yet
 
 
+def test_an_eval_of_a_checkpoint_that_changed_since_is_marked_stale(runs, tmp_path):
+    """A new user's walk: after a resumed training rewrote best.pt, the report showed the old
+    test perplexity as the run's."""
+    first, _ = runs
+    assert main(["eval", str(first), "--split", "test", "--no-progress"]) == 0
+    assert "STALE" not in write_report([first], tmp_path / "before").read_text()
+    best = first / "checkpoints" / "best.pt"
+    best.write_bytes(best.read_bytes() + b"\0")  # other bytes, as a resumed training writes
+    page = write_report([first], tmp_path / "after").read_text()
+    assert f"(STALE: best has changed since; rerun `highrank eval {first}`)" in page
+
+
 def test_report_verb_and_a_folder_that_is_not_a_run(runs, tmp_path, capsys):
     assert main(["report", str(runs[0]), "--out", str(tmp_path / "out")]) == 0
     assert "report.html" in capsys.readouterr().out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from highrank.analysis.significance import (
     compare_runs,
     holm_adjusted,
     pearson,
+    read_eval,
     read_perplexity,
     read_press_rank,
     welch_df,
@@ -233,6 +235,32 @@ def test_cli_compare_input_errors_exit_2_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["compare", "--alpha", "2", *a, "--", *a])
     assert info.value.code == 2 and "--alpha" in capsys.readouterr().err
+
+
+def test_runs_of_other_data_the_same_run_twice_and_stale_records_are_refused(
+    tiny_run, tmp_path, capsys
+):
+    """A new user's walk: compare ran a t-test over runs scored on different corpora, took
+    the same runs in both groups (t = 0), and read eval records of a best.pt that a resumed
+    training had rewritten since."""
+    a = [fake_run(tmp_path / "a0", 70), fake_run(tmp_path / "a1", 71)]
+    b = [fake_run(tmp_path / "b0", 60), fake_run(tmp_path / "b1", 61)]
+    for run, sha in zip([*a, *b], ["1" * 64, "1" * 64, "1" * 64, "2" * 64], strict=True):
+        path = Path(run) / "eval-test-best.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "data_sha256": sha}))
+    with pytest.raises(CompareError, match=r"scored on different data, .*b1 \(split sha256 "
+                       r"222222222222\.\.\.\)$"):
+        compare_runs({"A": a, "B": b})
+    with pytest.raises(CompareError, match=r"^a run stands twice in the groups: .*a0$"):
+        compare_runs({"A": a, "B": [a[0], b[0]]})
+    real = shutil.copytree(tiny_run, tmp_path / "real")
+    assert main(["eval", str(real), "--split", "test", "--no-progress"]) == 0
+    read_eval(real, "test", "best")  # the record of the checkpoint as it is
+    best = real / "checkpoints" / "best.pt"
+    best.write_bytes(best.read_bytes() + b"\0")  # other bytes, as a resumed training writes
+    with pytest.raises(CompareError, match=r"scored an earlier best.pt \(the checkpoint has "
+                       r"changed since: .*re-evaluate with `highrank eval "):
+        read_eval(real, "test", "best")
 
 
 def test_compare_finds_rank_records_by_the_tag_analyze_rank_gave_them(tiny_run, tmp_path):

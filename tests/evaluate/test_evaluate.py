@@ -395,6 +395,26 @@ def test_eval_refuses_a_checkpoint_copied_from_another_run(tiny_run, tmp_path, c
     assert not list(ours.glob("eval-*.json"))
 
 
+def test_a_checkpoint_of_another_run_named_by_path_is_refused(tiny_run, tmp_path, capsys):
+    """A new user's walk: `eval RUN --which OTHER.pt` (and every analysis) measured another
+    run's checkpoint and filed its figures under RUN; the run's own .pt copied out is fine."""
+    import shutil
+
+    from highrank.cli import main
+    from tests.conftest import train_tiny_run
+
+    ours = shutil.copytree(tiny_run, tmp_path / "ours")
+    theirs = train_tiny_run(tmp_path, "theirs")  # the same model, another run
+    outside = shutil.copy(theirs / "checkpoints" / "best.pt", tmp_path / "elsewhere.pt")
+    capsys.readouterr()
+    assert main(["eval", str(ours), "--split", "valid", "--which", str(outside)]) == 2
+    err = capsys.readouterr().err
+    assert "belongs to another run" in err and len(err.strip().splitlines()) == 1
+    assert not list(ours.glob("eval-*.json"))
+    own = shutil.copy(ours / "checkpoints" / "best.pt", tmp_path / "own-copy.pt")
+    assert main(["eval", str(ours), "--split", "valid", "--which", str(own)]) == 0
+
+
 def test_a_window_beyond_a_transformers_learned_positions_is_one_line(tmp_path, capsys):
     """Issue: eval / analyze of a Transformer run with --bptt beyond its position table ended
     in a ValueError traceback from the backbone."""

@@ -27,7 +27,7 @@ from highrank.analysis.output import ANALYSIS_DIR, format_cell, is_number, read_
 from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS, write_spectrum
 from highrank.config import load_config
 from highrank.data import Vocab
-from highrank.evaluate.records import describe
+from highrank.evaluate.records import describe, stale_checkpoint
 from highrank.models import build_model, count_parameters
 from highrank.runs.run_dir import RunDirError, read_metrics
 from highrank.util.atomic import write_text_atomic
@@ -174,7 +174,11 @@ def _sources(runs: list[dict[str, Any]]) -> str:
         for prefix, label in (("eval-test", "test"), ("dynamic-eval-test", "dynamic-eval test")):
             found = preferred_eval(run, prefix)
             if found:
-                lines.append(f"{run['name']} {label} ppl: {describe(found[1])}")
+                line = f"{run['name']} {label} ppl: {describe(found[1])}"
+                if stale_checkpoint(run["run_dir"], found[1]) is not None:
+                    line += (f" (STALE: {found[1]['checkpoint']} has changed since; rerun "
+                             f"`highrank {prefix.removesuffix('-test')} {run['run_dir']}`)")
+                lines.append(line)
     return "<p class='note'>" + "<br>".join(map(html.escape, lines)) + "</p>\n" if lines else ""
 
 

@@ -192,7 +192,41 @@ def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
     if record.get("default_data") is False:
         raise CompareError(f"{path} is not of the full split of the run's corpus; re-evaluate")
     record["perplexity"] = _number(record, "perplexity", path, float)
+    _refuse_stale(record, path, run_dir, split, which)
     return {**record, "which": which, "source": describe({**record, "split": split})}
+
+
+def _refuse_stale(record: dict, path: Path, run_dir, split: str, which: str) -> None:
+    """An eval record of a checkpoint that has changed since (a resumed training rewrote
+    best.pt) describes a model the run no longer holds."""
+    from highrank.evaluate.records import stale_checkpoint
+
+    current = stale_checkpoint(run_dir, {"checkpoint": which, **record})
+    if current is not None:
+        raise CompareError(
+            f"{path} scored an earlier {current.name} (the checkpoint has changed since: "
+            f"sha256 {record['checkpoint_sha256'][:12]}... then); re-evaluate with `highrank "
+            f"eval {run_dir} --split {split} --which {which}`"
+        )
+
+
+def _refuse_mixed(groups: dict[str, Sequence[str]], evals: dict[str, list[dict]]) -> None:
+    """Both groups' runs distinct, and every run scored on the same split file (its sha256,
+    where the record has one): perplexities of other test data cannot be compared."""
+    runs = [Path(r).resolve() for name in groups for r in groups[name]]
+    twice = sorted({str(r) for r in runs if runs.count(r) > 1})
+    if twice:
+        raise CompareError(f"a run stands twice in the groups: {', '.join(twice)}")
+    data: dict[str, list[str]] = {}
+    for name in groups:
+        for run, record in zip(groups[name], evals[name], strict=True):
+            if record.get("data_sha256"):
+                data.setdefault(record["data_sha256"], []).append(str(run))
+    if len(data) > 1:
+        shown = "; ".join(f"{', '.join(r)} (split sha256 {sha[:12]}...)" for sha, r in data.items())
+        raise CompareError(
+            f"the runs were scored on different data, whose perplexities do not compare: {shown}"
+        )
 
 
 def read_press_rank(run_dir: str | Path, tag: str) -> int | None:
@@ -237,6 +271,7 @@ def compare_runs(
     Pearson correlation of Press rank and perplexity over all runs of both groups."""
     (name_a, runs_a), (name_b, runs_b) = groups.items()
     evals = {name: [read_eval(r, split, which) for r in runs] for name, runs in groups.items()}
+    _refuse_mixed(groups, evals)
     ppl = {name: [e["perplexity"] for e in records] for name, records in evals.items()}
     tags = [record_tag(split, e["which"]) for name in groups for e in evals[name]]
     test = compare_groups(ppl[name_a], ppl[name_b], welch=welch)

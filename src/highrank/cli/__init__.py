@@ -81,7 +81,8 @@ VERBS: list[Verb] = [
     _verb("dynamic-eval", "dynamic evaluation (Krause et al. 2017) of a trained run", dynamic_eval),
     _verb(
         "analyze",
-        "measure the bottleneck of trained runs: rank, KL, top-k, word similarity",
+        "measure the bottleneck of trained runs or HF models: rank, KL, top-k, word "
+        "similarity, hidden size, unargmaxable tokens, saturation, gradient bottleneck",
         analyze,
     ),
     _verb(

@@ -99,3 +99,13 @@ def describe(record: dict[str, Any]) -> str:
 
 
 __all__ = ["data_facts", "describe", "file_sha256", "record_path", "split_sha256"]
+
+
+def stale_checkpoint(run_dir: str | os.PathLike, record: dict[str, Any]) -> Path | None:
+    """The run's checkpoint a record scored (``record["checkpoint"]``: best, last, ...) when
+    its bytes have changed since (a resumed training rewrote it), else None."""
+    kept, which = record.get("checkpoint_sha256"), record.get("checkpoint")
+    if not kept or not isinstance(which, str):
+        return None
+    current = checkpoint_path(run_dir, which)
+    return current if current.is_file() and file_sha256(current) != kept else None

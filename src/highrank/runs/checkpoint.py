@@ -418,6 +418,8 @@ def read_run(
     payload = load_checkpoint(path)
     if Path(run_dir).resolve() in path.resolve().parents:  # a file of the run: it must be its own
         check_own_checkpoint(run_dir, payload, path, own_config=own_config)
+    else:  # a .pt named from elsewhere: not another run's, whose figures would be filed here
+        check_run_id(run_dir, payload, path)
     config = config_of(payload, path)
     vocab = Vocab.load(Path(run_dir) / VOCAB_FILE)
     if len(vocab) != payload["vocab_size"]:
@@ -440,13 +442,7 @@ def check_own_checkpoint(
     config.toml describes (``own_config`` when the caller read it already). Resume, finetune,
     eval and every analysis read a run through it."""
     run_dir = Path(run_dir)
-    ours, theirs = _run_id(run_dir), payload.get("run_id")
-    if ours is not None and theirs is not None and ours != theirs:
-        raise CheckpointError(
-            f"checkpoint {path} belongs to another run (run id {theirs}, this run's is {ours} "
-            f"in {run_dir / ENVIRONMENT_FILE}); put this run's own checkpoint back, or "
-            "use the run it came from"
-        )
+    check_run_id(run_dir, payload, path)
     try:
         stored = config_to_dict(config_of(payload, path))
         if own_config is None:
@@ -460,6 +456,18 @@ def check_own_checkpoint(
                 f"checkpoint {path} holds a different [{section}] from {run_dir / CONFIG_FILE} "
                 f"({stored[section]} vs {own[section]}): it belongs to another run"
             )
+
+
+def check_run_id(run_dir: str | os.PathLike, payload: Mapping[str, Any], path: Path) -> None:
+    """Refuse a checkpoint whose ``run_id`` is another run's (both ids known)."""
+    run_dir = Path(run_dir)
+    ours, theirs = _run_id(run_dir), payload.get("run_id")
+    if ours is not None and theirs is not None and ours != theirs:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to another run (run id {theirs}, this run's is {ours} "
+            f"in {run_dir / ENVIRONMENT_FILE}); put this run's own checkpoint back, or "
+            "use the run it came from"
+        )
 
 
 def _run_id(run_dir: Path) -> str | None:
