@@ -132,7 +132,9 @@ def sft_data(n: int, length: int):
     return datasets.Dataset.from_dict({"text": [" ".join(f"w{i}" for i in row) for row in ids]})
 
 
-@pytest.mark.parametrize(("base", "head"), [("gpt2", "mos"), ("llama", "mixtape"), ("llama", "cpr")])
+@pytest.mark.parametrize(
+    ("base", "head"), [("gpt2", "mos"), ("llama", "mixtape"), ("llama", "cpr")]
+)
 def test_sft_trainer_trains_the_heads_loss_with_right_metrics(attached, tmp_path, base, head):
     model = attached(base, head)
     args = trl.SFTConfig(
