@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from highrank.cli import main
@@ -115,3 +117,60 @@ def test_an_impossible_size_is_one_line_naming_the_key(value, reason, tmp_path, 
         assert f"{path}, line 4: model.d_embed = {value} is out of range" in err[0]
         assert reason in err[0] and "frame #" not in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def _one_error_line(err: str, verb: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"highrank {verb}: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(("device", "expected"), [
+    ("banana", "--device = 'banana' is not a device: expected cpu, cuda, cuda:N, mps or auto"),
+    ("cuda:7", "--device = 'cuda:7', but this torch"),
+])
+def test_a_device_this_torch_cannot_use_is_one_line(tiny_run, device, expected, capsys):
+    """A new user's walk: torch's RuntimeError / AssertionError tracebacks, from every verb."""
+    for verb in ("rank", "kl"):
+        assert main(["analyze", verb, str(tiny_run), "--device", device, "--no-progress"]) == 2
+        assert expected in _one_error_line(capsys.readouterr().err, "analyze")
+
+
+def test_logits_of_a_head_without_them_is_one_line(tmp_path, capsys):
+    from tests.conftest import train_tiny_run
+
+    mos = train_tiny_run(tmp_path, "mos", "head.name=mos", "head.n_components=2")
+    capsys.readouterr()
+    argv = ["analyze", "rank", str(mos), "--kind", "logits", "--max-contexts", "5", "--no-progress"]
+    assert main(argv) == 2
+    line = _one_error_line(capsys.readouterr().err, "analyze rank")
+    assert "kind='logits' needs a head of the softmax family" in line
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("nll.csv", "expected a .tsv or .npy file name"),
+    ("missing/nll.tsv", "the folder {tmp}/missing does not exist"),
+])
+def test_a_token_nll_path_that_cannot_be_written_is_refused_before_the_evaluation(
+    tiny_run, tmp_path, name, expected, capsys, monkeypatch
+):
+    import highrank.evaluate.run as evaluate_run
+
+    monkeypatch.setattr(evaluate_run, "evaluate_run", lambda *a, **k: pytest.fail("evaluated"))
+    assert main(["eval", str(tiny_run), "--token-nll", str(tmp_path / name)]) == 2
+    line = _one_error_line(capsys.readouterr().err, "eval")
+    assert expected.format(tmp=tmp_path) in line
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_folder_that_cannot_be_made_is_one_line(tiny_run, capsys):
+    """A new user's walk: a FileNotFoundError traceback from mkdir (no folder can be made in
+    /proc, even by root)."""
+    out = "/proc/highrank-cannot-be-here"
+    for argv, verb in ((["analyze", "rank", str(tiny_run), "--out", out], "analyze rank"),
+                       (["report", str(tiny_run), "--out", out], "report")):
+        assert main(argv) == 2
+        line = _one_error_line(capsys.readouterr().err, verb)
+        assert line.endswith(f"--out {out}: cannot make the folder for " + (
+            "the records" if verb != "report" else "report.html and its files") + " here: "
+            "No such file or directory")

@@ -49,12 +49,16 @@ def head_rows(head: OutputHead, hidden: torch.Tensor, kind: str = "log_prob") ->
     return head.log_prob(hidden).float()
 
 
+class MatrixKindError(ValueError):
+    """A matrix kind the head cannot give (one line on the command line)."""
+
+
 def check_kind(head: OutputHead, kind: str) -> None:
     """``kind`` is one of :data:`MATRIX_KINDS` and ``head`` can give it."""
     if kind not in MATRIX_KINDS:
-        raise ValueError(f"kind must be one of {', '.join(MATRIX_KINDS)}; got {kind!r}")
+        raise MatrixKindError(f"kind must be one of {', '.join(MATRIX_KINDS)}; got {kind!r}")
     if kind == "logits" and not hasattr(head, "transformed_logits"):
-        raise ValueError(
+        raise MatrixKindError(
             f"kind='logits' needs a head of the softmax family (softmax, sigsoftmax, gss, "
             f"plif) with transformed_logits(); {type(head).__name__} has none: use "
             "kind='log_prob'"

@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    status = refuse("eval", run_dir_problem(args.run_dir))  # before torch is imported
+    # before torch is imported, and before an evaluation that --token-nll could not keep
+    status = refuse("eval", run_dir_problem(args.run_dir) or _token_nll_problem(args.token_nll))
     if status:
         return status
     from highrank.train import distributed
@@ -113,6 +114,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return guarded("eval", job)
+
+
+def _token_nll_problem(path: str | None) -> str | None:
+    if not path:
+        return None
+    if Path(path).suffix.lower() not in (".tsv", ".npy"):
+        return f"--token-nll {path}: expected a .tsv or .npy file name"
+    folder = Path(path).parent
+    if not folder.is_dir():
+        return f"--token-nll {path}: the folder {folder} does not exist"
+    return None
 
 
 # Options of a language model's evaluation that mean nothing for a translation run.

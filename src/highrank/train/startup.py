@@ -22,23 +22,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def resolve_device(name: str) -> torch.device:
-    """``run.device``: ``"auto"`` is CUDA when available, else the CPU."""
+def resolve_device(name: str, option: str = "run.device") -> torch.device:
+    """``run.device`` (or the command-line ``option`` that gave ``name``): ``"auto"`` is CUDA
+    when available, else the CPU; a device this torch cannot use is a ConfigError naming it."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    fix = f"use {'--run.device=' if option == 'run.device' else option + ' '}cpu or auto"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            f"{option} = {name!r} is not a device: expected cpu, cuda, cuda:N, mps or auto"
+        ) from None
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not count or (device.index or 0) >= count:
             build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only"
             raise ConfigError(
-                f"run.device = {name!r}, but this torch {torch.__version__} ({build}) sees "
-                f"{count} CUDA device(s); use --run.device=cpu or auto"
+                f"{option} = {name!r}, but this torch {torch.__version__} ({build}) sees "
+                f"{count} CUDA device(s); {fix}"
             )
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(
-            f"run.device = {name!r}, but MPS is not available here; use --run.device=cpu or auto"
-        )
+        raise ConfigError(f"{option} = {name!r}, but MPS is not available here; {fix}")
     return device
 
 

@@ -50,6 +50,19 @@ def out_folder_problem(out: str | os.PathLike, purpose: str = "the records") -> 
     return None
 
 
+def made_out_folder_problem(out: str | os.PathLike, purpose: str = "the records") -> str | None:
+    """:func:`out_folder_problem`, then the folder made (it would be at the first record):
+    a place where no folder can be made says so now, not after the work."""
+    problem = out_folder_problem(out, purpose)
+    if problem:
+        return problem
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot make the folder for {purpose} here: {error.strerror or error}"
+    return None
+
+
 def file_problem(path: str | os.PathLike, what: str) -> str | None:
     """An input file (``what`` names it: "--text"): it must exist and not be a folder."""
     path = Path(path)

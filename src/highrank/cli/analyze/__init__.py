@@ -65,7 +65,16 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, "no_progress", False):  # transformers' import alone takes seconds
             print(f"loading {', '.join(map(str, args.hf))} (transformers)", flush=True)
         register_highrank_models()
-    return guarded("analyze", lambda: _module(args.analysis_module).run(args))
+    return guarded("analyze", lambda: _checked(args) or _module(args.analysis_module).run(args))
+
+
+def _checked(args: argparse.Namespace) -> None:
+    """What the analyses' own code would find only deep inside: a ``--device`` this torch
+    cannot use (a one-line error, not torch's traceback); ``auto`` resolved."""
+    if getattr(args, "device", None) is not None:
+        from highrank.train.startup import resolve_device
+
+        args.device = str(resolve_device(args.device, option="--device"))
 
 
 def register_highrank_models() -> None:

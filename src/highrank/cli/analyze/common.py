@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING
 
 from highrank.cli.choices import BATCH_ELEMENTS
 from highrank.util.argtypes import positive_int
-from highrank.util.paths import file_problem, out_folder_problem, run_dir_problem
+from highrank.util.paths import (
+    file_problem,
+    made_out_folder_problem,
+    out_folder_problem,
+    run_dir_problem,
+)
 
 if TYPE_CHECKING:
     from highrank.analysis.rows import RowSource
@@ -166,7 +171,7 @@ def check_paths(args: argparse.Namespace, out_purpose: str = "the records") -> s
     if problem:
         return problem
     out = getattr(args, "out", None)
-    problem = out and out_folder_problem(out, out_purpose)
+    problem = out and made_out_folder_problem(out, out_purpose)
     return f"--out {out}: {problem}" if problem else None
 
 

@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from highrank.analysis.logprob_matrix import DiskSpaceError
+    from highrank.analysis.logprob_matrix import DiskSpaceError, MatrixKindError
     from highrank.analysis.output import write_json
     from highrank.analysis.rank import GramMemoryError, analyze_rank, summary_table, write_spectrum
     from highrank.causal_lm import HFInputError
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             records.append(record)
             written.append(source.folder(args.out) / f"rank-{tag}.json")
             source.release()  # one model in memory at a time
-    except (HFInputError, GramMemoryError, DiskSpaceError, LockedError) as error:
+    except (HFInputError, GramMemoryError, DiskSpaceError, LockedError, MatrixKindError) as error:
         print(f"highrank analyze rank: error: {error}", file=sys.stderr)
         return 2
     for path in written:
