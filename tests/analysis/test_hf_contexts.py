@@ -297,6 +297,21 @@ def test_bad_texts_are_named(llama, tmp_path):
         check_window(model, 100, 0)
 
 
+def test_a_tokenizer_with_ids_beyond_the_model_is_named_before_the_forward_passes(tmp_path):
+    """A new user's walk: torch.embedding's IndexError traceback from `analyze --hf`."""
+    from highrank.analysis.hf_contexts import load_text_contexts
+
+    config = _config("llama", 0)
+    config.vocab_size = len(SPECIALS) + 2  # the tokenizer's words lie beyond
+    folder = tmp_path / "small"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+    text = write_text(tmp_path / "text.txt", n_words=80)
+    with pytest.raises(HFInputError, match=r"gives the id \d+ in --text .*text.txt, but the model "
+                       rf"has {config.vocab_size} token ids"):
+        load_text_contexts(folder, text, window=16)
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("echo ran > ran.txt",))

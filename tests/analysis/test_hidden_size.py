@@ -195,6 +195,15 @@ def test_the_command_line_takes_matrices_and_records_and_names_bad_input(tmp_pat
     assert f"the knee at {D + 2} agrees with --expect {D}" in capsys.readouterr().out  # a verdict
     assert main(["analyze", "hidden-size", str(path), "--expect", str(D + 5)]) == 0
     assert f"does NOT agree with --expect {D + 5}" in capsys.readouterr().out
+    mos = tmp_path / "mos.npy"  # a new user's walk: "the knee at 3 does NOT agree" of no knee
+    np.save(mos, head_matrix("mos", seed=6, n_components=3))
+    assert main(["analyze", "hidden-size", str(mos), "--expect", str(D)]) == 0
+    assert f"no knee, so not a softmax of hidden size {D}" in capsys.readouterr().out
+    few = tmp_path / "few.npy"
+    np.save(few, head_matrix("softmax", seed=6)[: D + 1])
+    assert main(["analyze", "hidden-size", str(few), "--expect", str(D)]) == 0
+    assert f"too few singular values ({D + 1}: contexts or vocabulary) to test --expect {D}" in (
+        capsys.readouterr().out)
     (tmp_path / "notes.txt").write_text("x")
     assert main(["analyze", "hidden-size", str(tmp_path / "notes.txt")]) == 2
     assert "expected a run directory, a .npy" in capsys.readouterr().err

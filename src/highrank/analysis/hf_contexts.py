@@ -59,6 +59,7 @@ from highrank.causal_lm import (  # noqa: F401  (loading and windows live there;
     INSTALL_HINT,
     HFInputError,
     check_finite_weights,
+    check_token_ids,
     check_window,
     default_window,
     load_causal_lm,
@@ -357,6 +358,7 @@ def load_text_contexts(
         if bos_token_id is None:
             raise HFInputError(f"--bos: the tokenizer of {model_path} has no BOS token")
     ids = text_token_ids(tokenizer, text_path)
+    check_token_ids(model, ids, model_path=model_path, source=f"--text {text_path}")
     window = check_window(
         model, ids.numel(), window, bos_token_id=bos_token_id, source=str(text_path)
     )

@@ -70,14 +70,25 @@ def run(args: argparse.Namespace) -> int:
     for record in records:
         print(f"{record['source']}: {record['verdict']}")
         if "expected_hidden_size" in record:
-            d = record["expected_hidden_size"]
-            agrees = "agrees with" if record["matches_expected"] else "does NOT agree with"
-            print(f"{record['source']}: the knee at {record['knee']} {agrees} --expect {d} "
-                  f"(a softmax of hidden size {d} has its knee at {d + 1} or {d + 2})")
+            print(f"{record['source']}: {_expectation(record)}")
     if args.out:
         write_summary(args.out, "hidden-size", {"spectrum": SPECTRUM, "inputs": records},
                       summary_table(records, markdown=True))
     return 0
+
+
+def _expectation(record: dict) -> str:
+    """What the spectrum says of ``--expect d``: a softmax of hidden size d has its knee at
+    d + 1 (no bias) or d + 2 (bias), which needs more than d + 2 singular values to show."""
+    d = record["expected_hidden_size"]
+    where = f"a softmax of hidden size {d} has its knee at {d + 1} or {d + 2}"
+    if record["n_values"] <= d + 2:
+        return (f"too few singular values ({record['n_values']}: contexts or vocabulary) to "
+                f"test --expect {d} ({where}); raise --max-contexts")
+    if not record["low_rank_knee"]:
+        return f"no knee, so not a softmax of hidden size {d} ({where})"
+    agrees = "agrees with" if record["matches_expected"] else "does NOT agree with"
+    return f"the knee at {record['knee']} {agrees} --expect {d} ({where})"
 
 
 def _check_sources(args: argparse.Namespace) -> None:

@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated benchmark names, e.g. EN-WS-353-ALL,EN-SIMLEX-999 (default all)",
     )
     parser.add_argument("--out", help="also write similarity.json and similarity.md here")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="accepted as by every verb (nothing is slow)"
+    )
 
 
 def resolve_data_dir(data_dir: str | None) -> Path:

@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
             record, path = (_hf_record if args.hf else _run_record)(source, radius, args)
             write_json(path, record)
             print(f"wrote {path}")
+            if radius is not None and record.get("radius") is None:  # the head's domain is R^d
+                print(f"note: {source}: --radius {radius:g} is not used: {record['analysed']}")
             records.append(record)
     except ValueError as error:  # UnargmaxableError, HFInputError (a missing hf extra too)
         print(f"highrank analyze unargmaxable: error: {error}", file=sys.stderr)
