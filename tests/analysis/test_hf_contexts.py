@@ -312,6 +312,23 @@ def test_a_tokenizer_with_ids_beyond_the_model_is_named_before_the_forward_passe
         load_text_contexts(folder, text, window=16)
 
 
+def test_two_models_of_one_name_are_refused_before_one_overwrites_the_other(
+    llama, tmp_path, capsys
+):
+    """A new user's walk: two --hf folders both named `llama` wrote one record, the second
+    over the first."""
+    twin = tmp_path / "elsewhere" / Path(llama[0]).name
+    shutil.copytree(llama[0], twin)
+    text = write_text(tmp_path / "text.txt", n_words=80)
+    argv = ["analyze", "rank", "--hf", str(llama[0]), "--hf", str(twin), "--text", str(text),
+            "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("highrank analyze: error: --hf ") and len(err.splitlines()) == 1
+    assert f"are both named {Path(llama[0]).name!r}" in err
+    assert not list((tmp_path / "out").glob("rank-*.json"))
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("echo ran > ran.txt",))

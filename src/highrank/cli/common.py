@@ -167,6 +167,7 @@ def add_overrides(parser: argparse.ArgumentParser) -> None:
 
 def input_errors() -> tuple[type[Exception], ...]:
     """Errors in what the user gave (config, corpus, run directory): exit status 2."""
+    from highrank.causal_lm import HFInputError
     from highrank.config import ConfigError
     from highrank.data import CorpusError
     from highrank.mt.subwords import SubwordError
@@ -174,7 +175,8 @@ def input_errors() -> tuple[type[Exception], ...]:
     from highrank.runs.locks import LockedError
     from highrank.runs.run_dir import RunDirError
 
-    return ConfigError, CorpusError, CheckpointError, RunDirError, SubwordError, LockedError
+    return (ConfigError, CorpusError, CheckpointError, RunDirError, SubwordError, LockedError,
+            HFInputError)
 
 
 # What a user does after Ctrl-C, per verb.

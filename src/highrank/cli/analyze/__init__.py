@@ -75,6 +75,27 @@ def _checked(args: argparse.Namespace) -> None:
         from highrank.train.startup import resolve_device
 
         args.device = str(resolve_device(args.device, option="--device"))
+    _refuse_one_name_for_two_models(getattr(args, "hf", None) or [])
+
+
+def _refuse_one_name_for_two_models(models: list[str]) -> None:
+    """Records in --out are named by the model's short name: two models of one name would
+    write one file, the second over the first."""
+    from pathlib import Path
+
+    from highrank.analysis.hf_contexts import model_name
+    from highrank.causal_lm import HFInputError
+
+    seen: dict[str, tuple[str, Path]] = {}
+    for model in models:
+        name, path = model_name(model), Path(model).resolve()
+        if name in seen and seen[name][1] != path:
+            raise HFInputError(
+                f"--hf {seen[name][0]} and --hf {model} are both named {name!r}, which names "
+                "their records in --out: one would overwrite the other; copy one to a folder "
+                "of another name, or analyse them with two --out folders"
+            )
+        seen[name] = (model, path)
 
 
 def register_highrank_models() -> None:
