@@ -255,7 +255,9 @@ def test_cli_prints_the_table_and_writes_the_records(run_dir, tmp_path, capsys):
     assert main([*args, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "mean KL" in printed and "s.e." in printed and "softmax" in printed
-    record = json.loads(run_record_path(run_dir, "kl", "test-best").read_text())
+    # a sample other than the default is named by it: it never replaces the default record
+    assert not run_record_path(run_dir, "kl", "test-best").exists()
+    record = json.loads(run_record_path(run_dir, "kl", "test-best-pairs80-seed2").read_text())
     assert record["pairs"] == 80 and record["seed"] == 2 and record["checkpoint"] == "best"
     assert "protocol" in record and record["mean"] >= 0.0
     summary = json.loads((out / "kl.json").read_text())
@@ -273,10 +275,10 @@ def test_cli_reads_a_written_matrix_instead_of_the_model(run_dir, capsys):
     write_log_prob_matrix(path, split.model, split.ids, metadata=metadata)
     args = ["analyze", "kl", str(run_dir), "--pairs", "60", "--no-progress"]
     assert main([*args, "--matrix", str(path)]) == 0
-    from_matrix = json.loads(run_record_path(run_dir, "kl", "test-best").read_text())
+    from_matrix = json.loads(run_record_path(run_dir, "kl", "test-best-pairs60-seed0").read_text())
     assert from_matrix["rows_from"] == str(path)
     assert main(args) == 0
-    from_model = json.loads(run_record_path(run_dir, "kl", "test-best").read_text())
+    from_model = json.loads(run_record_path(run_dir, "kl", "test-best-pairs60-seed0").read_text())
     assert from_matrix["mean"] == pytest.approx(from_model["mean"], rel=1e-5)
     capsys.readouterr()
     # The matrix's record says test: asking for valid is refused, naming the key.

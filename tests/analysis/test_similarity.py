@@ -241,6 +241,12 @@ def test_cli_analyze_similarity_writes_records_and_prints_the_table(tiny_run, tm
     )
     printed = capsys.readouterr().out
     record = json.loads((tiny_run / "analysis" / "similarity-best.json").read_text())
+    subset = ["analyze", "similarity", str(tiny_run), "--data-dir", str(data), "--benchmarks",
+              "EN-ONE"]
+    assert main(subset) == 0  # a subset has a record of its own, the full one stays
+    assert set(json.loads((tiny_run / "analysis" / "similarity-best-EN-ONE.json").read_text())[
+        "benchmarks"]) == {"EN-ONE"}
+    assert json.loads((tiny_run / "analysis" / "similarity-best.json").read_text()) == record
     one = record["benchmarks"]["EN-ONE"]
     assert record["tied"] is False and record["checkpoint"] == "best"
     assert (one["lines"], one["duplicates_merged"], one["pairs"]) == (6, 1, 5)

@@ -41,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 HEADERS = ["head", "run", "pairs", "mean KL", "std", "s.e."]
 
 
+def _sampling(args: argparse.Namespace) -> str:
+    """The record name's part for a pair sample other than the default (``-pairs100-seed3``),
+    so that a quick probe never replaces the default record that ``report`` shows."""
+    if args.pairs == KL_PAIRS and args.seed == 0:
+        return ""
+    return f"-pairs{args.pairs}-seed{args.seed}"
+
+
 def table_rows(records: Sequence[dict[str, Any]]) -> list[list[Any]]:
     """One row per run, in :data:`HEADERS` order (non-finite numbers as ``-``)."""
     numbers = ("mean", "std", "stderr")
@@ -62,9 +70,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"highrank analyze kl: error: {error}", file=sys.stderr)
         return 2
     if args.hf:
-        written = [write_json(Path(args.out) / f"kl-{r['tag']}.json", r) for r in records]
+        written = [write_json(Path(args.out) / f"kl-{r['tag']}{_sampling(args)}.json", r)
+                   for r in records]
     else:
-        tag = record_tag(args.split, args.which, max_contexts=args.max_contexts)
+        tag = record_tag(args.split, args.which, max_contexts=args.max_contexts) + _sampling(args)
         written = [write_json(run_record_path(r["run_dir"], "kl", tag), r) for r in records]
     print(text_table(HEADERS, table_rows(records)), end="")
     infinite = [r.get("run_dir") or r["model"] for r in records if r["infinite_pairs"]]

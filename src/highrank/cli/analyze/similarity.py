@@ -95,8 +95,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tag(args: argparse.Namespace) -> str:
-    """``best`` for ``--which best``, the file stem for ``--which path/to/x.pt``."""
-    return Path(args.which).stem
+    """``best`` for ``--which best``, the file stem for ``--which path/to/x.pt``; with
+    ``--benchmarks``, their names too (a subset never replaces the record of all of them)."""
+    tag = Path(args.which).stem
+    return tag + "-" + "+".join(args.benchmarks) if args.benchmarks else tag
 
 
 def _write_summary(out: Path, records: list[dict]) -> list[Path]:
