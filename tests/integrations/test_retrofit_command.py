@@ -100,7 +100,7 @@ def test_frozen_mode_starts_at_the_base_and_a_rerun_resumes(texts, tmp_path):
         (["--window", "500"], r"holds \d+ tokens, fewer than one window of 500"),
         (["--train", "/no/such.txt"], r"--train: text file /no/such.txt does not exist"),
         (["--device", "cuda:7"], r"--device = 'cuda:7', but this torch .* sees \d+ CUDA device"),
-        (["--device", "toaster"], r"--device 'toaster' is not a device: .*cpu"),
+        (["--device", "toaster"], r"--device = 'toaster' is not a device: .*cpu"),
         # campaign: a traceback after the caches were built, and the folder then refused the
         # corrected command as "a retrofit with other settings (lr)"
         (["--lr", "-1"], r"--lr must be a positive finite number; got -1.0"),

@@ -179,7 +179,8 @@ def read_perplexity(run_dir: str | Path, split: str, which: str) -> float:
 def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
     """A run's eval record (full split of its own corpus) with its perplexity checked and
     ``"source"`` saying which checkpoint and data it came from."""
-    from highrank.evaluate.records import describe  # torch: `compare` of records needs none
+    # torch: `compare` of records needs none
+    from highrank.evaluate.records import describe, stale_checkpoint
 
     which = resolve_which(run_dir, split, which)
     path = eval_path(run_dir, split, which)
@@ -192,15 +193,7 @@ def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
     if record.get("default_data") is False:
         raise CompareError(f"{path} is not of the full split of the run's corpus; re-evaluate")
     record["perplexity"] = _number(record, "perplexity", path, float)
-    _refuse_stale(record, path, run_dir, split, which)
-    return {**record, "which": which, "source": describe({**record, "split": split})}
-
-
-def _refuse_stale(record: dict, path: Path, run_dir, split: str, which: str) -> None:
-    """An eval record of a checkpoint that has changed since (a resumed training rewrote
-    best.pt) describes a model the run no longer holds."""
-    from highrank.evaluate.records import stale_checkpoint
-
+    # a checkpoint rewritten since (a resumed training): the record describes another model
     current = stale_checkpoint(run_dir, {"checkpoint": which, **record})
     if current is not None:
         raise CompareError(
@@ -208,6 +201,7 @@ def _refuse_stale(record: dict, path: Path, run_dir, split: str, which: str) -> 
             f"sha256 {record['checkpoint_sha256'][:12]}... then); re-evaluate with `highrank "
             f"eval {run_dir} --split {split} --which {which}`"
         )
+    return {**record, "which": which, "source": describe({**record, "split": split})}
 
 
 def _refuse_mixed(groups: dict[str, Sequence[str]], evals: dict[str, list[dict]]) -> None:

@@ -97,13 +97,9 @@ def resolve_device(name: str) -> torch.device:
     """``--device`` as training resolves ``run.device`` (``auto``: CUDA when available); a
     device that is not there, or no device at all, is one :class:`RetrofitError`."""
     try:
-        return _resolve_run_device(name)
-    except ConfigError as error:
-        message = str(error).replace("--run.device", "--device").replace("run.device", "--device")
-        raise RetrofitError(message) from None
-    except RuntimeError:  # torch.device("toaster")
-        raise RetrofitError(f"--device {name!r} is not a device: give auto, cpu, cuda or "
-                            "cuda:N") from None
+        return _resolve_run_device(name, option="--device")
+    except ConfigError as error:  # torch.device("toaster") too
+        raise RetrofitError(str(error)) from None
 
 
 def check_out(out: Path, plan: RetrofitPlan) -> None:
