@@ -397,6 +397,10 @@ def _cli(*argv: str) -> int:
         (["rank", "--hf", "{model}", "--out", "{tmp}/o"], "--hf needs --text FILE"),
         (["rank", "--out", "{tmp}/o"], "expected RUN_DIR... or --hf MODEL"),
         (
+            ["kl", "--hf", "{model}", "--text", "{text}", "--out", "{tmp}/o", "--which", "last"],
+            "--which last chooses what a run directory is read at; --hf reads the model as saved",
+        ),
+        (
             ["kl", "--hf", "{model}", "--text", "{text}", "--out", "{tmp}/o", "--window", "64"],
             "fewer than one window of 64",
         ),

@@ -102,8 +102,18 @@ def hf_mode(args: argparse.Namespace) -> bool:
         raise HFInputError("--hf needs --text FILE: the text the contexts come from")
     if not getattr(args, "out", None):
         raise HFInputError("--hf needs --out DIR: the records are written there")
+    given = [f"--{name} {getattr(args, name)}" for name, default in RUN_ONLY.items()
+             if getattr(args, name, default) != default]
+    if given:
+        raise HFInputError(f"{', '.join(given)} chooses what a run directory is read at; --hf "
+                           "reads the model as saved, on --text")
     check_out_folder(args.out, HFInputError)
     return True
+
+
+# Options that choose what of a run directory an analysis reads, with their defaults: given
+# with --hf, they would be ignored.
+RUN_ONLY = {"which": "best", "split": "test"}
 
 
 def check_runs_or_hf(args: argparse.Namespace, error: type[Exception]) -> None:
