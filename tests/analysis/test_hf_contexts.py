@@ -506,7 +506,7 @@ def test_analyze_kl_hf(llama, tmp_path):
     out = tmp_path / "out"
     argv = ["kl", "--hf", str(folder), "--text", str(text), "--out", str(out), "--window", "10"]
     assert _cli(*argv, "--pairs", "300", "--seed", "1") == 0
-    record = json.loads((out / "kl-model-text-w10.json").read_text())
+    record = json.loads((out / "kl-model-text-w10-pairs300-seed1.json").read_text())
     model, _, ids = _loaded(llama)
     expected = causal_lm_pairwise_kl(model, ids, window=10, n_pairs=300, seed=1)
     assert record["mean"] == pytest.approx(expected["mean"], rel=1e-12)
