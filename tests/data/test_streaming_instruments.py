@@ -106,7 +106,7 @@ COMMANDS = {
     ),
     "kl": (
         ["analyze", "kl", "{run}", "--split", "train", "--pairs", "300", "--max-contexts", "400"],
-        "analysis/kl-train-best-first400.json",
+        "analysis/kl-train-best-first400-pairs300-seed0.json",
         ("n_contexts", "mean", "std"),
     ),
     "topk": (  # two runs: their streams are compared (streams_equal) before any is read
