@@ -101,7 +101,7 @@ COMMANDS = {
     ),
     "rank": (  # 3 columns: the layout of the memory map's view, not only stream order
         ["analyze", "rank", "{run}", "--split", "train", "--batch-size", "3", "--bptt", "5"],
-        "analysis/rank-train-best.json",
+        "analysis/rank-train-best-b3-bptt5.json",
         ("shape", "press_rank", "effective_rank", "s_max"),
     ),
     "kl": (

@@ -230,7 +230,7 @@ def test_cli_train_eval_and_analyze_rank_on_a_tiny_transformer_run(corpus, tmp_p
     printed = capsys.readouterr().out
     assert "perplexity" in printed.lower()
     assert main(["analyze", "rank", str(out), "--bptt", "6", "--no-progress"]) == 0
-    record = json.loads((out / "analysis" / "rank-test-best.json").read_text())
+    record = json.loads((out / "analysis" / "rank-test-best-bptt6.json").read_text())
     assert record["head"] == "softmax" and record["press_rank"] <= 8 + 2  # d + 2 for softmax
 
 

@@ -271,7 +271,8 @@ def analyze_hidden_size(
     # a run's config first: a folder that is no run gets the clear error of RunDir.open
     d_embed = source.configured_d_embed() if source.kind == "run" else None
     source.check()
-    tag = source.tag(max_contexts=max_contexts)
+    tag = source.tag(max_contexts=max_contexts, batch_size=rank_options.get("batch_size", 1),
+                     bptt=rank_options.get("bptt"))
     rank_path = source.folder(out) / f"rank-{tag}.json"
     settings = source.matrix_settings(
         kind="log_prob",

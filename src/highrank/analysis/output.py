@@ -30,16 +30,28 @@ def run_record_path(run_dir: str | os.PathLike, kind: str, tag: str = "") -> Pat
 
 
 def record_tag(
-    split: str, which: str, *, kind: str = "log_prob", max_contexts: int | None = None
+    split: str,
+    which: str,
+    *,
+    kind: str = "log_prob",
+    max_contexts: int | None = None,
+    batch_size: int = 1,
+    bptt: int | None = None,
 ) -> str:
-    """``test-best``, ``test-best-logits``, ``valid-last-first5000``, ...: the ``<tag>`` of a
-    record computed on ``split`` with checkpoint ``which`` (a ``.pt`` path gives its stem),
-    from a non-default matrix ``kind``, on the first ``max_contexts`` contexts only."""
+    """``test-best``, ``test-best-logits``, ``valid-last-first5000``, ``test-best-b10``, ...:
+    the ``<tag>`` of a record computed on ``split`` with checkpoint ``which`` (a ``.pt`` path
+    gives its stem), from a non-default matrix ``kind``, on the first ``max_contexts`` contexts
+    only, read in ``batch_size`` columns (1: stream order, the default) or segments of a given
+    ``bptt``: a reading other than the default never replaces the default record."""
     tag = f"{split}-{Path(which).stem}"
     if kind != "log_prob":
         tag += f"-{kind}"
     if max_contexts is not None:
         tag += f"-first{max_contexts}"
+    if batch_size != 1:
+        tag += f"-b{batch_size}"
+    if bptt is not None:
+        tag += f"-bptt{bptt}"
     return tag
 
 

@@ -715,7 +715,7 @@ def analyze_rank(
     transformed logits; ``bptt`` None: the run's own segment length)."""
     resolve_backend(backend, device)  # a bad pair fails now, not after the matrix is written
     source.check()
-    tag = source.tag(kind=kind, max_contexts=max_contexts)
+    tag = source.tag(kind=kind, max_contexts=max_contexts, batch_size=batch_size, bptt=bptt)
     folder = source.folder(out)
     matrix_path = folder / f"logprob-{tag}.npy"
     settings = source.matrix_settings(
@@ -836,7 +836,8 @@ def run_label(record: dict[str, Any]) -> str:
             f"{record['shape'][0]:,} contexts, window {record['window']})"
         )
     tag = record_tag(
-        record["split"], record["which"], kind=record["kind"], max_contexts=record["max_contexts"]
+        record["split"], record["which"], kind=record["kind"],
+        max_contexts=record["max_contexts"], batch_size=record.get("batch_size", 1),
     )
     return f"{Path(record['run_dir']).name} ({record['head']}, {tag})"
 

@@ -188,8 +188,16 @@ class RowSource:
 
     # ---- kept matrices (rank, hidden size) ---------------------------------------------------
 
-    def tag(self, *, kind: str = "log_prob", max_contexts: int | None = None) -> str:
-        """The tag of the source's records: ``test-best[-logits][-first<N>]`` for a run,
+    def tag(
+        self,
+        *,
+        kind: str = "log_prob",
+        max_contexts: int | None = None,
+        batch_size: int = 1,
+        bptt: int | None = None,
+    ) -> str:
+        """The tag of the source's records: ``test-best[-logits][-first<N>][-b<B>][-bptt<L>]``
+        for a run (:func:`~highrank.analysis.output.record_tag`),
         ``<model>-<text stem>[-w<W>][-bos][-first<N>]`` for a causal LM on a text."""
         raise NotImplementedError
 
@@ -404,8 +412,9 @@ class RunRows(RowSource):
             )
         return None
 
-    def tag(self, *, kind="log_prob", max_contexts=None) -> str:
-        return record_tag(self.split, self.which, kind=kind, max_contexts=max_contexts)
+    def tag(self, *, kind="log_prob", max_contexts=None, batch_size=1, bptt=None) -> str:
+        return record_tag(self.split, self.which, kind=kind, max_contexts=max_contexts,
+                          batch_size=batch_size, bptt=bptt)
 
     def folder(self, out) -> Path:
         return self.run_dir / ANALYSIS_DIR
@@ -640,7 +649,8 @@ class TextRows(RowSource):
             )
         return None
 
-    def tag(self, *, kind="log_prob", max_contexts=None) -> str:
+    def tag(self, *, kind="log_prob", max_contexts=None, batch_size=1, bptt=None) -> str:
+        # a text is read in windows: batch_size and bptt say nothing of its rows
         if kind != "log_prob":
             raise HFInputError("--kind logits needs a highrank head; --hf models give log_prob")
         return hf_tag(

@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                 checkpoint_seconds=args.checkpoint_minutes * 60,
                 progress=not args.no_progress,
             )
-            tag = source.tag(kind=args.kind, max_contexts=args.max_contexts)
+            tag = source.tag(kind=args.kind, max_contexts=args.max_contexts,
+                             batch_size=args.batch_size, bptt=args.bptt)
             records.append(record)
             written.append(source.folder(args.out) / f"rank-{tag}.json")
             source.release()  # one model in memory at a time

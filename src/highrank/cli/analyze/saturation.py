@@ -121,6 +121,8 @@ def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         progress=not args.no_progress,
     )
     tag = f"{args.split}-first{args.max_contexts}"
+    if args.which:  # some checkpoints only: never over the record of the whole curve
+        tag += "-" + "+".join(Path(w).stem for w in args.which)
     return record, run_record_path(run_dir, "saturation", tag)
 
 
