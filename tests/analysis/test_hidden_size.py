@@ -204,6 +204,11 @@ def test_the_command_line_takes_matrices_and_records_and_names_bad_input(tmp_pat
     assert main(["analyze", "hidden-size", str(few), "--expect", str(D)]) == 0
     assert f"too few singular values ({D + 1}: contexts or vocabulary) to test --expect {D}" in (
         capsys.readouterr().out)
+    edge = tmp_path / "edge.npy"  # a knee at the spectrum's end: too few contexts to tell
+    np.save(edge, head_matrix("softmax", seed=6)[: D + 3])
+    assert main(["analyze", "hidden-size", str(edge)]) == 0
+    assert f"the knee is among the spectrum's last values ({D + 2} of {D + 3})" in (
+        capsys.readouterr().out)
     (tmp_path / "notes.txt").write_text("x")
     assert main(["analyze", "hidden-size", str(tmp_path / "notes.txt")]) == 2
     assert "expected a run directory, a .npy" in capsys.readouterr().err

@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     print(summary_table(records), end="")
     for record in records:
         print(f"{record['source']}: {record['verdict']}")
+        if record["low_rank_knee"] and record["knee"] >= record["n_values"] - 2:
+            print(f"{record['source']}: the knee is among the spectrum's last values "
+                  f"({record['knee']} of {record['n_values']}): too few contexts to tell a "
+                  "softmax of that size from a head of higher rank; raise --max-contexts")
         if "expected_hidden_size" in record:
             print(f"{record['source']}: {_expectation(record)}")
     if args.out:
