@@ -39,7 +39,8 @@ def test_recorded_analyses_appear_with_their_numbers(runs, tmp_path):
     page = write_report([first, second], tmp_path / "out").read_text()
     test_ppl = json.loads((first / "eval-test-best.json").read_text())["perplexity"]
     assert f"{test_ppl:.4g}" in page
-    row = f"<tr><td>first</td><td>test</td><td>50 x {rank['shape'][1]}</td>"
+    row = (f"<tr><td>first</td><td>rank-test-best-first50</td><td>test</td>"
+           f"<td>50 x {rank['shape'][1]}</td>")
     assert row + f"<td class='num'>{rank['press_rank']}</td>" in page
     assert "50 x " in page and "40 x " in page
     assert page.count("data:image/png;base64,") == 2  # training curves and spectrum
@@ -102,3 +103,23 @@ def test_an_out_that_is_an_existing_file_is_one_line(runs, tmp_path, capsys):
     assert f"--out {taken}: {taken} is a file; expected a folder" in err[0]
     assert main(["report", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
     assert f"run directory {tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+
+
+def test_saturation_and_gradient_records_appear_with_their_record_names(runs, tmp_path):
+    """A new user's walk: the report showed five of the instruments, and two rank records
+    of one run as two identical-looking rows."""
+    first, _ = runs
+    argv = ["--max-contexts", "20", "--no-progress"]
+    assert main(["analyze", "saturation", str(first), *argv]) == 0
+    assert main(["analyze", "gradient-bottleneck", str(first), *argv]) == 0
+    analyze_run(first, max_contexts=20)
+    analyze_run(first, max_contexts=20, batch_size=2)
+    page = write_report([first], tmp_path / "out").read_text()
+    assert "<h2>LM-head saturation</h2>" in page and "<h2>Gradient bottleneck</h2>" in page
+    gradient = json.loads((first / "analysis" / "gradient-bottleneck-test-best-first20.json")
+                          .read_text())
+    assert "<td>gradient-bottleneck-test-best-first20</td>" in page
+    assert f"{gradient['share']['mean']:.4g}" in page
+    assert "<td>saturation-test-first20</td>" in page
+    assert "<td>rank-test-best-first20</td>" in page
+    assert "<td>rank-test-best-first20-b2</td>" in page

@@ -7,7 +7,12 @@ The page assembles what the other verbs kept in each run directory, recomputing 
 * training curves: validation perplexity per epoch (PNG);
 * rank: Press and epsilon-effective ranks (``analysis/rank-*.json``) and the singular-value
   spectrum (PNG, from the saved singular values);
-* pairwise KL (``analysis/kl-*.json``) and word similarity (``analysis/similarity-*.json``).
+* pairwise KL (``analysis/kl-*.json``) and word similarity (``analysis/similarity-*.json``);
+* LM-head saturation (``analysis/saturation-*.json``: one row per checkpoint) and the gradient
+  bottleneck (``analysis/gradient-bottleneck-*.json``).
+
+Every table names the record file a row comes from, so that two records of one run (another
+reading, another sample) are told apart.
 
 A section with nothing to show says which command fills it. Plots are embedded as base64
 PNGs, so ``DIR/report.html`` is a single file to keep in a lab notebook; the PNGs and a JSON
@@ -71,6 +76,10 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
         },
         "kl": {p.stem: read_json(p) for p in sorted(folder.glob("kl-*.json"))},
         "similarity": {p.stem: read_json(p) for p in sorted(folder.glob("similarity-*.json"))},
+        "saturation": {p.stem: read_json(p) for p in sorted(folder.glob("saturation-*.json"))},
+        "gradient": {
+            p.stem: read_json(p) for p in sorted(folder.glob("gradient-bottleneck-*.json"))
+        },
     }
 
 
@@ -104,6 +113,8 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
         _rank_section(runs, out),
         _kl_section(runs),
         _similarity_section(runs),
+        _saturation_section(runs),
+        _gradient_section(runs),
     ]
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     page = (
@@ -214,14 +225,17 @@ def _plot_curves(curves: dict[str, list[tuple[int, float]]], path: Path) -> Path
 
 
 def _rank_section(runs: list[dict[str, Any]], out: Path) -> str:
-    records = [record for r in runs for record in r["rank"].values()]
+    # each with the name of its record file: two records of one run must not look alike
+    records = [{**record, "_record": stem} for r in runs for stem, record in r["rank"].items()]
     if not records:
         return "<h2>Rank</h2>\n" + _hint([r["name"] for r in runs], "highrank analyze rank RUN_DIR")
     epsilons = [str(e) for e in EFFECTIVE_RANK_EPSILONS]
-    headers = ["run", "split", "matrix", "Press rank", *[f"eff. rank {e}" for e in epsilons]]
+    headers = ["run", "record", "split", "matrix", "Press rank",
+               *[f"eff. rank {e}" for e in epsilons]]
     rows = [
         [
             Path(r["run_dir"]).name,
+            r["_record"],
             r["split"] + ("" if r["kind"] == "log_prob" else f" ({r['kind']})"),
             f"{r['shape'][0]:,} x {r['shape'][1]:,}",
             r["press_rank"],
@@ -240,14 +254,14 @@ def _rank_section(runs: list[dict[str, Any]], out: Path) -> str:
 
 
 def _kl_section(runs: list[dict[str, Any]]) -> str:
-    records = [(r["name"], record) for r in runs for record in r["kl"].values()]
+    records = [(r["name"], stem, record) for r in runs for stem, record in r["kl"].items()]
     if not records:
         return "<h2>Pairwise KL</h2>\n" + _hint(
             [r["name"] for r in runs], "highrank analyze kl RUN_DIR"
         )
     keys = ["split", "pairs", "mean", "std", "stderr"]
-    headers = ["run", *keys]
-    rows = [[name, *[_find(record, key) for key in keys]] for name, record in records]
+    headers = ["run", "record", *keys]
+    rows = [[name, stem, *[_find(record, key) for key in keys]] for name, stem, record in records]
     return "<h2>Pairwise KL</h2>\n" + _html_table(headers, rows)
 
 
@@ -271,6 +285,46 @@ def _similarity_section(runs: list[dict[str, Any]]) -> str:
         "with an out-of-vocabulary word skipped (counts in the JSON records).</p>"
     )
     return "<h2>Word similarity</h2>\n" + _html_table(headers, rows) + note
+
+
+def _saturation_section(runs: list[dict[str, Any]]) -> str:
+    """One row per checkpoint of every saturation record (``highrank analyze saturation``)."""
+    rows = [
+        [r["name"], stem, point["checkpoint"], point.get("step"), point["press_rank"],
+         point["entropy_effective_rank"], point["top_mass"].get("10"),
+         point["anisotropy"]["mean_cosine"],
+         (point.get("tanh_contexts") or {}).get("share_saturated")]
+        for r in runs for stem, record in r["saturation"].items()
+        for point in record.get("checkpoints", [])
+    ]  # fmt: skip
+    if not rows:
+        return "<h2>LM-head saturation</h2>\n" + _hint(
+            [r["name"] for r in runs], "highrank analyze saturation RUN_DIR"
+        )
+    headers = ["run", "record", "checkpoint", "step", "decoder Press rank", "entropy rank",
+               "top-10 energy", "anisotropy", "tanh units saturated"]
+    note = ("<p class='note'>The decoder E's spectrum (top-10 energy: the share of sum s_i^2 in "
+            "the top 10 directions), the mean cosine of the head's inputs, and the share of the "
+            "tanh units forming a head's contexts with |tanh| > 0.95 (mixtures only).</p>")
+    return "<h2>LM-head saturation</h2>\n" + _html_table(headers, rows) + note
+
+
+def _gradient_section(runs: list[dict[str, Any]]) -> str:
+    """One row per gradient-bottleneck record (``highrank analyze gradient-bottleneck``)."""
+    rows = [
+        [r["name"], stem, record.get("split"), record.get("n_tokens"), record["share"]["mean"],
+         record["share"]["median"], record["share"]["energy_weighted"], record.get("mean_nll")]
+        for r in runs for stem, record in r["gradient"].items()
+    ]  # fmt: skip
+    if not rows:
+        return "<h2>Gradient bottleneck</h2>\n" + _hint(
+            [r["name"] for r in runs], "highrank analyze gradient-bottleneck RUN_DIR"
+        )
+    headers = ["run", "record", "split", "tokens", "mean share", "median share",
+               "energy-weighted share", "NLL"]
+    note = ("<p class='note'>The share of the logit gradient's squared norm that reaches the "
+            "hidden state, per token.</p>")
+    return "<h2>Gradient bottleneck</h2>\n" + _html_table(headers, rows) + note
 
 
 def _find(record: dict[str, Any], key: str) -> Any:
