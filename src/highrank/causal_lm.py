@@ -268,12 +268,15 @@ def check_window(
     bos_token_id: int | None = None,
     source: str = "the text",
 ) -> int:
-    """The window length to read ``n_tokens`` tokens with: ``window``, or the default one;
-    refused when the model cannot take it or the text is shorter than one window."""
+    """The window length to read ``n_tokens`` tokens with: ``window``, or the default one
+    (the whole text when it is shorter); refused when the model cannot take it or the text is
+    shorter than the window asked for."""
     if window is None:
         window = default_window(model)
         if bos_token_id is not None and window == max_positions(model):
             window -= 1  # room for the BOS token
+        if 2 <= n_tokens < window:  # a short text: one window of all of it
+            window = n_tokens
     if not isinstance(window, int) or window < 1:
         raise HFInputError(f"window must be a positive number of tokens; got {window!r}")
     limit = max_positions(model)

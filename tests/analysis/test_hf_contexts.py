@@ -291,8 +291,9 @@ def test_bad_texts_are_named(llama, tmp_path):
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     with pytest.raises(HFInputError, match="latin1.txt is not UTF-8 \\(byte 3"):
         text_token_ids(tokenizer, tmp_path / "latin1.txt")
-    with pytest.raises(HFInputError, match="short has 5 tokens, fewer than one window of 64"):
-        check_window(model, 5, source="short")
+    assert check_window(model, 5, source="short") == 5  # the default window: the whole text
+    with pytest.raises(HFInputError, match="short has 5 tokens, fewer than one window of 8"):
+        check_window(model, 5, 8, source="short")
     with pytest.raises(HFInputError, match="window must be a positive number of tokens"):
         check_window(model, 100, 0)
 

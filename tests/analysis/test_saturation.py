@@ -144,7 +144,9 @@ def test_cli_writes_the_curve_and_refuses_mixed_inputs(tiny_run, tmp_path, capsy
     assert main([*argv, "--no-progress", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "top-3 energy" in printed and "anisotropy" in printed
-    assert (run / "analysis" / "saturation-test-first30.json").is_file()
+    # other top-k shares than the default are named by them (never over the default record)
+    assert (run / "analysis" / "saturation-test-first30-top1+3.json").is_file()
+    assert not (run / "analysis" / "saturation-test-first30.json").exists()
     assert (out / "saturation.json").is_file() and (out / "saturation.md").is_file()
     assert main(["analyze", "saturation", str(run), "--hf", "m.gguf"]) == 2
     assert "not both" in capsys.readouterr().err

@@ -123,6 +123,8 @@ def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     tag = f"{args.split}-first{args.max_contexts}"
     if args.which:  # some checkpoints only: never over the record of the whole curve
         tag += "-" + "+".join(Path(w).stem for w in args.which)
+    if list(args.top_k) != list(SATURATION_TOP_K):  # other shares than the default record's
+        tag += "-top" + "+".join(map(str, args.top_k))
     return record, run_record_path(run_dir, "saturation", tag)
 
 
