@@ -85,13 +85,12 @@ def head_inputs(
     if count > 1 and (hidden_states is None or len(hidden_states) < count):
         have = "none" if hidden_states is None else len(hidden_states)
         raise ValueError(f"{name} reads the last {count} layers; the body gave {have}")
+    top = [] if count == 1 else list(hidden_states[len(hidden_states) - count : -1])
+    layers = torch.stack([*(h.to(hidden.dtype) for h in top), hidden], dim=1)  # (B, L, T, d)
     kept = _kept(name, attention_mask, hidden)
     if kept is not None:  # a padded position reads as one before the start: zeros (Mi's window)
-        hidden = _zeroed(hidden, kept)
-    top = [] if count == 1 else list(hidden_states[len(hidden_states) - count : -1])
-    if kept is not None:
-        top = [_zeroed(h, kept) for h in top]
-    layers = torch.stack([*(h.to(hidden.dtype) for h in top), hidden], dim=1)  # (B, L, T, d)
+        layers = _zeroed(layers, kept[:, None])
+        hidden = layers[:, -1]
     ids = _current_ids(name, head, hidden, input_ids, kept)
     layers, ids = _with_history(name, layers, ids, cache, hidden.shape[1])
     inputs: dict = {}
@@ -117,8 +116,8 @@ def _kept(name: str, attention_mask: torch.Tensor | None, hidden: torch.Tensor):
 
 
 def _zeroed(states: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """``states (B, T, d)`` with the padded positions zero (``where``, not a product: a
-    non-finite state at a pad must not become nan)."""
+    """``states (..., T, d)`` with the positions ``kept (..., T)`` leaves out zero (``where``,
+    not a product: a non-finite state at a pad must not become nan)."""
     return torch.where(kept[..., None], states, torch.zeros((), dtype=states.dtype,
                                                              device=states.device))
 

@@ -65,10 +65,15 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, "no_progress", False):  # transformers' import alone takes seconds
             print(f"loading {', '.join(map(str, args.hf))} (transformers)", flush=True)
         register_highrank_models()
-    return guarded("analyze", lambda: _checked(args) or _module(args.analysis_module).run(args))
+
+    def job() -> int:
+        _check_before_the_analysis(args)
+        return _module(args.analysis_module).run(args)
+
+    return guarded("analyze", job)
 
 
-def _checked(args: argparse.Namespace) -> None:
+def _check_before_the_analysis(args: argparse.Namespace) -> None:
     """What the analyses' own code would find only deep inside: a ``--device`` this torch
     cannot use (a one-line error, not torch's traceback); ``auto`` resolved."""
     if getattr(args, "device", None) is not None:
