@@ -32,11 +32,14 @@ The kernel releases a lock however its holder dies, so a killed process holds no
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import math
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -123,6 +126,8 @@ class Study:
         self._done, self.busy = done, busy
         self.wait_seconds, self.indent, self.end, self.cwd = wait_seconds, indent, end, cwd
         self.log = log or (lambda line: print(line, flush=True))
+        self.interrupted = False  # a SIGINT arrived during run() (see _noting_interrupts)
+        self.running: str | None = None  # the stage this process is running now
 
     @staticmethod
     def _read_stages(stages: Iterable[Stage]) -> list[Stage]:
@@ -183,6 +188,8 @@ class Study:
             try:
                 self.run_stage(name)
             except Exception as error:
+                if self.interrupted:  # a SIGINT that code below Python (a torch.save) turned
+                    raise KeyboardInterrupt from error  # into an error of its own
                 raise StageFailed(f"stage {name} failed: {error!r}; rerun to continue") from error
             return
         status = subprocess.run(list(self.child(name)), cwd=self.cwd).returncode
@@ -214,9 +221,9 @@ class Study:
                                      if not self.is_done(n))
                     continue
                 self.log(f"== {stage.name} ({time.strftime('%H:%M:%S')})")
-                began = time.perf_counter()
+                began, self.running = time.perf_counter(), stage.name
                 self._execute(stage.name)
-                ran += 1
+                ran, self.running = ran + 1, None
                 self.log(f"   {stage.name} done in {time.perf_counter() - began:.0f} s")
             if self.after is not None:
                 self.after(stage.name)
@@ -226,7 +233,37 @@ class Study:
 
     def run(self) -> int:
         """Rounds until every stage is done: 0; 1 when the stages left wait for inputs that no
-        process is making (one line names them) or a stage failed (one line says which)."""
+        process is making (one line names them) or a stage failed (one line says which); 130
+        when interrupted (SIGINT: Ctrl-C, ``timeout --signal=INT``), also in one line."""
+        try:
+            with self._noting_interrupts():
+                return self._rounds()
+        except KeyboardInterrupt:
+            during = f" during stage {self.running}" if self.running else ""
+            self.log(f"stopped: interrupted{during}; the finished stages are kept, a rerun "
+                     "continues")
+            return 130
+
+    @contextlib.contextmanager
+    def _noting_interrupts(self):
+        """Python's SIGINT handler, noting that the signal came: an interrupted stage then
+        reads as interrupted even where a library's own code caught the KeyboardInterrupt and
+        raised another error (a torch.save cut short: 'unexpected pos')."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers belong to the main thread
+            return
+
+        def note_and_interrupt(signum, frame):
+            self.interrupted = True
+            signal.default_int_handler(signum, frame)
+
+        previous = signal.signal(signal.SIGINT, note_and_interrupt)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _rounds(self) -> int:
         try:
             while True:
                 ran, pending, elsewhere = self.run_round()
@@ -244,7 +281,6 @@ class Study:
         except StageFailed as error:
             self.log(f"stopped: {error}")
             return 1
-
 
     def main(
         self, stage: str | None, *, summarize: Callable[[], None], only_summary: bool = False
@@ -295,12 +331,14 @@ def _finite(value: Any) -> float:
 def wikitext_study(
     stages: Sequence[Stage], work: Callable[[str], dict], *, args: Any, argv: Sequence[str],
     module: str, settings: Callable[[], dict], summarize: Callable[[], None],
+    done: Callable[[str], bool] | None = None,
 ) -> Study:
     """The SmolLM2 studies' runner: records ``args.out/<stage>.json`` (indent 1), locks in
     ``args.work_dir``, every stage in a fresh process of ``module``, ``settings()`` in every
     record, ``summarize()`` after each stage and, with ``args.commit``, ``args.out`` committed.
     With ``args.in_process`` (where the study has that option) the stages run in this process
-    and the summary only at the end (``Study.main``)."""
+    and the summary only at the end (``Study.main``). ``done`` replaces the record as the
+    done test (it should still ask for the record)."""
     from benchmarks._common import commit
 
     label = module.rsplit(".", 1)[-1].replace("_", "-")
@@ -312,7 +350,7 @@ def wikitext_study(
         if args.commit:
             commit(args.out, f"{label}: {stage} recorded")
 
-    return Study(stages, work, records=args.out, locks=args.work_dir, indent=1, end="",
+    return Study(stages, work, records=args.out, locks=args.work_dir, indent=1, end="", done=done,
                  extra=lambda: {"settings": settings()}, after=after,
                  child=None if in_process else module_command(module, argv, "--commit"))
 

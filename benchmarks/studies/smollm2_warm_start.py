@@ -232,18 +232,27 @@ def cache_folder(split: str, args, layers: int | None) -> Path:
     return args.cache_dir / (f"cache{layers}-{split}" if layers else f"cache-{split}")
 
 
-def reads_sequence_cache(name: str, seed: int) -> bool:
+def reads_sequence_cache(name: str, seed: int, args) -> bool:
     """The sequence cache for the heads added with the context heads (:data:`PILOTED`) and
     for seeds the first study did not run (> 2); the token cache for the first eight heads'
-    seeds 1 and 2 (their recorded runs read it)."""
+    seeds 1 and 2 (their recorded runs read it). The untouched model reads the token cache
+    when the plan makes one, else the sequence cache (its top layer holds the same values)."""
+    if name == "base":
+        return not plans_token_cache(args)
     return name in PILOTED or seed > 2
+
+
+def plans_token_cache(args) -> bool:
+    """Whether some run of ``--heads`` x ``--seeds`` reads the token cache."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    return any(h not in PILOTED for h in args.heads.split(",") if h in HEADS) and min(seeds) <= 2
 
 
 def head_cache(name: str, seed: int, split: str, args):
     """The cache run ``name``, ``seed`` reads (:func:`reads_sequence_cache`)."""
     from highrank.integrations.retrofit import load_cache
 
-    layers = CACHE_LAYERS if reads_sequence_cache(name, seed) else None
+    layers = CACHE_LAYERS if reads_sequence_cache(name, seed, args) else None
     return load_cache(cache_folder(split, args, layers))
 
 
@@ -435,8 +444,8 @@ def stages(args) -> list[str]:
     train, eval and rank stages."""
     seeds = [int(s) for s in args.seeds.split(",")]
     heads = [h for h in HEADS if h in args.heads.split(",")]
-    sequence = any(h in PILOTED for h in heads) or max(seeds) > 2
-    token = any(h not in PILOTED for h in heads) and min(seeds) <= 2
+    token = plans_token_cache(args)
+    sequence = any(h in PILOTED for h in heads) or max(seeds) > 2 or not token
     order = []
     if args.only != "train":
         for split in args.splits.split(","):
@@ -459,7 +468,20 @@ def study(args, argv) -> Study:
     return wikitext_study([Stage(name, *inputs(name, args)) for name in stages(args)],
                           stage_work(args), args=args, argv=argv,
                           module=MODULE,
-                          settings=lambda: settings(args), summarize=lambda: summarize(args))
+                          settings=lambda: settings(args), summarize=lambda: summarize(args),
+                          done=lambda name: stage_done(name, args))
+
+
+def stage_done(name: str, args) -> bool:
+    """A stage is done when its record exists, and a cache stage when its cache is complete
+    too: a machine handed another's records (a GPU machine continuing the records it made
+    before, in a fresh work folder) makes the caches again rather than waiting for them."""
+    if not (args.out / f"{name}.json").exists():
+        return False
+    kind, _, split = name.partition("-")
+    if kind.startswith("cache"):
+        return cache_complete(split, args, CACHE_LAYERS if kind != "cache" else None)
+    return True
 
 
 def main(argv=None) -> int:
@@ -480,7 +502,7 @@ def inputs(stage: str, args) -> tuple[tuple[str, ...], object]:
     name, _, seed = rest.rpartition("-s") if kind != "pilot" else (rest, "", "1")
     records = {"eval": [] if rest.startswith("base") else [f"train-{rest}"],
                "train": [f"pilot-{name}"] if name in PILOTED else []}.get(kind, [])
-    layers = CACHE_LAYERS if reads_sequence_cache(name, int(seed)) else None
+    layers = CACHE_LAYERS if reads_sequence_cache(name, int(seed), args) else None
     return tuple(records), lambda: all(cache_complete(split, args, layers) for split in caches)
 
 

@@ -180,3 +180,42 @@ def test_stages_given_as_a_callable_are_read_again_after_every_stage(tmp_path):
     assert study.run() == 0
     assert ran == ["first", "first-again", "second", "last", "after-last"]
     assert study.pending() == []
+
+
+@pytest.mark.parametrize("swallowed", [False, True], ids=["raised", "turned-into-an-error"])
+def test_an_interrupt_stops_with_one_line_and_keeps_the_finished_stages(tmp_path, capsys,
+                                                                         swallowed):
+    """SIGINT (Ctrl-C, ``timeout --signal=INT``) during a stage: exit status 130 and one line
+    naming the stage, also when the code below Python turned the interrupt into an error of its
+    own (a torch.save cut short raises RuntimeError('... unexpected pos ...'))."""
+    import signal
+
+    def interrupted_at_b(name: str) -> dict:
+        if name == "b":
+            if not swallowed:
+                signal.raise_signal(signal.SIGINT)
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                raise RuntimeError("unexpected pos 254613568 vs 254613456") from None
+        return {}
+
+    handler = signal.getsignal(signal.SIGINT)
+    study, _ = study_of(tmp_path, work=interrupted_at_b)
+    assert study.run() == 130
+    assert signal.getsignal(signal.SIGINT) is handler  # put back
+    out = capsys.readouterr().out
+    assert "stopped: interrupted during stage b" in out and "failed" not in out
+    assert [p.stem for p in sorted((tmp_path / "out").glob("*.json"))] == ["a"]
+    again, ran = study_of(tmp_path)
+    assert again.run() == 0 and ran == ["b", "c"]
+
+
+def test_an_error_without_an_interrupt_is_still_a_failed_stage(tmp_path, capsys):
+    def failing(name: str) -> dict:
+        if name == "a":
+            raise RuntimeError("unexpected pos 1 vs 2")
+        return {}
+
+    study, _ = study_of(tmp_path, work=failing)
+    assert study.run() == 1 and "stopped: stage a failed" in capsys.readouterr().out

@@ -71,6 +71,27 @@ def test_the_warm_start_study_without_its_caches_stops_naming_the_stages(fake, c
             "train-own-s1, eval-own-s1") in capsys.readouterr().out
 
 
+def test_records_brought_from_another_machine_make_the_caches_again(fake, tmp_path, monkeypatch):
+    """A fresh machine given the records (a GPU machine continuing its earlier records): the
+    cache stages run again, since their caches are not there; the other stages do not."""
+    assert smollm2_warm_start.main(fake) == 0
+    made = []
+    monkeypatch.setattr(smollm2_warm_start, "cache_complete",
+                        lambda split, args, layers=None: (split, bool(layers)) in made)
+
+    def work_of(args):
+        def work(stage):
+            kind, _, split = stage.partition("-")
+            made.append((split, kind == "cache3"))
+            return {"work": stage}
+
+        return work
+
+    monkeypatch.setattr(smollm2_warm_start, "stage_work", work_of)
+    assert smollm2_warm_start.main(fake) == 0
+    assert made == [("train", False), ("valid", False), ("test", False)]  # the caches alone
+
+
 def test_the_retrofit_plan_orders_its_stages_after_their_inputs():
     study = smollm2_retrofit.study(smollm2_retrofit.parse_args(["--heads", "own,mos"]), [])
     names = [stage.name for stage in study.stages]
@@ -141,13 +162,25 @@ def test_the_context_heads_read_a_sequence_cache_after_their_pilots(fake, tmp_pa
     assert needs["train-mfs-s1"] == ("pilot-mfs",) and needs["train-own-s1"] == ()
     assert names.index("pilot-mfs") < names.index("train-mfs-s1")
     # own's seed 1 (recorded on the token cache) and everything else on the sequence cache
-    assert not smollm2_warm_start.reads_sequence_cache("own", 1)
-    assert smollm2_warm_start.reads_sequence_cache("own", 3)
-    assert smollm2_warm_start.reads_sequence_cache("mfs", 1)
-    assert smollm2_warm_start.reads_sequence_cache("control7m", 2)
-    only_new = smollm2_warm_start.stages(smollm2_warm_start.parse_args(
-        [*fake, "--heads", "cpr", "--seeds", "1,2,3"]))
-    assert not any(name.startswith("cache-") for name in only_new)  # one cache, not two
+    args = smollm2_warm_start.parse_args([*fake, "--heads", "own,mfs", "--seeds", "1,3"])
+    assert not smollm2_warm_start.reads_sequence_cache("own", 1, args)
+    assert smollm2_warm_start.reads_sequence_cache("own", 3, args)
+    assert smollm2_warm_start.reads_sequence_cache("mfs", 1, args)
+    assert smollm2_warm_start.reads_sequence_cache("control7m", 2, args)
+    assert not smollm2_warm_start.reads_sequence_cache("base", 0, args)  # a token cache made
+    only_new_args = smollm2_warm_start.parse_args([*fake, "--heads", "cpr", "--seeds", "1,2,3"])
+    only_new = smollm2_warm_start.study(only_new_args, [])
+    names = [stage.name for stage in only_new.stages]
+    assert not any(name.startswith("cache-") for name in names)  # one cache, not two
+    # the untouched model then reads the sequence cache: its eval is not left waiting
+    assert smollm2_warm_start.reads_sequence_cache("base", 0, only_new_args)
+
+
+def test_a_study_of_context_heads_alone_scores_the_untouched_model_too(fake, tmp_path):
+    """With no token cache in the plan (--heads cpr), eval-base-s0 reads the sequence cache
+    (it was left waiting for a token cache no stage makes)."""
+    assert smollm2_warm_start.main([*fake, "--heads", "cpr", "--seeds", "1"]) == 0
+    assert (tmp_path / "out" / "eval-base-s0.json").exists()
 
 
 def test_the_context_heads_controls_hold_at_least_their_new_parameters():
