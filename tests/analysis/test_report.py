@@ -123,3 +123,25 @@ def test_saturation_and_gradient_records_appear_with_their_record_names(runs, tm
     assert "<td>saturation-test-first20</td>" in page
     assert "<td>rank-test-best-first20</td>" in page
     assert "<td>rank-test-best-first20-b2</td>" in page
+
+
+def test_hidden_size_unargmaxable_and_topk_records_have_sections(runs, tmp_path):
+    """A new user's walk: three instruments' records were left out of the page."""
+    first, second = runs
+    assert main(["analyze", "hidden-size", str(first), "--max-contexts", "30"]) == 0
+    assert main(["analyze", "unargmaxable", str(first)]) == 0
+    assert main(["analyze", "topk", str(first), "--positions", "3", "--k", "2",
+                 "--no-progress"]) == 0
+    page = write_report([first, second], tmp_path / "out").read_text()
+    hidden = json.loads((first / "analysis" / "hidden-size-test-best-first30.json").read_text())
+    assert "<td>hidden-size-test-best-first30</td>" in page
+    assert hidden["verdict"] in page.replace("&#x27;", "'")
+    unarg = json.loads((first / "analysis" / "unargmaxable-best-box100.json").read_text())
+    assert "<td>unargmaxable-best-box100</td>" in page
+    assert f"<td class='num'>{unarg['unargmaxable']}</td>" in page
+    top = json.loads((first / "analysis" / "topk-test-best.json").read_text())
+    assert "<h3>first: topk-test-best</h3>" in page
+    assert f"[{top['contexts'][0]['target']}]" in page  # the reference word, bracketed
+    bare = write_report([second], tmp_path / "bare").read_text()  # no records: the commands
+    for command in ("hidden-size RUN_DIR", "unargmaxable RUN_DIR", "topk RUN_DIR --random"):
+        assert f"highrank analyze {command}" in bare and f"highrank analyze {command}" not in page

@@ -30,6 +30,7 @@ from typing import Any
 
 from highrank.analysis.output import ANALYSIS_DIR, format_cell, is_number, read_json, write_json
 from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS, write_spectrum
+from highrank.analysis.topk import format_report
 from highrank.config import load_config
 from highrank.data import Vocab
 from highrank.evaluate.records import describe, stale_checkpoint
@@ -80,6 +81,11 @@ def collect_run(run_dir: str | Path) -> dict[str, Any]:
         "gradient": {
             p.stem: read_json(p) for p in sorted(folder.glob("gradient-bottleneck-*.json"))
         },
+        "hidden_size": {p.stem: read_json(p) for p in sorted(folder.glob("hidden-size-*.json"))},
+        "unargmaxable": {
+            p.stem: read_json(p) for p in sorted(folder.glob("unargmaxable-*.json"))
+        },
+        "topk": {p.stem: read_json(p) for p in sorted(folder.glob("topk-*.json"))},
     }
 
 
@@ -115,6 +121,9 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
         _similarity_section(runs),
         _saturation_section(runs),
         _gradient_section(runs),
+        _hidden_size_section(runs),
+        _unargmaxable_section(runs),
+        _topk_section(runs),
     ]
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     page = (
@@ -325,6 +334,63 @@ def _gradient_section(runs: list[dict[str, Any]]) -> str:
     note = ("<p class='note'>The share of the logit gradient's squared norm that reaches the "
             "hidden state, per token.</p>")
     return "<h2>Gradient bottleneck</h2>\n" + _html_table(headers, rows) + note
+
+
+def _hidden_size_section(runs: list[dict[str, Any]]) -> str:
+    """One row per hidden-size record (``highrank analyze hidden-size``)."""
+    rows = [
+        [r["name"], stem, " x ".join(f"{n:,}" for n in record["shape"]), record["knee"],
+         record["gap"], "yes" if record["low_rank_knee"] else "no",
+         (record.get("hidden_size") or {}).get("with_bias"),
+         (record.get("hidden_size") or {}).get("without_bias"), record["press_rank"],
+         record["verdict"]]
+        for r in runs for stem, record in r["hidden_size"].items()
+    ]  # fmt: skip
+    if not rows:
+        return "<h2>Hidden size from the outputs</h2>\n" + _hint(
+            [r["name"] for r in runs], "highrank analyze hidden-size RUN_DIR"
+        )
+    headers = ["run", "record", "matrix", "knee", "gap", "low-rank", "d (bias)", "d (no bias)",
+               "Press rank", "verdict"]
+    note = ("<p class='note'>The largest gap s_k / s_(k+1) of the raw log-prob spectrum; a "
+            "knee (a gap of 100x or more, the rest below the Press threshold) at k reads as a "
+            "softmax layer of hidden size k - 2 with a bias, k - 1 without.</p>")
+    return "<h2>Hidden size from the outputs</h2>\n" + _html_table(headers, rows) + note
+
+
+def _unargmaxable_section(runs: list[dict[str, Any]]) -> str:
+    """One row per unargmaxable record (``highrank analyze unargmaxable``)."""
+    rows = [
+        [r["name"], stem, record["head"], record["vocab_size"], record["domain"],
+         record["unargmaxable"], record["undecided"],
+         ", ".join(record.get("unargmaxable_tokens", [])[:10])]
+        for r in runs for stem, record in r["unargmaxable"].items()
+    ]  # fmt: skip
+    if not rows:
+        return "<h2>Unargmaxable tokens</h2>\n" + _hint(
+            [r["name"] for r in runs], "highrank analyze unargmaxable RUN_DIR"
+        )
+    headers = ["run", "record", "head", "V", "domain", "unargmaxable", "undecided",
+               "first unargmaxable tokens"]
+    note = ("<p class='note'>Tokens that no hidden state in the domain makes the strict argmax "
+            "of the output layer (all of them in the JSON records).</p>")
+    return "<h2>Unargmaxable tokens</h2>\n" + _html_table(headers, rows) + note
+
+
+def _topk_section(runs: list[dict[str, Any]]) -> str:
+    """Each top-k record (``highrank analyze topk`` of one run) as its text block."""
+    blocks = [
+        f"<h3>{html.escape(r['name'])}: {html.escape(stem)}</h3>\n<pre>"
+        + html.escape(format_report(record["contexts"],
+                                    f"top-{record['k']} next tokens on {record['split']}"))
+        + "</pre>"
+        for r in runs for stem, record in r["topk"].items()
+    ]  # fmt: skip
+    if not blocks:
+        return "<h2>Top-k next tokens</h2>\n" + _hint(
+            [r["name"] for r in runs], "highrank analyze topk RUN_DIR --random"
+        )
+    return "<h2>Top-k next tokens</h2>\n" + "\n".join(blocks)
 
 
 def _find(record: dict[str, Any], key: str) -> Any:
