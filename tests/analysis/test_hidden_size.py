@@ -171,6 +171,21 @@ def test_a_rank_record_is_read_with_its_singular_values_file(tmp_path):
         estimate_from_rank_record(tmp_path / "rank-x.json")
 
 
+@pytest.mark.parametrize("head", ["mixtape", "softmax"])
+def test_a_knee_of_a_head_that_is_no_softmax_is_not_read_as_a_hidden_size(tmp_path, head):
+    """Mixtape with gate sharing has an exact knee far from d: a record of such a head says
+    that its knee need not be a hidden size (the same spectrum from a softmax does not)."""
+    matrix = np.asarray(head_matrix("mixtape", gate_dim=4, frequent_fraction=0.1))
+    values = np.linalg.svd(matrix.astype(np.float64), compute_uv=False)
+    resolution = values[0] * max(matrix.shape) * np.finfo(np.float64).eps  # as in memory
+    record = {"shape": list(matrix.shape), "dtype": str(matrix.dtype), "head": head,
+              "singular_values": values.tolist(), "resolution": resolution}
+    (tmp_path / "rank-x.json").write_text(json.dumps(record))
+    result = estimate_from_rank_record(tmp_path / "rank-x.json")
+    assert result["low_rank_knee"]
+    assert ("not a softmax layer" in result["verdict"]) == (head == "mixtape")
+
+
 def test_a_run_uses_the_rank_machinery_and_names_its_d_embed(tiny_run, tmp_path, capsys):
     run = shutil.copytree(tiny_run, tmp_path / "run")
     status = main(["analyze", "hidden-size", str(run), "--no-progress", "--out", str(tmp_path)])

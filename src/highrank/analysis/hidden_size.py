@@ -228,7 +228,23 @@ def estimate_from_rank_record(
     else:
         floor = float(values[0]) * max(shape) * np.finfo(np.dtype(record["dtype"])).eps
     result = spectrum_knee(values, shape=shape, dtype=record["dtype"], floor=floor, min_gap=min_gap)
-    return {**result, "source": str(path), "head": record.get("head")}
+    return {**_head_caveat(result, record.get("head")), "source": str(path),
+            "head": record.get("head")}
+
+
+# Heads whose log-prob matrix is a softmax layer's: a knee there is the layer's width + 1 or 2.
+SOFTMAX_HEADS = ("softmax", "mlp_softmax")
+
+
+def _head_caveat(result: dict[str, Any], head: str | None) -> dict[str, Any]:
+    """The verdict of a knee in the matrix of a head that is not a softmax layer says that the
+    knee need not be a hidden size (Mixtape with gate sharing has one at up to d + 2 + S)."""
+    if head is None or head in SOFTMAX_HEADS or not result["low_rank_knee"]:
+        return result
+    caveat = (f"; but the head is {head}, not a softmax layer: its knee need not be a hidden "
+              "size (Mixtape with gate sharing has one at up to d + 2 + S, S the tokens with "
+              "their own gates)")
+    return {**result, "verdict": result["verdict"] + caveat}
 
 
 def _record_values(record: dict[str, Any], path: Path) -> np.ndarray:
