@@ -306,16 +306,13 @@ def _saturation_section(runs: list[dict[str, Any]]) -> str:
         for r in runs for stem, record in r["saturation"].items()
         for point in record.get("checkpoints", [])
     ]  # fmt: skip
-    if not rows:
-        return "<h2>LM-head saturation</h2>\n" + _hint(
-            [r["name"] for r in runs], "highrank analyze saturation RUN_DIR"
-        )
     headers = ["run", "record", "checkpoint", "step", "decoder Press rank", "entropy rank",
                "top-10 energy", "anisotropy", "tanh units saturated"]
-    note = ("<p class='note'>The decoder E's spectrum (top-10 energy: the share of sum s_i^2 in "
+    note = ("The decoder E's spectrum (top-10 energy: the share of sum s_i^2 in "
             "the top 10 directions), the mean cosine of the head's inputs, and the share of the "
-            "tanh units forming a head's contexts with |tanh| > 0.95 (mixtures only).</p>")
-    return "<h2>LM-head saturation</h2>\n" + _html_table(headers, rows) + note
+            "tanh units forming a head's contexts with |tanh| > 0.95 (mixtures only).")
+    return _table_section("LM-head saturation", runs, "highrank analyze saturation RUN_DIR",
+                          headers, rows, note)
 
 
 def _gradient_section(runs: list[dict[str, Any]]) -> str:
@@ -325,15 +322,12 @@ def _gradient_section(runs: list[dict[str, Any]]) -> str:
          record["share"]["median"], record["share"]["energy_weighted"], record.get("mean_nll")]
         for r in runs for stem, record in r["gradient"].items()
     ]  # fmt: skip
-    if not rows:
-        return "<h2>Gradient bottleneck</h2>\n" + _hint(
-            [r["name"] for r in runs], "highrank analyze gradient-bottleneck RUN_DIR"
-        )
     headers = ["run", "record", "split", "tokens", "mean share", "median share",
                "energy-weighted share", "NLL"]
-    note = ("<p class='note'>The share of the logit gradient's squared norm that reaches the "
-            "hidden state, per token.</p>")
-    return "<h2>Gradient bottleneck</h2>\n" + _html_table(headers, rows) + note
+    note = ("The share of the logit gradient's squared norm that reaches the "
+            "hidden state, per token.")
+    return _table_section("Gradient bottleneck", runs,
+                          "highrank analyze gradient-bottleneck RUN_DIR", headers, rows, note)
 
 
 def _hidden_size_section(runs: list[dict[str, Any]]) -> str:
@@ -346,16 +340,13 @@ def _hidden_size_section(runs: list[dict[str, Any]]) -> str:
          record["verdict"]]
         for r in runs for stem, record in r["hidden_size"].items()
     ]  # fmt: skip
-    if not rows:
-        return "<h2>Hidden size from the outputs</h2>\n" + _hint(
-            [r["name"] for r in runs], "highrank analyze hidden-size RUN_DIR"
-        )
     headers = ["run", "record", "matrix", "knee", "gap", "low-rank", "d (bias)", "d (no bias)",
                "Press rank", "verdict"]
-    note = ("<p class='note'>The largest gap s_k / s_(k+1) of the raw log-prob spectrum; a "
+    note = ("The largest gap s_k / s_(k+1) of the raw log-prob spectrum; a "
             "knee (a gap of 100x or more, the rest below the Press threshold) at k reads as a "
-            "softmax layer of hidden size k - 2 with a bias, k - 1 without.</p>")
-    return "<h2>Hidden size from the outputs</h2>\n" + _html_table(headers, rows) + note
+            "softmax layer of hidden size k - 2 with a bias, k - 1 without.")
+    return _table_section("Hidden size from the outputs", runs,
+                          "highrank analyze hidden-size RUN_DIR", headers, rows, note)
 
 
 def _unargmaxable_section(runs: list[dict[str, Any]]) -> str:
@@ -366,15 +357,12 @@ def _unargmaxable_section(runs: list[dict[str, Any]]) -> str:
          ", ".join(record.get("unargmaxable_tokens", [])[:10])]
         for r in runs for stem, record in r["unargmaxable"].items()
     ]  # fmt: skip
-    if not rows:
-        return "<h2>Unargmaxable tokens</h2>\n" + _hint(
-            [r["name"] for r in runs], "highrank analyze unargmaxable RUN_DIR"
-        )
     headers = ["run", "record", "head", "V", "domain", "unargmaxable", "undecided",
                "first unargmaxable tokens"]
-    note = ("<p class='note'>Tokens that no hidden state in the domain makes the strict argmax "
-            "of the output layer (all of them in the JSON records).</p>")
-    return "<h2>Unargmaxable tokens</h2>\n" + _html_table(headers, rows) + note
+    note = ("Tokens that no hidden state in the domain makes the strict argmax "
+            "of the output layer (all of them in the JSON records).")
+    return _table_section("Unargmaxable tokens", runs, "highrank analyze unargmaxable RUN_DIR",
+                          headers, rows, note)
 
 
 def _topk_section(runs: list[dict[str, Any]]) -> str:
@@ -391,6 +379,15 @@ def _topk_section(runs: list[dict[str, Any]]) -> str:
             [r["name"] for r in runs], "highrank analyze topk RUN_DIR --random"
         )
     return "<h2>Top-k next tokens</h2>\n" + "\n".join(blocks)
+
+
+def _table_section(title: str, runs: list[dict[str, Any]], command: str,
+                   headers: Sequence[str], rows: list[list[Any]], note: str) -> str:
+    """A section of one table (``note`` under it), or the command to run when no run has a
+    record for it."""
+    if not rows:
+        return f"<h2>{title}</h2>\n" + _hint([r["name"] for r in runs], command)
+    return f"<h2>{title}</h2>\n" + _html_table(headers, rows) + f"<p class='note'>{note}</p>"
 
 
 def _find(record: dict[str, Any], key: str) -> Any:
