@@ -6,7 +6,7 @@
 #   [HEADS=...] [WORKERS=N] bash benchmarks/studies/smollm2_context_heads_device.sh \
 #       MODEL_DIR DATA_DIR OUT [SEEDS] [LIMIT_S]
 #
-# HEADS (default mfs,cpr,moscpr,control7m,control9m,mos4) picks the study's heads; WORKERS
+# HEADS (default mfs,cpr,moscpr,control7m,control9m,mfs1,mos4) picks the study's heads; WORKERS
 # (default 1) runs that many study processes side by side on the one GPU (the stage locks share
 # the work out; these heads leave an H100 mostly idle one at a time), each with 16 / WORKERS
 # threads and its own log, study-wN.log. Their cost columns (s / 1k tokens) are then shared-GPU
@@ -26,7 +26,7 @@ if [ $# -lt 3 ]; then
 fi
 model=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "${3%/}")
 seeds=${4:-1,2,3} limit=${5:-480}
-heads=${HEADS:-mfs,cpr,moscpr,control7m,control9m,mos4} workers=${WORKERS:-1}
+heads=${HEADS:-mfs,cpr,moscpr,control7m,control9m,mfs1,mos4} workers=${WORKERS:-1}
 cd "$(dirname "$0")/../.." || exit 2  # the repository root
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

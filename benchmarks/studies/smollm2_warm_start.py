@@ -93,9 +93,14 @@ HEADS = {
     # MoS + CPR's 8,968,324 (tests/bench/test_study_ports.py holds these counts)
     "control7m": ("mlp_softmax", {"mlp_width": 6050}),
     "control9m": ("mlp_softmax", {"mlp_width": 7779}),
+    # MFS's inputs without its facets: one softmax over one facet of Mi's q (K = 1, J = 1),
+    # rank-bounded (log-prob rank <= d + 2) like the controls but reading what MFS reads (the
+    # last 3 layers at 3 positions): tells MFS's inputs from its rank (3,650,688 new
+    # parameters)
+    "mfs1": ("mfs", {"n_components": 1, "n_partitions": 1}),
 }
 # Heads that read their context: trained and scored on whole windows of a sequence cache.
-CONTEXT_HEADS = ("mfs", "cpr", "moscpr")
+CONTEXT_HEADS = ("mfs", "cpr", "moscpr", "mfs1")
 # Heads whose lr a pilot chooses (:func:`stage_pilot`); the others train at ``--lr``, the
 # lr the first heads were compared at (tuned on own and MoS-2).
 PILOTED = (*CONTEXT_HEADS, "control7m", "control9m")
@@ -559,7 +564,9 @@ CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "contro
                  # the context heads against their controls (at least their new parameters)
                  # and against MoS-4 (the strongest earlier head)
                  ("mfs", "control7m"), ("cpr", "control7m"), ("moscpr", "control9m"),
-                 ("mfs", "mos4"), ("cpr", "mos4"), ("moscpr", "mos4"))
+                 ("mfs", "mos4"), ("cpr", "mos4"), ("moscpr", "mos4"),
+                 # MFS against its own inputs read by a rank-bounded softmax
+                 ("mfs", "mfs1"))
 
 
 def against_controls(rows: dict) -> list[dict]:

@@ -198,9 +198,9 @@ def test_the_context_heads_controls_hold_at_least_their_new_parameters():
         return sum(p.numel() for p in head.parameters()) - vocab * d - vocab
 
     counts = {name: new_parameters(name)
-              for name in ("mfs", "cpr", "moscpr", "control7m", "control9m")}
+              for name in ("mfs", "cpr", "moscpr", "control7m", "control9m", "mfs1")}
     assert counts == {"mfs": 6_974_787, "cpr": 6_971_328, "moscpr": 8_968_324,
-                      "control7m": 6_975_650, "control9m": 8_969_187}
+                      "control7m": 6_975_650, "control9m": 8_969_187, "mfs1": 3_650_688}
     assert counts["control7m"] >= max(counts["mfs"], counts["cpr"])
     assert counts["control9m"] >= counts["moscpr"]
 

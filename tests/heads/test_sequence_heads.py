@@ -30,6 +30,7 @@ MFS_VARIANTS = {
     "MFS": {},
     "partitions-only": {"n_components": 1},
     "MoS+Mi": {"n_partitions": 1},
+    "Mi-only": {"n_components": 1, "n_partitions": 1},  # one softmax: rank-bounded
     "no-Mi": {"multi_input": False, "n_partitions": 2},
     "raw-Mi": {"normalize_inputs": False},  # the paper's Mi
 }
@@ -205,6 +206,19 @@ def test_every_configuration_starts_at_the_softmax_it_replaces(name, variant, d_
     )
 
 
+@pytest.mark.parametrize("variant, bounded", [("Mi-only", True), ("MFS", False)])
+def test_mfs_with_one_softmax_is_rank_bounded_and_with_its_facets_is_not(variant, bounded):
+    """One softmax over one facet of Mi's q (the warm-start study's ``mfs1`` control) has a
+    log-prob matrix of rank <= d + 2, whatever it reads; MFS's facets break that bound."""
+    head = make("mfs", variant).double()
+    randomise(head)
+    _, layers, _ = context(batch=4, length=20)
+    with torch.no_grad():
+        matrix = head.log_prob(layers[-1], layers=layers).reshape(-1, V)  # (80, V)
+    rank = torch.linalg.matrix_rank(matrix).item()
+    assert (rank <= D + 2) == bounded and rank > D // 2
+
+
 @pytest.mark.parametrize("name", ["mfs", "cpr"])
 def test_one_step_from_the_base_leaves_it(name):
     """The facets' zero columns and the pointer's zero query get gradients at the start."""
@@ -298,6 +312,50 @@ def test_a_chunk_reads_only_the_sequences_of_its_rows():
     rows = zip(chunk.row_seq().tolist(), query, strict=True)
     expected = torch.stack([table[s] @ q for s, q in rows])
     torch.testing.assert_close(chunk.scores(query, table), expected)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+@pytest.mark.parametrize("history", [0, 3])
+@pytest.mark.parametrize("name, variant", VARIANTS)
+def test_no_row_reads_a_later_token_state_or_target(name, variant, history, chunk_size):
+    """Leak guard: row t's distribution and loss depend on the context up to t only. Changing
+    the ids, every layer's states and the targets from row ``p`` on leaves the rows before
+    ``p`` exactly as they were, chunked or not, with or without a history before the rows (an
+    off-by-one in Mi's window, in the "earlier positions" mask of C and P, in the pointer's
+    keys or in a chunk's row positions would show here). The changed states do reach row p,
+    and, for C and P, the changed ids reach row p + 1: the check can fail."""
+    head = make(name, variant).double()
+    randomise(head)
+    hidden, layers, ids = context(length=9, history=history)
+    target = torch.randint(0, V, hidden.shape[:-1])
+    p = 5  # among the rows; history + p in the context
+    at = history + p
+    late_layers = [layer.clone() for layer in layers]
+    for layer in late_layers:
+        layer[:, at:] = torch.randn_like(layer[:, at:])
+    late_ids, late_target = ids.clone(), target.clone()
+    late_ids[:, at:] = (ids[:, at:].clamp_min(0) + 1) % 8  # other words, still repeating
+    late_target[:, p:] = (target[:, p:] + 1) % V
+
+    def rows(layers, ids, target):
+        inputs = {"layers": layers[3 - head.input_layers :]}
+        if name == "cpr":
+            inputs["context_ids"] = ids
+        top = layers[-1][:, history:]
+        with torch.no_grad():
+            log_p = head.log_prob(top, **inputs)
+            loss = head.loss(top, target, reduction="none", chunk_size=chunk_size, **inputs)
+        return log_p, loss
+
+    log_p, loss = rows(layers, ids, target)
+    late_log_p, late_loss = rows(late_layers, late_ids, late_target)
+    torch.testing.assert_close(late_log_p[:, :p], log_p[:, :p], atol=1e-12, rtol=0)
+    torch.testing.assert_close(late_loss[:, :p], loss[:, :p], atol=1e-12, rtol=0)
+    assert not torch.allclose(late_log_p[:, p], log_p[:, p])  # the states at p reach row p
+    if name == "cpr" and (head.context_partition or head.pointer):  # the ids at p: row p + 1
+        ids_only = rows(layers, late_ids, target)[0]
+        torch.testing.assert_close(ids_only[:, :p], log_p[:, :p], atol=1e-12, rtol=0)
+        assert not torch.allclose(ids_only[:, p + 1], log_p[:, p + 1])
 
 
 def test_padding_and_the_current_token_are_not_in_the_context():
