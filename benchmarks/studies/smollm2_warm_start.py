@@ -372,9 +372,9 @@ def trained(name: str, seed: int, args):
 
 def stage_eval(name: str, seed: int, args) -> dict:
     """Valid and test perplexity (test: KL from the base and the rank matrix). From a
-    sequence cache also per group of tokens, ``seen`` earlier in their window (what C and P
-    act on) and ``unseen``, with the untouched model's own scores of the same groups
-    (``base_groups``)."""
+    sequence cache also per group of tokens, ``seen`` in their window up to their own input
+    (:meth:`FeatureCache.seen_in_window`: what C and P can act on) and ``unseen``, with the
+    untouched model's own scores of the same groups (``base_groups``)."""
     from highrank.integrations.retrofit import evaluate_head
 
     head, reference = trained(name, seed, args), build_warm("own", seed, args).eval()
@@ -633,7 +633,8 @@ def seen_gains_table(seen: dict) -> list[str]:
     if not seen:
         return []
     lines = ["Gain over the untouched model (nats/token, mean over seeds), test slice, on "
-             "tokens seen earlier in their window (what C and P act on) and on the others:", "",
+             "tokens that occurred in their window up to their own input (C and P act on those "
+             "before it) and on the others:", "",
              "| head | seen: tokens | seen: gain | unseen: tokens | unseen: gain |",
              "|---|---|---|---|---|"]
     for head, splits in seen.items():

@@ -190,3 +190,27 @@ def test_more_layers_than_the_body_gives_is_refused_when_attached(head):
                        r"or fewer$"):
         hf.attach_head(base, head, input_layers=4)
     assert hf.attach_head(base, head, input_layers=3).head.input_layers == 3
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_no_position_reads_a_later_token_in_the_forward_or_in_generate(attached, head):
+    """Leak guard for ``attach_head`` (hf.py, hf_context.py): the full forward's row t must
+    not move when any token after t (its target t + 1 included) changes; the changed token
+    moves its own row (the check can fail). And ``generate`` with the key-value cache, which
+    cannot see the future, scores each step as the full forward of the final sequence does:
+    the kept context (layers, ids) is aligned with the positions it stands for."""
+    model = attached("llama", head)  # the paper's random init: C, P and Mi all act
+    ids = torch.randint(3, 20, (2, 10))  # words repeat
+    with torch.no_grad():
+        full = model(ids).logits
+        for p in (1, 4, 9):
+            later = ids.clone()
+            later[:, p:] = ids[:, p:] % 17 + 3  # other words from p on
+            other = model(later).logits
+            torch.testing.assert_close(other[:, :p], full[:, :p], atol=1e-6, rtol=0)
+            assert not torch.allclose(other[:, p], full[:, p], atol=1e-4)
+    out = model.generate(ids[:, :5], max_new_tokens=5, do_sample=False, use_cache=True,
+                         output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        rows = model(out.sequences).logits[:, 4:-1]  # the rows that chose tokens 5..9
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), rows, atol=1e-5, rtol=1e-5)

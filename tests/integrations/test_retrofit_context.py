@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,3 +165,93 @@ def test_a_sequence_cache_top_layer_is_the_token_cache(tiny_llama, tmp_path, dty
                                    batch_windows=2, layers=3)
     assert torch.equal(tokens.rows(slice(None)), sequence.rows(slice(None)))
     assert torch.equal(tokens.targets, sequence.targets)
+
+
+def randomised(head):
+    """``head`` with every parameter random and away from 0 (C, P, R and Mi all act)."""
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(0.3 * torch.randn_like(param))
+    return head
+
+
+def test_a_sequence_cache_feeds_position_t_the_tokens_and_states_up_to_t(tiny_llama, tmp_path):
+    """Leak guard for the sequence cache (cache.py): in a stream whose ids are their own
+    positions, row t of window w reads the ids w L .. w L + t (the input at t last, never the
+    target w L + t + 1) and scores the target w L + t + 1; its hidden state and layers are
+    those of the body run on the tokens up to t alone (nothing later reached them). The same
+    holds for the batches ``train_head`` hands the head's loss."""
+    stream = torch.arange(5 * 8 + 1)  # id == position
+    cache = cache_hidden_states(tiny_llama, stream, tmp_path / "cache", window=8,
+                                dtype="float32", layers=3)
+    hidden, inputs, targets = cache.windows(torch.arange(5))
+    expected = torch.arange(5)[:, None] * 8 + torch.arange(8)  # (w, t) -> w L + t
+    assert torch.equal(inputs["context_ids"], expected)
+    assert torch.equal(targets, expected + 1)
+    assert torch.equal(hidden, inputs["layers"][-1])
+    with torch.no_grad():
+        for w in (0, 3):
+            for t in range(8):
+                prefix = stream[w * 8 : w * 8 + t + 1][None]
+                states = tiny_llama.model(prefix, output_hidden_states=True).hidden_states
+                for layer, state in zip(inputs["layers"][:-1], states[-3:-1], strict=True):
+                    torch.testing.assert_close(layer[w, t], state[0, -1], atol=1e-5, rtol=0)
+                top = tiny_llama.model(prefix).last_hidden_state[0, -1]
+                torch.testing.assert_close(hidden[w, t], top, atol=1e-5, rtol=0)
+    head = attach_head(tiny_llama, "cpr", init="base", untie=True, input_layers=3,
+                       reranker_k1=10, reranker_k2=4).head
+    seen = []
+    loss = head.loss
+
+    def spy(hidden, target, **given):
+        seen.append((hidden.detach().clone(), target.clone(), given["context_ids"].clone()))
+        return loss(hidden, target, **given)
+
+    head.loss = spy  # what train_head's steps hand the head
+    train_head(head, cache, TrainBudget(steps=3, batch_tokens=2, lr=1e-3), tmp_path / "s.pt")
+    assert len(seen) == 3
+    for batch_hidden, batch_targets, batch_ids in seen:
+        windows = batch_ids[:, 0] // 8
+        assert torch.equal(batch_ids, expected[windows])
+        assert torch.equal(batch_targets, expected[windows] + 1)
+        assert torch.equal(batch_hidden, hidden[windows])
+
+
+@pytest.mark.parametrize("name", ["mfs", "cpr"])
+def test_a_later_token_changes_no_earlier_row_of_the_cached_scores(tiny_llama, tmp_path, name):
+    """Leak guard for the study's path (cache_hidden_states(..., layers=3), load_cache,
+    evaluate_head): changing the stream from token p on (the target of row p - 1 included)
+    leaves every row before p of the scored matrix as it was; row p moves (the check can
+    fail). Several windows to a block of evaluate_head, p inside a window."""
+    from highrank.integrations.retrofit import evaluate_head
+
+    knobs = {"reranker_k1": 10, "reranker_k2": 4} if name == "cpr" else {}
+    torch.manual_seed(2)
+    head = randomised(attach_head(tiny_llama, name, untie=True, input_layers=3, **knobs).head)
+    ids = torch.randint(0, 12, (5 * 8 + 1,), generator=torch.Generator().manual_seed(9))
+    matrices = {}
+    for p in (None, 13, 21):  # window 1 position 5; window 2 position 5
+        stream = ids.clone()
+        if p is not None:
+            stream[p:] = (ids[p:] + 1) % 12
+        folder = tmp_path / f"cache-{p}"
+        cache_hidden_states(tiny_llama, stream, folder, window=8, dtype="float32", layers=3)
+        evaluate_head(head, load_cache(folder), block_tokens=16, matrix_path=folder / "m.npy")
+        matrices[p] = torch.from_numpy(np.load(folder / "m.npy"))
+    for p in (13, 21):
+        torch.testing.assert_close(matrices[p][:p], matrices[None][:p], atol=1e-6, rtol=0)
+        assert not torch.allclose(matrices[p][p], matrices[None][p], atol=1e-4)
+
+
+def test_seen_in_window_counts_only_the_inputs_up_to_the_position(tiny_llama, tmp_path):
+    """Leak guard for the seen / unseen split of the study (``seen_in_window``), on a
+    hand-made stream: a target is seen when it occurred among its window's input tokens up to
+    and including the input at its own position; not when it occurs only later in the window
+    (as the next input, which it is), nor only in an earlier window."""
+    stream = torch.tensor([4, 7, 4, 9, 9, 2, 7, 5, 5])
+    # window 0: inputs 4 7 4 9, targets 7 4 9 9; window 1: inputs 9 2 7 5, targets 2 7 5 5
+    cache = cache_hidden_states(tiny_llama, stream, tmp_path / "cache", window=4, layers=1)
+    expected = [False, True, False, True,  # 9 at t = 2 is the next input only; at t = 3 it
+                False, False, False, True]  # is the current one; 7 in window 1 is not seen
+    assert cache.seen_in_window().tolist() == expected
+    assert cache.seen_in_window(block=1).tolist() == expected

@@ -66,3 +66,42 @@ def test_ptb_parameter_counts_match_the_papers(head, overrides, published):
     with torch.device("meta"):  # nothing allocated
         model = build_model(config, vocab_size=10_000)
     assert abs(count_parameters(model) - published) / published < 0.01
+
+
+# The library's own families with the heads that read their window (MFS, CPR): tiny settings.
+FAMILIES = {
+    "awd_lstm": [*SMALL, "head.input_layers=1"],  # AWD-LSTM gives a head its last layer only
+    "transformer": ["model.backbone=transformer", "model.d_embed=16", "model.n_layers=2",
+                    "model.n_heads=2", "model.d_ff=16", "model.max_len=12", "train.bptt=12",
+                    "head.input_layers=3"],
+}
+CONTEXT_HEADS = {"mfs": [], "cpr": ["head.reranker_k1=10", "head.reranker_k2=4"]}
+
+
+@pytest.mark.parametrize("head", sorted(CONTEXT_HEADS))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_context_heads_never_read_a_later_token(family, head):
+    """Leak guard: the families hand MFS / CPR the window's layers and input tokens
+    (``LanguageModel.body``); position t's distribution and NLL must not move when any token
+    after t (the target t + 1 included) changes. A ``context_ids`` or layer shifted towards
+    the future (e.g. the targets in place of the inputs with C's mask one wider) shows here;
+    the changed token itself does move its own position's distribution (the check can fail)."""
+    model = build_model(load_config(None, [*FAMILIES[family], f"head.name={head}",
+                                           *CONTEXT_HEADS[head]]), vocab_size=50).eval()
+    with torch.no_grad():  # every parameter of the head live and away from 0 (C, P, Mi act)
+        for param in model.head.parameters():
+            param.copy_(0.3 * torch.randn_like(param))
+    tokens = torch.randint(0, 8, (12, 3))  # time-major (T, B); small ids so words repeat
+    target = torch.cat([tokens[1:], torch.randint(0, 8, (1, 3))])
+    with torch.no_grad():
+        log_p, _ = model.log_prob(tokens)
+        nll, _ = model.nll(tokens, target)
+        for p in (1, 5, 11):
+            later, later_target = tokens.clone(), target.clone()
+            later[p:] = (tokens[p:] + 1) % 8
+            later_target[p - 1 :] = (target[p - 1 :] + 1) % 8  # the target of p - 1 is token p
+            other, _ = model.log_prob(later)
+            torch.testing.assert_close(other[:p], log_p[:p], atol=1e-6, rtol=0)
+            assert not torch.allclose(other[p], log_p[p], atol=1e-4)
+            other_nll, _ = model.nll(later, later_target)
+            torch.testing.assert_close(other_nll[: p - 1], nll[: p - 1], atol=1e-6, rtol=0)

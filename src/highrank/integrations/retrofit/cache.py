@@ -123,9 +123,11 @@ class FeatureCache:
 
     def seen_in_window(self, block: int = 64) -> torch.Tensor:
         """``(N,)`` bool, a sequence cache's rows whose target already occurred in the
-        context of its window (the window's input ids up to that position): the tokens the
-        context partition C and the pointer P of Softmax-CPR act on. ``block`` windows at a
-        time (``block x L x L`` comparisons)."""
+        context of its window (the window's input ids up to and including that position's
+        own): the tokens Softmax-CPR's context partition C and pointer P can act on, which
+        read the inputs before the position's own (a target repeating the current input
+        counts as seen here, though C and P leave it alone). ``block`` windows at a time
+        (``block x L x L`` comparisons)."""
         window = self.window
         seen = []
         for first in range(0, self.n_windows, block):
