@@ -330,6 +330,34 @@ def test_two_models_of_one_name_are_refused_before_one_overwrites_the_other(
     assert not list((tmp_path / "out").glob("rank-*.json"))
 
 
+@pytest.mark.parametrize("verb", ["rank", "gradient-bottleneck", "hidden-size"])
+def test_a_later_call_with_another_model_of_one_name_keeps_the_first_record(
+    llama, tmp_path, capsys, verb
+):
+    """A new user's walk: two calls with two --hf folders of one name and one --out; the second
+    replaced the first model's records. It is now refused in one line, the record kept; the
+    same model again (a rerun) still replaces its own."""
+    twin = tmp_path / "elsewhere" / Path(llama[0]).name
+    shutil.copytree(llama[0], twin)
+    text = write_text(tmp_path / "text.txt", n_words=80)
+    out = tmp_path / "out"
+    common = ["--text", str(text), "--out", str(out), "--window", "10", "--no-progress"]
+    if verb == "hidden-size":
+        common.remove("--no-progress")  # hidden-size has no progress bars to hide
+    assert main(["analyze", verb, "--hf", str(llama[0]), *common]) == 0
+    stem = {"rank": "rank", "gradient-bottleneck": "gradient-bottleneck",
+            "hidden-size": "hidden-size"}[verb]
+    (record_path,) = out.glob(f"{stem}-*.json")
+    before = record_path.read_text()
+    capsys.readouterr()
+    assert main(["analyze", verb, "--hf", str(twin), *common]) == 2
+    err = capsys.readouterr().err
+    assert "is the record of another model of the same name" in err and len(err.splitlines()) == 1
+    assert str(Path(llama[0]).resolve()) in err and str(twin.resolve()) in err
+    assert record_path.read_text() == before
+    assert main(["analyze", verb, "--hf", str(llama[0]), *common]) == 0  # its own: replaced
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("echo ran > ran.txt",))

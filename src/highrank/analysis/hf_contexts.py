@@ -390,6 +390,27 @@ def hf_tag(
     return tag
 
 
+def check_record_owner(path: str | os.PathLike, model: str | os.PathLike | None) -> None:
+    """Refuse to replace a record in ``--out`` that another model wrote: records are named by a
+    model's short name (:func:`hf_tag`), which two models in different folders can share. A
+    record of the same model (a rerun, a rewritten model) is replaced as before."""
+    path = Path(path)
+    if model is None or not path.is_file():
+        return
+    import json
+
+    try:
+        owner = json.loads(path.read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError, AttributeError):
+        return  # not a record this check can read: the writer's own checks apply
+    mine = str(Path(model).resolve())
+    if isinstance(owner, str) and str(Path(owner).resolve()) != mine:
+        raise HFInputError(
+            f"{path} is the record of another model of the same name ({owner}); give {mine} "
+            "another --out (or move that record away)"
+        )
+
+
 def path_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
     """Resolved path, size and modification time of a file, or of each file directly in a
     model folder: a rewritten model or text no longer matches a kept matrix."""

@@ -717,6 +717,7 @@ def analyze_rank(
     source.check()
     tag = source.tag(kind=kind, max_contexts=max_contexts, batch_size=batch_size, bptt=bptt)
     folder = source.folder(out)
+    source.check_record(folder / f"rank-{tag}.json")
     matrix_path = folder / f"logprob-{tag}.npy"
     settings = source.matrix_settings(
         kind=kind, batch_size=batch_size, bptt=bptt, max_contexts=max_contexts

@@ -40,6 +40,7 @@ from highrank.analysis.hf_contexts import (
     TokenizerVocab,
     causal_lm_rows_at,
     causal_lm_target_log_probs,
+    check_record_owner,
     count_text_contexts,
     describe_contexts,
     hf_tag,
@@ -115,6 +116,9 @@ class RowSource:
 
     def check(self) -> None:
         """Refuse a path that does not exist, before any slow work (nothing is loaded)."""
+
+    def check_record(self, path: Path) -> None:
+        """Refuse to replace ``path`` when it is another source's record (before the work)."""
 
     def load(self, progress: bool = False) -> None:
         """Load the model and the token ids now (otherwise done on first use)."""
@@ -558,6 +562,9 @@ class TextRows(RowSource):
         model_source(self.model_path)  # a bad path fails before anything else
         if not Path(self.text_path).is_file():
             raise HFInputError(f"text file {self.text_path} does not exist")
+
+    def check_record(self, path: Path) -> None:
+        check_record_owner(path, self.model_path)
 
     @property
     def loaded(self) -> TextContexts:

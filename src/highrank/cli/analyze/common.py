@@ -136,10 +136,19 @@ def record_each(args: argparse.Namespace, analyse_run, analyse_hf) -> list[dict]
     records = []
     for source in args.hf or args.run_dirs:
         record, path = (analyse_hf if args.hf else analyse_run)(source, args)
+        if args.hf:
+            check_hf_record(path, record)
         write_json(path, record)
         print(f"wrote {path}")
         records.append(record)
     return records
+
+
+def check_hf_record(path: Path, record: dict) -> None:
+    """A ``--hf`` record is not written over another model's record of the same name."""
+    from highrank.analysis.hf_contexts import check_record_owner
+
+    check_record_owner(path, record.get("model"))
 
 
 def write_summary(out: str, stem: str, payload: dict, markdown: str) -> None:

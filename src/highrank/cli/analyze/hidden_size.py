@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from highrank.cli.analyze.common import add_hf_arguments, check_out_folder, write_summary
+from highrank.cli.analyze.common import (
+    add_hf_arguments,
+    check_hf_record,
+    check_out_folder,
+    write_summary,
+)
 from highrank.cli.choices import GRAM_BACKENDS, MIN_GAP
 from highrank.util.argtypes import positive_int
 
@@ -60,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
             if args.expect is not None:
                 record["expected_hidden_size"] = args.expect
                 record["matches_expected"] = matches_hidden_size(record, args.expect)
-            written = write_json(_record_path(Path(source), record, args), record)
+            path = _record_path(Path(source), record, args)
+            if args.hf:
+                check_hf_record(path, record)
+            written = write_json(path, record)
             print(f"wrote {written}")
             records.append(record)
     except (ValueError, FileNotFoundError) as error:  # bad input, incl. the Gram memory plan

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from highrank.cli.analyze.common import add_run_arguments, row_sources
+from highrank.cli.analyze.common import add_run_arguments, check_hf_record, row_sources
 from highrank.cli.choices import KL_PAIRS
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
@@ -70,8 +70,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"highrank analyze kl: error: {error}", file=sys.stderr)
         return 2
     if args.hf:
-        written = [write_json(Path(args.out) / f"kl-{r['tag']}{_sampling(args)}.json", r)
-                   for r in records]
+        paths = [Path(args.out) / f"kl-{r['tag']}{_sampling(args)}.json" for r in records]
+        try:
+            for path, record in zip(paths, records, strict=True):
+                check_hf_record(path, record)
+        except HFInputError as error:
+            print(f"highrank analyze kl: error: {error}", file=sys.stderr)
+            return 2
+        written = [write_json(path, r) for path, r in zip(paths, records, strict=True)]
     else:
         tag = record_tag(args.split, args.which, max_contexts=args.max_contexts) + _sampling(args)
         written = [write_json(run_record_path(r["run_dir"], "kl", tag), r) for r in records]

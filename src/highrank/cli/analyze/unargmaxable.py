@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from highrank.cli.analyze.common import write_summary
+from highrank.cli.analyze.common import check_hf_record, write_summary
 from highrank.cli.choices import PATIENCE, RADIUS
 
 
@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         records = []
         for source in args.hf or args.run_dirs:
             record, path = (_hf_record if args.hf else _run_record)(source, radius, args)
+            if args.hf:
+                check_hf_record(path, record)
             write_json(path, record)
             print(f"wrote {path}")
             if radius is not None and record.get("radius") is None:  # the head's domain is R^d
