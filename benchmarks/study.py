@@ -191,8 +191,12 @@ class Study:
                 if self.interrupted:  # a SIGINT that code below Python (a torch.save) turned
                     raise KeyboardInterrupt from error  # into an error of its own
                 raise StageFailed(f"stage {name} failed: {error!r}; rerun to continue") from error
+            if not self.is_done(name):  # else the rounds would run it again and again
+                raise StageFailed(f"stage {name} ran but its done test still fails")
             return
         status = subprocess.run(list(self.child(name)), cwd=self.cwd).returncode
+        if status in (130, -signal.SIGINT):  # the child was interrupted (Study.main: 130)
+            raise KeyboardInterrupt
         if status != 0:
             raise StageFailed(f"stage {name} failed (its process exited with {status}); "
                               "rerun to continue")
@@ -235,6 +239,7 @@ class Study:
         """Rounds until every stage is done: 0; 1 when the stages left wait for inputs that no
         process is making (one line names them) or a stage failed (one line says which); 130
         when interrupted (SIGINT: Ctrl-C, ``timeout --signal=INT``), also in one line."""
+        self.interrupted, self.running = False, None
         try:
             with self._noting_interrupts():
                 return self._rounds()
@@ -249,15 +254,19 @@ class Study:
         """Python's SIGINT handler, noting that the signal came: an interrupted stage then
         reads as interrupted even where a library's own code caught the KeyboardInterrupt and
         raised another error (a torch.save cut short: 'unexpected pos')."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signal handlers belong to the main thread
+        previous = signal.getsignal(signal.SIGINT)
+        # Left as they are: other threads (handlers belong to the main one), an ignored SIGINT
+        # (a job started with & by a script) and a handler set outside Python (None).
+        if (threading.current_thread() is not threading.main_thread()
+                or previous in (signal.SIG_IGN, None)):
+            yield
             return
 
         def note_and_interrupt(signum, frame):
             self.interrupted = True
             signal.default_int_handler(signum, frame)
 
-        previous = signal.signal(signal.SIGINT, note_and_interrupt)
+        signal.signal(signal.SIGINT, note_and_interrupt)
         try:
             yield
         finally:
@@ -288,8 +297,16 @@ class Study:
         """A study script's ``main`` once its arguments are parsed: the one ``stage`` a parent
         asked for (``--stage``, in a child process), the summary alone (``only_summary``), or
         every stage in rounds and then ``summarize()``."""
-        if stage:
-            self.run_stage(stage)
+        if stage:  # a child process of a parent's rounds: interrupted, it exits with 130
+            try:  # and the parent says so in its one line
+                with self._noting_interrupts():
+                    self.run_stage(stage)
+            except KeyboardInterrupt:
+                return 130
+            except Exception:
+                if self.interrupted:  # an interrupt a library turned into its own error
+                    return 130
+                raise
             return 0
         if only_summary:
             summarize()

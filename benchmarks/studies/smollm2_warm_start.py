@@ -373,8 +373,8 @@ def trained(name: str, seed: int, args):
 def stage_eval(name: str, seed: int, args) -> dict:
     """Valid and test perplexity (test: KL from the base and the rank matrix). From a
     sequence cache also per group of tokens, ``seen`` in their window up to their own input
-    (:meth:`FeatureCache.seen_in_window`: what C and P can act on) and ``unseen``, with the
-    untouched model's own scores of the same groups (``base_groups``)."""
+    (:meth:`FeatureCache.seen_in_window`) and ``unseen``, with the untouched model's own
+    scores of the same groups (``base_groups``)."""
     from highrank.integrations.retrofit import evaluate_head
 
     head, reference = trained(name, seed, args), build_warm("own", seed, args).eval()
@@ -478,14 +478,21 @@ def study(args, argv) -> Study:
 
 
 def stage_done(name: str, args) -> bool:
-    """A stage is done when its record exists, and a cache stage when its cache is complete
-    too: a machine handed another's records (a GPU machine continuing the records it made
-    before, in a fresh work folder) makes the caches again rather than waiting for them."""
+    """A stage is done when its record exists and what a later stage reads from the work
+    folder is there too: a machine handed another's records (a GPU machine continuing the
+    records it made before, in a fresh work folder) makes again the caches, a trained state
+    whose eval has not run and a test matrix whose rank has not, rather than failing on them."""
     if not (args.out / f"{name}.json").exists():
         return False
-    kind, _, split = name.partition("-")
+    kind, _, rest = name.partition("-")
     if kind.startswith("cache"):
-        return cache_complete(split, args, CACHE_LAYERS if kind != "cache" else None)
+        return cache_complete(rest, args, CACHE_LAYERS if kind != "cache" else None)
+    head, _, seed = rest.rpartition("-s")
+    if kind == "train":
+        return state_path(head, int(seed), args).exists() or stage_done(f"eval-{rest}", args)
+    if kind == "eval":
+        return (args.no_rank or matrix_path(head, int(seed), args).exists()
+                or stage_done(f"rank-{rest}", args))
     return True
 
 

@@ -171,7 +171,7 @@ def test_a_rank_record_is_read_with_its_singular_values_file(tmp_path):
         estimate_from_rank_record(tmp_path / "rank-x.json")
 
 
-@pytest.mark.parametrize("head", ["mixtape", "softmax"])
+@pytest.mark.parametrize("head", ["mixtape", "softmax", "moc", "LlamaForCausalLM"])
 def test_a_knee_of_a_head_that_is_no_softmax_is_not_read_as_a_hidden_size(tmp_path, head):
     """Mixtape with gate sharing has an exact knee far from d: a record of such a head says
     that its knee need not be a hidden size (the same spectrum from a softmax does not)."""
@@ -184,6 +184,7 @@ def test_a_knee_of_a_head_that_is_no_softmax_is_not_read_as_a_hidden_size(tmp_pa
     result = estimate_from_rank_record(tmp_path / "rank-x.json")
     assert result["low_rank_knee"]
     assert ("not a softmax layer" in result["verdict"]) == (head == "mixtape")
+    assert (result["hidden_size"] is None) == (head == "mixtape")
 
 
 def test_a_run_uses_the_rank_machinery_and_names_its_d_embed(tiny_run, tmp_path, capsys):
@@ -263,5 +264,7 @@ def test_a_hugging_face_model_gives_its_hidden_size_plus_one(tmp_path, monkeypat
     assert main([*argv, *text, "--out", str(out), "--expect", "4", "--no-progress"]) == 0
     record = json.loads(next(out.glob("hidden-size-*.json")).read_text())
     assert record["knee"] == 5 and record["low_rank_knee"] and record["matches_expected"]
+    assert record["hidden_size"] and "not a softmax layer" not in record["verdict"]  # lm_head
+    assert record["model"] == str((tmp_path / "model").resolve())
     assert record["shape"] == [119, 13] and next(out.glob("rank-*.json")).is_file()
     assert main(["analyze", "hidden-size", "--hf", str(tmp_path / "model")]) == 2

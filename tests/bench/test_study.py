@@ -219,3 +219,54 @@ def test_an_error_without_an_interrupt_is_still_a_failed_stage(tmp_path, capsys)
 
     study, _ = study_of(tmp_path, work=failing)
     assert study.run() == 1 and "stopped: stage a failed" in capsys.readouterr().out
+
+
+def test_a_stage_whose_done_test_fails_after_it_ran_stops_the_study(tmp_path, capsys):
+    """A done test that the stage's own work cannot satisfy (a file it should leave is not
+    there) stops the study in one line instead of running the stage round after round."""
+    ran = []
+    study = Study([Stage("a")], lambda name: ran.append(name) or {}, records=tmp_path / "out",
+                  done=lambda name: False, wait_seconds=0.01, log=print)
+    assert study.run() == 1
+    assert ran == ["a"] and "stage a ran but its done test still fails" in capsys.readouterr().out
+
+
+def test_a_child_stopped_by_an_interrupt_reads_as_interrupted_not_failed(tmp_path, capsys):
+    """Child mode: a stage process that exits with 130 (Study.main's status when interrupted)
+    or dies of SIGINT stops the parent with its one 'interrupted' line, status 130."""
+    for code in ("raise SystemExit(130)", "import os, signal; os.kill(os.getpid(), 2)"):
+        study, _ = study_of(tmp_path, child=lambda name, c=code: [sys.executable, "-c", c])
+        assert study.run() == 130
+        out = capsys.readouterr().out
+        assert "stopped: interrupted during stage a" in out and "failed" not in out
+
+
+def test_a_study_started_with_sigint_ignored_keeps_it_ignored(tmp_path):
+    """A job started with & by a script ignores SIGINT: the runner leaves that as it is."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        seen = []
+        study, _ = study_of(tmp_path, work=lambda name: seen.append(signal.getsignal(
+            signal.SIGINT)) or {})
+        assert study.run() == 0
+        assert seen == [signal.SIG_IGN] * 3
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_stage_child_interrupted_returns_130_quietly(tmp_path):
+    """Study.main(stage) in the child: an interrupt, also one a library turned into its own
+    error, is status 130 (no traceback), which the parent reads as an interrupt."""
+    import signal
+
+    def turned_into_an_error(name):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            raise RuntimeError("unexpected pos") from None
+
+    for work in (lambda name: signal.raise_signal(signal.SIGINT), turned_into_an_error):
+        study, _ = study_of(tmp_path, work=work)
+        assert study.main("a", summarize=lambda: None) == 130

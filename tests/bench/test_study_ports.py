@@ -23,9 +23,12 @@ def fake(monkeypatch, tmp_path):
 
     def stage_work(args):
         def work(stage):
-            kind, _, split = stage.partition("-")
+            kind, _, rest = stage.partition("-")
             if kind in ("cache", "cache3"):
-                complete.add((split, kind == "cache3"))
+                complete.add((rest, kind == "cache3"))
+            if kind == "train":  # the trained state its eval reads (the work folder's)
+                args.work_dir.mkdir(parents=True, exist_ok=True)
+                (args.work_dir / f"state-{rest}.pt").touch()
             return {"work": stage}
 
         return work
@@ -90,6 +93,32 @@ def test_records_brought_from_another_machine_make_the_caches_again(fake, tmp_pa
     monkeypatch.setattr(smollm2_warm_start, "stage_work", work_of)
     assert smollm2_warm_start.main(fake) == 0
     assert made == [("train", False), ("valid", False), ("test", False)]  # the caches alone
+
+
+def test_a_train_record_whose_state_is_not_here_trains_again(fake, tmp_path, monkeypatch):
+    """Records from another machine cut off between a run's train and eval stages: the state
+    the eval reads is in that machine's work folder, so the run trains again here (it stopped
+    the study on a missing file); a run whose eval is recorded does not."""
+    assert smollm2_warm_start.main(fake) == 0
+    (tmp_path / "out" / "eval-own-s1.json").unlink()  # cut off after train-own-s1 ...
+    (tmp_path / "work" / "state-own-s1.pt").unlink()  # ... on a machine given back since
+    again = []
+
+    def work_of(args):
+        def work(stage):
+            again.append(stage)
+            if stage.startswith("train-"):  # what a training leaves in the work folder
+                (args.work_dir / f"state-{stage.removeprefix('train-')}.pt").touch()
+            return {"work": stage}
+
+        return work
+
+    monkeypatch.setattr(smollm2_warm_start, "stage_work", work_of)
+    assert smollm2_warm_start.main(fake) == 0  # no state file in tmp_path before
+    assert "train-own-s1" in again and "eval-own-s1" in again
+    assert "eval-base-s0" not in again  # recorded, and --no-rank: no matrix needed
+    args = smollm2_warm_start.parse_args([*fake[:-1]])  # the rank stages planned
+    assert not smollm2_warm_start.stage_done("eval-own-s1", args)  # its matrix is not here
 
 
 def test_the_retrofit_plan_orders_its_stages_after_their_inputs():

@@ -404,7 +404,8 @@ def check_record_owner(path: str | os.PathLike, model: str | os.PathLike | None)
     except (OSError, ValueError, AttributeError):
         return  # not a record this check can read: the writer's own checks apply
     mine = str(Path(model).resolve())
-    if isinstance(owner, str) and str(Path(owner).resolve()) != mine:
+    # an owner written as a relative path (records before this check) is not known
+    if isinstance(owner, str) and Path(owner).is_absolute() and owner != mine:
         raise HFInputError(
             f"{path} is the record of another model of the same name ({owner}); give {mine} "
             "another --out (or move that record away)"

@@ -232,19 +232,21 @@ def estimate_from_rank_record(
             "head": record.get("head")}
 
 
-# Heads whose log-prob matrix is a softmax layer's: a knee there is the layer's width + 1 or 2.
-SOFTMAX_HEADS = ("softmax", "mlp_softmax")
+# highrank's heads whose log-prob matrix is not a softmax layer's (MoC's is: its mixed context
+# feeds one softmax). A Hugging Face model's own lm_head, named by its class, is a softmax layer.
+NOT_SOFTMAX_HEADS = ("mos", "mixtape", "sigsoftmax", "gss", "plif", "mfs", "cpr")
 
 
 def _head_caveat(result: dict[str, Any], head: str | None) -> dict[str, Any]:
-    """The verdict of a knee in the matrix of a head that is not a softmax layer says that the
-    knee need not be a hidden size (Mixtape with gate sharing has one at up to d + 2 + S)."""
-    if head is None or head in SOFTMAX_HEADS or not result["low_rank_knee"]:
+    """A knee in the matrix of a head that is not a softmax layer is not read as a hidden size
+    (``hidden_size`` None, the verdict says why): Mixtape with gate sharing has one at up to
+    d + 2 + S."""
+    if head not in NOT_SOFTMAX_HEADS or not result["low_rank_knee"]:
         return result
-    caveat = (f"; but the head is {head}, not a softmax layer: its knee need not be a hidden "
+    caveat = (f"; but the head is {head}, not a softmax layer: its knee is not read as a hidden "
               "size (Mixtape with gate sharing has one at up to d + 2 + S, S the tokens with "
               "their own gates)")
-    return {**result, "verdict": result["verdict"] + caveat}
+    return {**result, "hidden_size": None, "verdict": result["verdict"] + caveat}
 
 
 def _record_values(record: dict[str, Any], path: Path) -> np.ndarray:
@@ -300,7 +302,7 @@ def analyze_hidden_size(
         analyze_rank(source, max_contexts=max_contexts, out=out, **rank_options)
     result = estimate_from_rank_record(rank_path, min_gap=min_gap)
     if source.kind != "run":
-        return {**result, "model": source.name, "hf_tag": tag}
+        return {**result, "model": str(Path(source.name).resolve()), "hf_tag": tag}
     return {
         **result,
         "run_dir": source.name,

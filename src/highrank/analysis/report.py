@@ -30,7 +30,7 @@ from typing import Any
 
 from highrank.analysis.output import ANALYSIS_DIR, format_cell, is_number, read_json, write_json
 from highrank.analysis.rank import EFFECTIVE_RANK_EPSILONS, write_spectrum
-from highrank.analysis.topk import format_report
+from highrank.analysis.topk import format_report, report_title
 from highrank.config import load_config
 from highrank.data import Vocab
 from highrank.evaluate.records import describe, stale_checkpoint
@@ -354,7 +354,7 @@ def _unargmaxable_section(runs: list[dict[str, Any]]) -> str:
     rows = [
         [r["name"], stem, record["head"], record["vocab_size"], record["domain"],
          record["unargmaxable"], record["undecided"],
-         ", ".join(record.get("unargmaxable_tokens", [])[:10])]
+         ", ".join((record.get("unargmaxable_tokens") or [])[:10])]
         for r in runs for stem, record in r["unargmaxable"].items()
     ]  # fmt: skip
     headers = ["run", "record", "head", "V", "domain", "unargmaxable", "undecided",
@@ -369,8 +369,7 @@ def _topk_section(runs: list[dict[str, Any]]) -> str:
     """Each top-k record (``highrank analyze topk`` of one run) as its text block."""
     blocks = [
         f"<h3>{html.escape(r['name'])}: {html.escape(stem)}</h3>\n<pre>"
-        + html.escape(format_report(record["contexts"],
-                                    f"top-{record['k']} next tokens on {record['split']}"))
+        + html.escape(format_report(record["contexts"], report_title(record)))
         + "</pre>"
         for r in runs for stem, record in r["topk"].items()
     ]  # fmt: skip

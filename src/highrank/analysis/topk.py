@@ -340,6 +340,22 @@ def _column(entry: dict[str, Any], target_id: int) -> list[str]:
     return cells
 
 
+def report_title(record: dict[str, Any]) -> str:
+    """The title line(s) of a top-k record's text report: the runs, and the selection by
+    margin when that chose the contexts."""
+    selection = record["selection"]
+    runs = ", ".join(f"{r['name']} ({r['head']})" for r in record["runs"])
+    text = f"top-{record['k']} next tokens on {record['split']} ({record['source']}): {runs}"
+    if selection["mode"] != "margin":
+        return text
+    a, b = (run["name"] for run in record["runs"][:2])
+    return text + (
+        f"\nA = {a}, B = {b}: {selection['qualifying']} contexts where A gives the reference "
+        f"token >= {selection['margin']} nats more than B (largest difference "
+        f"{selection['largest_difference']:+.3f}); showing {len(record['contexts'])}"
+    )
+
+
 def format_report(records: Sequence[dict[str, Any]], title: str = "") -> str:
     """All blocks, numbered, after ``title`` and a legend line."""
     legend = f"{MARK} marks the reference token (the actual next word, in [brackets])\n"

@@ -84,6 +84,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -688,7 +689,7 @@ def analyze_unargmaxable_hf(
         names=lambda ids: [tokenizer.decode([int(i)]) for i in ids],
     )
     return {
-        "model": str(model_path),
+        "model": str(Path(model_path).resolve()),
         "head": name,
         "hidden_size": int(weight.shape[1]),
         "bias": bias is not None,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from highrank.cli.analyze.common import add_run_arguments, row_sources
 from highrank.util.argtypes import positive_int
@@ -56,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``highrank analyze topk``: print the side-by-side blocks; write JSON and text."""
     from highrank.analysis.output import record_tag, run_record_path, write_json
-    from highrank.analysis.topk import TopKError, analyze_topk, format_report
+    from highrank.analysis.topk import TopKError, analyze_topk, format_report, report_title
     from highrank.causal_lm import HFInputError
 
     if args.random and args.max_contexts is None and not getattr(args, "hf", None):
@@ -79,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     except (TopKError, HFInputError) as error:
         print(f"highrank analyze topk: error: {error}", file=sys.stderr)
         return 2
-    text = format_report(record["contexts"], _title(record))
+    text = format_report(record["contexts"], report_title(record))
     print(text, end="")
     written = []
     if len(args.run_dirs) == 1:
@@ -92,17 +91,3 @@ def run(args: argparse.Namespace) -> int:
     if written:
         print("wrote " + ", ".join(map(str, written)))
     return 0
-
-
-def _title(record: dict[str, Any]) -> str:
-    selection = record["selection"]
-    runs = ", ".join(f"{r['name']} ({r['head']})" for r in record["runs"])
-    text = f"top-{record['k']} next tokens on {record['split']} ({record['source']}): {runs}"
-    if selection["mode"] != "margin":
-        return text
-    a, b = (run["name"] for run in record["runs"][:2])
-    return text + (
-        f"\nA = {a}, B = {b}: {selection['qualifying']} contexts where A gives the reference "
-        f"token >= {selection['margin']} nats more than B (largest difference "
-        f"{selection['largest_difference']:+.3f}); showing {len(record['contexts'])}"
-    )
