@@ -330,9 +330,9 @@ def test_two_models_of_one_name_are_refused_before_one_overwrites_the_other(
     assert not list((tmp_path / "out").glob("rank-*.json"))
 
 
-@pytest.mark.parametrize("verb", ["rank", "gradient-bottleneck", "hidden-size"])
+@pytest.mark.parametrize("verb", ["rank", "gradient-bottleneck", "saturation", "hidden-size"])
 def test_a_later_call_with_another_model_of_one_name_keeps_the_first_record(
-    llama, tmp_path, capsys, verb
+    llama, tmp_path, capsys, monkeypatch, verb
 ):
     """A new user's walk: two calls with two --hf folders of one name and one --out; the second
     replaced the first model's records. It is now refused in one line, the record kept; the
@@ -345,12 +345,17 @@ def test_a_later_call_with_another_model_of_one_name_keeps_the_first_record(
     if verb == "hidden-size":
         common.remove("--no-progress")  # hidden-size has no progress bars to hide
     assert main(["analyze", verb, "--hf", str(llama[0]), *common]) == 0
-    stem = {"rank": "rank", "gradient-bottleneck": "gradient-bottleneck",
-            "hidden-size": "hidden-size"}[verb]
-    (record_path,) = out.glob(f"{stem}-*.json")
+    (record_path,) = out.glob(f"{verb}-*.json")
     before = record_path.read_text()
     capsys.readouterr()
-    assert main(["analyze", verb, "--hf", str(twin), *common]) == 2
+    import highrank.analysis.gradient_bottleneck as gradient
+    import highrank.analysis.saturation as saturation
+
+    with monkeypatch.context() as patched:  # these two refuse before their work
+        for module, name in ((gradient, "analyze_gradient_bottleneck_hf"),
+                             (saturation, "analyze_saturation_hf")):
+            patched.setattr(module, name, lambda *a, **k: pytest.fail("the work ran"))
+        assert main(["analyze", verb, "--hf", str(twin), *common]) == 2
     err = capsys.readouterr().err
     assert "is the record of another model of the same name" in err and len(err.splitlines()) == 1
     assert str(Path(llama[0]).resolve()) in err and str(twin.resolve()) in err

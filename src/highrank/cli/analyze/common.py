@@ -144,6 +144,19 @@ def record_each(args: argparse.Namespace, analyse_run, analyse_hf) -> list[dict]
     return records
 
 
+def hf_record_path(args: argparse.Namespace, stem: str, model: str,
+                   max_contexts: int | None) -> Path:
+    """``--out/<stem>-<tag>.json``, the record of ``--hf`` model ``model`` on ``--text`` (its
+    tag as the analysis writes it), refused before the work when another model of the same
+    name wrote it."""
+    from highrank.analysis.hf_contexts import check_record_owner, hf_tag
+
+    tag = hf_tag(model, args.text, window=args.window, bos=args.bos, max_contexts=max_contexts)
+    path = Path(args.out) / f"{stem}-{tag}.json"
+    check_record_owner(path, model)
+    return path
+
+
 def check_hf_record(path: Path, record: dict) -> None:
     """A ``--hf`` record is not written over another model's record of the same name."""
     from highrank.analysis.hf_contexts import check_record_owner

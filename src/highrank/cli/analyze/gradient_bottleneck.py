@@ -12,6 +12,7 @@ from typing import Any
 from highrank.cli.analyze.common import (
     add_run_arguments,
     check_runs_or_hf,
+    hf_record_path,
     record_each,
     write_summary,
 )
@@ -83,6 +84,7 @@ def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     from highrank.analysis.gradient_bottleneck import analyze_gradient_bottleneck_hf
 
+    path = hf_record_path(args, "gradient-bottleneck", model, args.max_contexts)
     record = analyze_gradient_bottleneck_hf(
         model,
         args.text,
@@ -92,7 +94,7 @@ def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         device=args.device,
         progress=not args.no_progress,
     )
-    return record, Path(args.out) / f"gradient-bottleneck-{record['tag']}.json"
+    return record, path
 
 
 HEADERS = [

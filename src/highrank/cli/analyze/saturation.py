@@ -12,6 +12,7 @@ from typing import Any
 from highrank.cli.analyze.common import (
     add_hf_arguments,
     check_runs_or_hf,
+    hf_record_path,
     record_each,
     write_summary,
 )
@@ -131,6 +132,7 @@ def _run(run_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     from highrank.analysis.saturation import analyze_saturation_hf
 
+    path = hf_record_path(args, "saturation", model, args.max_contexts)
     record = analyze_saturation_hf(
         model,
         args.text,
@@ -141,7 +143,7 @@ def _hf(model: str, args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         device=args.device,
         progress=not args.no_progress,
     )
-    return record, Path(args.out) / f"saturation-{record['tag']}.json"
+    return record, path
 
 
 def summary_table(record: dict[str, Any], *, markdown: bool = False) -> str:
