@@ -4,6 +4,8 @@
     python -m benchmarks.studies.bottleneck_map --first long  # the 15-epoch runs before the map
     python -m benchmarks.studies.bottleneck_map --plan        # the stages left, at measured rates
     python -m benchmarks.studies.bottleneck_map --summarize   # summary.json / .md / figures
+    python -m benchmarks.studies.bottleneck_map --device cuda --widths 32 --data-dir DIR
+                                                              # one width's cells on a GPU
 
 Every number comes from highrank's own commands, run as subprocesses as a user would type them
 (each line kept in ``commands.txt``), one thread per process (``OMP_NUM_THREADS=1``):
@@ -44,8 +46,10 @@ and MoS (``configs/ptb/small-<head>.toml``, d_hidden matched to the softmax mode
 count, :func:`benchmarks.studies.replication_study.matched_hidden_sizes`) for 15 epochs with
 validation every epoch, 2 seeds each.
 
-Resumable: a stage's record in ``records/`` marks it done; a killed training run resumes from its
-last checkpoint (``highrank train --resume``). Run directories are kept under ``runs/`` without
+Resumable: a stage's record in ``records/`` marks it done (a training's, while its run's
+``best.pt`` is there or its test is recorded: records brought from a GPU machine without their
+checkpoints train the runs again whose tests are missing); a killed training run resumes from
+its last checkpoint (``highrank train --resume``). Run directories are kept under ``runs/`` without
 their checkpoints (.gitignore). Several processes may share the study (each takes a stage's lock
 before running it): ``--first long`` and ``--first map`` give two processes different starts.
 """
@@ -94,6 +98,10 @@ PILOT_STEPS = 300
 MAX_EXTENSIONS = 2
 RANK_CONTEXTS = 2000
 THREADS = 1
+# Where the cells run and read Penn Treebank (``--device``, ``--data-dir``; a child stage gets
+# them from its parent): the CPU and ../shared/data unless a process says otherwise.
+DEVICE = "cpu"
+DATA_DIR = DATA
 
 # The one body of every cell (on top of the small recipe's dropouts, AR/TAR and batching).
 BODY = (
@@ -141,7 +149,7 @@ def parameter_count(recipe: str, overrides: tuple[str, ...]) -> int:
     from highrank.config import load_config
     from highrank.train import parameter_count as count
 
-    config = load_config(config_path(recipe), [f"data.dir={DATA / 'ptb'}", *overrides])
+    config = load_config(config_path(recipe), [f"data.dir={DATA_DIR / 'ptb'}", *overrides])
     return count(config, PTB_VOCAB)
 
 
@@ -188,11 +196,22 @@ def train_words(arm: str, d: int, lr: float, seed: int, directory: Path,
     recipe, _ = RECIPE[arm]
     overrides = (*arm_overrides(arm, d), *extra, f"train.lr={lr:g}", f"train.seed={seed}")
     return ["train", str(config_path(recipe).relative_to(REPO)), f"--run.out_dir={directory}",
-            f"--data.dir={DATA / 'ptb'}", *(f"--{o}" for o in overrides), "--no-progress"]
+            f"--data.dir={DATA_DIR / 'ptb'}", *(f"--{o}" for o in on_device(overrides)),
+            "--no-progress"]
 
 
 def run(*words: str) -> None:
     highrank(*words, threads=THREADS, log=OUT / "commands.txt")
+
+
+def on_device(overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """``overrides`` with the body's ``run.device=cpu`` set to :data:`DEVICE`."""
+    return tuple(f"run.device={DEVICE}" if o == "run.device=cpu" else o for o in overrides)
+
+
+def device_words() -> tuple[str, ...]:
+    """``--device D`` for eval and analyze off the CPU (their commands on it as before)."""
+    return () if DEVICE == "cpu" else ("--device", DEVICE)
 
 
 # ---- pilots: each (arm, d)'s learning rate -----------------------------------------------------
@@ -210,7 +229,7 @@ def pilot(arm: str, d: int, lr: float) -> dict:
     words = train_words(arm, d, lr, 1, directory, extra=())
     run(*words, "--max-steps", str(PILOT_STEPS))
     run("eval", str(directory), "--split", "valid", "--which", "last", "--batch-size", "10",
-        "--no-progress")
+        *device_words(), "--no-progress")
     score = json.loads((directory / "eval-valid-last.json").read_text())
     steps = [r for r in _metrics(directory) if r.get("kind") == "step"]
     record = {"arm": arm, "d": d, "lr": lr, "steps": PILOT_STEPS,
@@ -246,11 +265,11 @@ def long_dir(head: str, seed: int) -> Path:
     return OUT / "runs" / f"long-{head}-seed{seed}"
 
 
-def map_stages() -> list[Stage]:
+def map_stages(widths: tuple[int, ...] = D_VALUES) -> list[Stage]:
     """Per d: the pilots, seeds 1 and 2 of every arm, their tests, then the third seed of the
     arms :func:`third_seed_arms` names (read from the records: the list grows as they come)."""
     stages = []
-    for d in D_VALUES:
+    for d in widths:
         stages += [Stage(f"lr-{arm}-d{d}") for arm in ARMS]
         for seed in SEEDS:
             stages += [Stage(f"train-{arm}-d{d}-seed{seed}", needs=(f"lr-{arm}-d{d}",))
@@ -303,8 +322,27 @@ def long_stages() -> list[Stage]:
     return stages
 
 
-def stages(first: str) -> list[Stage]:
-    return long_stages() + map_stages() if first == "long" else map_stages() + long_stages()
+def stages(first: str, widths: tuple[int, ...] = D_VALUES, long: bool = True) -> list[Stage]:
+    """The map's cells of ``widths`` (all by default) and the 15-epoch runs (unless ``long`` is
+    False: a GPU machine given one width, say), the long runs first or last."""
+    cells, runs = map_stages(widths), long_stages() if long else []
+    return runs + cells if first == "long" else cells + runs
+
+
+def stage_done(name: str) -> bool:
+    """A stage's record, and for a training the run's ``best.pt`` too unless its test is
+    recorded: the test reads the checkpoint, which stays on the machine that trained (records
+    brought from a GPU machine without it train the run again)."""
+    records = OUT / "records"
+    if not (records / f"{name}.json").is_file():
+        return False
+    kind, rest = name.split("-", 1)
+    if kind in ("train", "long"):
+        directory = long_dir(*_long(name)) if kind == "long" else cell_dir(*_cell(rest))
+        test = f"test-{name}" if kind == "long" else f"test-{rest}"
+        return ((directory / "checkpoints" / "best.pt").is_file()
+                or (records / f"{test}.json").is_file())
+    return True
 
 
 def work(name: str) -> dict:
@@ -350,9 +388,9 @@ def long_words(head: str, seed: int, directory: Path) -> list[str]:
 
     d_hidden = matched_hidden_sizes((head,))[head]
     return ["train", str(config_path(head).relative_to(REPO)), f"--run.out_dir={directory}",
-            f"--data.dir={DATA / 'ptb'}", f"--train.seed={seed}",
+            f"--data.dir={DATA_DIR / 'ptb'}", f"--train.seed={seed}",
             f"--train.epochs={LONG_EPOCHS}", f"--model.d_hidden={d_hidden}",
-            "--train.test_batch_size=10", "--run.device=cpu", "--no-progress"]
+            "--train.test_batch_size=10", f"--run.device={DEVICE}", "--no-progress"]
 
 
 def _metrics(directory: Path) -> list[dict]:
@@ -373,7 +411,8 @@ def training_record(directory: Path, facts: dict) -> dict:
     config = load_config(directory / "config.toml")
     model = config.model
     width = model.d_project or model.d_last or model.d_embed  # what the head reads
-    return {**facts, "params": count(config, PTB_VOCAB), "output_width": width,
+    return {**facts, "device": config.run.device, "params": count(config, PTB_VOCAB),
+            "output_width": width,
             "curve": [{"epoch": r["epoch"], "train_loss": r.get("train_loss"),
                        "valid_loss": r.get("val_loss"), "phase": r.get("phase")}
                       for r in epochs],
@@ -385,16 +424,17 @@ def training_record(directory: Path, facts: dict) -> dict:
 
 def test_record(directory: Path) -> dict:
     """Test perplexity (whole split) and the Press rank of the test log-prob matrix."""
-    run("eval", str(directory), "--split", "test", "--batch-size", "10", "--no-progress")
+    on = device_words()
+    run("eval", str(directory), "--split", "test", "--batch-size", "10", *on, "--no-progress")
     score = json.loads((directory / "eval-test-best.json").read_text())
     run("analyze", "rank", str(directory), "--split", "test", "--max-contexts",
-        str(RANK_CONTEXTS), "--batch-size", "10", "--no-progress")
+        str(RANK_CONTEXTS), "--batch-size", "10", *on, "--no-progress")
     rank = _rank_record(directory)
     run("analyze", "gradient-bottleneck", str(directory), "--split", "test", "--max-contexts",
-        str(RANK_CONTEXTS), "--no-progress")
+        str(RANK_CONTEXTS), *on, "--no-progress")
     gradient = _analysis(directory, "gradient-bottleneck-test-best*.json")
     run("analyze", "saturation", str(directory), "--which", "best", "--split", "test",
-        "--max-contexts", str(RANK_CONTEXTS), "--no-progress")
+        "--max-contexts", str(RANK_CONTEXTS), *on, "--no-progress")
     saturation = _saturation_point(directory)
     return {"test_ppl": score["perplexity"], "test_loss": score["loss"],
             "press_rank": rank.get("press_rank"), "effective_rank": rank.get("effective_rank"),
@@ -455,6 +495,7 @@ def summary_rows() -> list[dict]:
             "tanh_saturated": test.get("tanh_saturated", _tanh_share(_saturation_point(
                 OUT / "runs" / path.stem.removeprefix("train-")))) if test else None,
             "control": arm if arm in CONTROLS else None,
+            "device": train.get("device", "cpu"),  # records before the field: the CPU's
         })
     return rows
 
@@ -855,19 +896,31 @@ def summarize_after(stage: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DEVICE, DATA_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--first", choices=("map", "long"), default="map",
                         help="which part this process starts with (default: the map)")
+    parser.add_argument("--widths", type=_widths, default=D_VALUES, metavar="D,D",
+                        help="only the map's cells of these output widths (of "
+                        f"{', '.join(map(str, D_VALUES))}: all by default)")
+    parser.add_argument("--no-long", action="store_true", help="not the 15-epoch runs")
+    parser.add_argument("--device", default="cpu",
+                        help="where the cells train and are tested (cpu, cuda; default cpu)")
+    parser.add_argument("--data-dir", type=Path, default=DATA,
+                        help=f"the folder holding ptb/ (default {DATA})")
     parser.add_argument("--plan", action="store_true", help="print the stages left")
     parser.add_argument("--summarize", action="store_true", help="only write the summary")
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # one stage, in a child process
     args = parser.parse_args(argv)
-    if not (DATA / "ptb" / "train.txt").is_file():
-        print(f"skipped: Penn Treebank not found at {DATA / 'ptb'}", file=sys.stderr)
+    DEVICE, DATA_DIR = args.device, args.data_dir.resolve()
+    if not (DATA_DIR / "ptb" / "train.txt").is_file():
+        print(f"skipped: Penn Treebank not found at {DATA_DIR / 'ptb'}", file=sys.stderr)
         return 0
+    passed_on = ("--device", DEVICE, "--data-dir", str(DATA_DIR))  # to each child stage
     study = Study(
-        lambda: stages(args.first), work, records=OUT / "records", locks=OUT / ".locks",
-        child=lambda name: [sys.executable, "-m", MODULE, "--stage", name],
+        lambda: stages(args.first, args.widths, long=not args.no_long), work,
+        records=OUT / "records", locks=OUT / ".locks", done=stage_done,
+        child=lambda name: [sys.executable, "-m", MODULE, "--stage", name, *passed_on],
         extra=lambda: {"load_average": os.getloadavg(), "machine": machine(threads=THREADS)},
         after=summarize_after, cwd=REPO,
     )
@@ -875,6 +928,17 @@ def main(argv: list[str] | None = None) -> int:
         plan(study)
         return 0
     return study.main(args.stage, summarize=summarize, only_summary=args.summarize)
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or any(w not in D_VALUES for w in widths):
+        raise argparse.ArgumentTypeError(
+            f"expected widths among {', '.join(map(str, D_VALUES))}, comma-separated; got {text!r}")
+    return widths
 
 
 if __name__ == "__main__":

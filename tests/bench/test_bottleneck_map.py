@@ -216,3 +216,48 @@ def test_a_summary_that_fails_does_not_stop_the_study(monkeypatch, capsys):
     monkeypatch.setattr(bm, "summarize", broken)
     bm.summarize_after("train-mos-d8-seed1")
     assert "summary not written after train-mos-d8-seed1" in capsys.readouterr().out
+
+
+def test_a_process_can_take_some_widths_and_leave_the_long_runs():
+    names = [s.name for s in bm.stages("map", (32,), long=False)]
+    assert names[0] == "lr-softmax-d32" and all("-d32" in n for n in names)
+    with_long = [s.name for s in bm.stages("long", (8,))]
+    assert with_long[0].startswith("long-") and "lr-softmax-d8" in with_long
+    assert "lr-softmax-d32" not in with_long
+    assert [s.name for s in bm.stages("map")] == [s.name for s in bm.stages("map", bm.D_VALUES)]
+
+
+def test_a_training_without_its_checkpoint_is_done_only_once_tested(tmp_path, monkeypatch):
+    """The test stage reads the run's best.pt, which stays on the machine that trained: records
+    brought from a GPU machine without it train the run again unless its test is recorded."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    write_cell(tmp_path, "mos", 32, 1, 150.0)
+    (tmp_path / "records" / "test-mos-d32-seed1.json").unlink()
+    assert not bm.stage_done("train-mos-d32-seed1")
+    best = bm.cell_dir("mos", 32, 1) / "checkpoints" / "best.pt"
+    best.parent.mkdir(parents=True)
+    best.write_bytes(b"")
+    assert bm.stage_done("train-mos-d32-seed1")
+    best.unlink()
+    write_cell(tmp_path, "mos", 32, 1, 150.0)  # its test recorded
+    assert bm.stage_done("train-mos-d32-seed1") and bm.stage_done("test-mos-d32-seed1")
+    assert not bm.stage_done("lr-mos-d32")  # no record
+
+
+def test_cells_on_a_gpu_name_their_device_and_data(tmp_path, monkeypatch):
+    """--device and --data-dir reach every command; on the CPU the commands are as before."""
+    train = bm.train_words("mos", 8, 10.0, 1, tmp_path / "run")
+    assert "--run.device=cpu" in train and bm.device_words() == ()
+    monkeypatch.setattr(bm, "DEVICE", "cuda")
+    monkeypatch.setattr(bm, "DATA_DIR", tmp_path / "data")
+    train = bm.train_words("mos", 8, 10.0, 1, tmp_path / "run")
+    assert "--run.device=cuda" in train and "--run.device=cpu" not in train
+    assert f"--data.dir={tmp_path / 'data' / 'ptb'}" in train
+    assert bm.device_words() == ("--device", "cuda")
+    assert "--run.device=cuda" in bm.long_words("softmax", 1, tmp_path / "long")
+
+
+def test_widths_outside_the_map_are_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        bm.main(["--widths", "7,8", "--plan"])
+    assert "expected widths among 8, 32, 128, 16, 64, 256" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The bottleneck map's cells of some output widths (benchmarks/studies/bottleneck_map.py) on one
+# GPU machine: WORKERS study processes side by side (the stage locks share the cells out; one
+# cell's LSTM leaves a GPU mostly idle), each cell trained and tested there with --device cuda,
+# records into the repository's benchmarks/results/bottleneck-map/, and the files of those
+# widths (records, pilots, the runs' configs, curves and analyses, not their checkpoints, and the
+# commands they ran) packed at the end into OUT_TGZ, to bring back and unpack over the folder:
+#
+#   [WORKERS=6] bash benchmarks/studies/bottleneck_map_device.sh DATA_DIR WIDTHS OUT_TGZ [LIMIT_S]
+#
+# DATA_DIR holds ptb/{train,valid,test}.txt (carry it: ../shared does not travel); WIDTHS is
+# one or more of the map's widths (32, or 32,16): a width belongs to one kind of machine, so
+# that its arms are compared on one device (the CPU processes then take the others:
+# --widths 8 --first long). The processes are interrupted after LIMIT_S seconds (default 480:
+# a device call may run 600) and a rerun on the same machine continues from the records and
+# checkpoints. A run trained here but not tested before the machine goes back trains again on
+# the next one (its checkpoint stays here): the cells' tests follow their width's trainings.
+set -uo pipefail
+if [ $# -lt 3 ]; then
+    echo "usage: $0 DATA_DIR WIDTHS OUT_TGZ [LIMIT_S (480)]" >&2
+    exit 2
+fi
+data=$(realpath "$1") widths=$2 archive=$(realpath -m "$3") limit=${4:-480}
+workers=${WORKERS:-6}
+if ! [[ $workers =~ ^[0-9]+$ ]] || [ "$workers" -lt 1 ] || [ "$workers" -gt 16 ]; then
+    echo "WORKERS must be a whole number from 1 to 16 (the machine's cores); got '$workers'" >&2
+    exit 2
+fi
+cd "$(dirname "$0")/../.." || exit 2  # the repository root
+export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+map=benchmarks/results/bottleneck-map
+logs=/tmp/bottleneck-map-device
+mkdir -p "$logs"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt"
+commands_before=$(wc -l < "$map/commands.txt" 2>/dev/null || echo 0)
+pids=()
+for worker in $(seq 1 "$workers"); do
+    timeout --signal=INT --kill-after=30 "$limit" python3 -m benchmarks.studies.bottleneck_map \
+        --device cuda --widths "$widths" --no-long --data-dir "$data" \
+        >> "$logs/worker-$worker.log" 2>&1 &
+    pids+=("$!")
+done
+status=0  # the worst worker's: 124 when any stopped at its deadline, else any failure
+for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
+    code=$?
+    if [ "$code" -ne 0 ]; then
+        echo "== worker $((i + 1)): exit status $code"
+        tail -n 5 "$logs/worker-$((i + 1)).log"
+        [ "$status" -ne 124 ] && status=$code
+    fi
+done
+grep -h -E "^(==|   .* done in|stopped)" "$logs"/worker-*.log | tail -n 40
+tag=gpu-d${widths//,/-d}
+cp "$logs/gpu.txt" "$map/$tag.txt"
+tail -n +"$((commands_before + 1))" "$map/commands.txt" >> "$map/commands-$tag.txt"
+files=("$tag.txt" "commands-$tag.txt")
+for width in ${widths//,/ }; do
+    files+=($(cd "$map" && ls -d records/*-d"$width"-* records/*-d"$width".json \
+        pilots/*-d"$width"-* runs/*-d"$width"-seed* 2>/dev/null))
+done
+tar czf "$archive" --exclude=checkpoints --exclude='*.lock' -C "$map" "${files[@]}"
+echo "exit status $status (124: stopped at $limit s; rerun to continue);" \
+    "$(tar tzf "$archive" | grep -c '^records/') records; $archive: $(du -h "$archive" | cut -f1)"
+# here: tar xzf OUT_TGZ -C benchmarks/results/bottleneck-map && cat .../commands-gpu-*.txt >>
+# .../commands.txt is the page's step; then --summarize
+exit "$status"
