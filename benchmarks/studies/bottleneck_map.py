@@ -210,7 +210,8 @@ def on_device(overrides: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def device_words() -> tuple[str, ...]:
-    """``--device D`` for eval and analyze off the CPU (their commands on it as before)."""
+    """``--device D`` for ``analyze`` off the CPU (its commands on it as before); ``highrank
+    eval`` has no such option: it scores on the CPU wherever the run trained."""
     return () if DEVICE == "cpu" else ("--device", DEVICE)
 
 
@@ -229,7 +230,7 @@ def pilot(arm: str, d: int, lr: float) -> dict:
     words = train_words(arm, d, lr, 1, directory, extra=())
     run(*words, "--max-steps", str(PILOT_STEPS))
     run("eval", str(directory), "--split", "valid", "--which", "last", "--batch-size", "10",
-        *device_words(), "--no-progress")
+        "--no-progress")
     score = json.loads((directory / "eval-valid-last.json").read_text())
     steps = [r for r in _metrics(directory) if r.get("kind") == "step"]
     record = {"arm": arm, "d": d, "lr": lr, "steps": PILOT_STEPS,
@@ -425,7 +426,7 @@ def training_record(directory: Path, facts: dict) -> dict:
 def test_record(directory: Path) -> dict:
     """Test perplexity (whole split) and the Press rank of the test log-prob matrix."""
     on = device_words()
-    run("eval", str(directory), "--split", "test", "--batch-size", "10", *on, "--no-progress")
+    run("eval", str(directory), "--split", "test", "--batch-size", "10", "--no-progress")
     score = json.loads((directory / "eval-test-best.json").read_text())
     run("analyze", "rank", str(directory), "--split", "test", "--max-contexts",
         str(RANK_CONTEXTS), "--batch-size", "10", *on, "--no-progress")

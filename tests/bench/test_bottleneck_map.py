@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +262,37 @@ def test_widths_outside_the_map_are_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         bm.main(["--widths", "7,8", "--plan"])
     assert "expected widths among 8, 32, 128, 16, 64, 256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_command_of_a_cell_parses_on_either_device(tmp_path, monkeypatch, device):
+    """The commands a pilot, a training and a test stage run are valid highrank command lines
+    with --device cuda too (``highrank eval`` has no --device: it must not get one)."""
+    from highrank.cli import build_parser
+
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    monkeypatch.setattr(bm, "DEVICE", device)
+    commands = []
+
+    def fake_run(*words):
+        commands.append(list(words))
+        if words[0] == "eval":  # the record the stage reads next
+            name = f"eval-{words[words.index('--split') + 1]}-" + (
+                words[words.index("--which") + 1] if "--which" in words else "best")
+            (Path(words[1]) / f"{name}.json").write_text('{"loss": 5.0, "perplexity": 148.4}')
+
+    monkeypatch.setattr(bm, "run", fake_run)
+    monkeypatch.setattr(bm, "_metrics", lambda directory: [])
+    run_dir = tmp_path / "runs" / "mos-d8-seed1"
+    run_dir.mkdir(parents=True)
+    (tmp_path / "pilot-runs" / "mos-d8-lr10").mkdir(parents=True)
+    bm.test_record(run_dir)
+    monkeypatch.setattr(bm.shutil, "rmtree", lambda *a, **k: None)  # keep the pilot's folder
+    bm.pilot("mos", 8, 10.0)
+    commands.append(bm.train_words("mos", 8, 10.0, 1, tmp_path / "run"))
+    parser = build_parser()
+    for words in commands:
+        parser.parse_args(words)  # SystemExit on an unknown option
+    analyze = [w for w in commands if w[0] == "analyze"]
+    assert len(analyze) == 3 and all(("--device" in w) == (device == "cuda") for w in analyze)
+    assert not any("--device" in w for w in commands if w[0] == "eval")
