@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The bottleneck map's cells of some output widths (benchmarks/studies/bottleneck_map.py) on one
 # GPU machine: WORKERS study processes side by side (the stage locks share the cells out; one
-# cell's LSTM leaves a GPU mostly idle), each cell trained and tested there with --device cuda,
+# cell's LSTM leaves a GPU mostly idle), each cell trained there on the GPU and tested there
+# (the analyses on the GPU, highrank eval on the CPU as it always scores),
 # records into the repository's benchmarks/results/bottleneck-map/, and the files of those
 # widths (records, pilots, the runs' configs, curves and analyses, not their checkpoints, and the
 # commands they ran) packed at the end into OUT_TGZ, to bring back and unpack over the folder:
