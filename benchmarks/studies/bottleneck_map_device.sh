@@ -11,8 +11,8 @@
 #
 # DATA_DIR holds ptb/{train,valid,test}.txt (carry it: ../shared does not travel); WIDTHS is
 # one or more of the map's widths (32, or 32,16): a width belongs to one kind of machine, so
-# that its arms are compared on one device (the CPU processes then take the others:
-# --widths 8 --first long). The processes are interrupted after LIMIT_S seconds (default 480:
+# that its arms are compared on one device (the CPU processes then take the others, e.g.
+# --widths 8,128,16,64,256 --first long). The processes are interrupted after LIMIT_S seconds (default 480:
 # a device call may run 600) and a rerun on the same machine continues from the records and
 # checkpoints. A run trained here but not tested before the machine goes back trains again on
 # the next one (its checkpoint stays here): the cells' tests follow their width's trainings.

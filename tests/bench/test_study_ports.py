@@ -256,4 +256,4 @@ def test_the_gain_on_tokens_seen_earlier_in_the_window_is_base_minus_head():
     assert test["unseen_gain_mean"] == pytest.approx(0.1)
     assert test["seen_tokens"] == 30
     table = smollm2_warm_start.seen_gains_table(found)
-    assert table[-1] == "| cpr | 30 | +0.8000 | 70 | +0.1000 |"
+    assert table[-1] == "| cpr | 2 | 30 | +0.8000 | 70 | +0.1000 |"  # 2 seeds
