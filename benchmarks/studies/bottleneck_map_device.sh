@@ -23,10 +23,8 @@ if [ $# -lt 3 ]; then
 fi
 data=$(realpath "$1") widths=$2 archive=$(realpath -m "$3") limit=${4:-480}
 workers=${WORKERS:-6}
-if ! [[ $workers =~ ^[0-9]+$ ]] || [ "$workers" -lt 1 ] || [ "$workers" -gt 16 ]; then
-    echo "WORKERS must be a whole number from 1 to 16 (the machine's cores); got '$workers'" >&2
-    exit 2
-fi
+source "$(dirname "$0")/../_workers.sh"
+check_workers "$workers"
 cd "$(dirname "$0")/../.." || exit 2  # the repository root
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 map=benchmarks/results/bottleneck-map
@@ -34,23 +32,15 @@ logs=/tmp/bottleneck-map-device
 mkdir -p "$logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt"
 commands_before=$(wc -l < "$map/commands.txt" 2>/dev/null || echo 0)
-pids=()
+pids=() worker_logs=()
 for worker in $(seq 1 "$workers"); do
+    worker_logs+=("$logs/worker-$worker.log")
     timeout --signal=INT --kill-after=30 "$limit" python3 -m benchmarks.studies.bottleneck_map \
         --device cuda --widths "$widths" --no-long --data-dir "$data" \
-        >> "$logs/worker-$worker.log" 2>&1 &
+        >> "${worker_logs[-1]}" 2>&1 &
     pids+=("$!")
 done
-status=0  # the worst worker's: 124 when any stopped at its deadline, else any failure
-for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"
-    code=$?
-    if [ "$code" -ne 0 ]; then
-        echo "== worker $((i + 1)): exit status $code"
-        tail -n 5 "$logs/worker-$((i + 1)).log"
-        [ "$status" -ne 124 ] && status=$code
-    fi
-done
+wait_workers  # status: the worst worker's
 grep -h -E "^(==|   .* done in|stopped)" "$logs"/worker-*.log | tail -n 40
 tag=gpu-d${widths//,/-d}
 cp "$logs/gpu.txt" "$map/$tag.txt"

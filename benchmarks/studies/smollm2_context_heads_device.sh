@@ -27,10 +27,8 @@ fi
 model=$(realpath "$1") data=$(realpath "$2") out=$(realpath -m "${3%/}")
 seeds=${4:-1,2,3} limit=${5:-480}
 heads=${HEADS:-mfs,cpr,moscpr,control7m,control9m,mfs1,mos4} workers=${WORKERS:-1}
-if ! [[ $workers =~ ^[0-9]+$ ]] || [ "$workers" -lt 1 ] || [ "$workers" -gt 16 ]; then
-    echo "WORKERS must be a whole number from 1 to 16 (the machine's cores); got '$workers'" >&2
-    exit 2
-fi
+source "$(dirname "$0")/../_workers.sh"
+check_workers "$workers"
 cd "$(dirname "$0")/../.." || exit 2  # the repository root
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -41,22 +39,13 @@ study() {  # one study process; $1 its log
         "${work[@]}" --model "$model" --in-process --threads $((16 / workers)) --seeds "$seeds" \
         --heads "$heads" >> "$1" 2>&1
 }
-pids=() logs=()
+pids=() worker_logs=()
 for worker in $(seq 1 "$workers"); do
-    logs+=("$out/study$([ "$worker" -gt 1 ] && echo "-w$worker").log")
-    study "${logs[-1]}" &
+    worker_logs+=("$out/study$([ "$worker" -gt 1 ] && echo "-w$worker").log")
+    study "${worker_logs[-1]}" &
     pids+=("$!")
 done
-status=0  # the worst worker's: 124 when any stopped at its deadline, else any failure
-for i in "${!pids[@]}"; do
-    wait "${pids[$i]}"
-    code=$?
-    if [ "$code" -ne 0 ]; then
-        echo "== ${logs[$i]}: exit status $code"
-        tail -n 5 "${logs[$i]}"
-        [ "$status" -ne 124 ] && status=$code
-    fi
-done
+wait_workers  # status: the worst worker's
 tail -n 40 "$out/study.log"
 timeout 120 python3 -m benchmarks.studies.smollm2_warm_start "${work[@]}" --summarize \
     > /dev/null 2>&1 || echo "the summary failed: rerun --summarize on the records"
