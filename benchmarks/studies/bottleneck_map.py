@@ -509,8 +509,10 @@ def summarize() -> None:
     cells = cell_table(rows)
     gains = gain_table(rows)
     beats = beats_both_controls(gains)
-    write_json(OUT / "cells.json", {"cells": cells, "gains": gains, "beats_both_controls": beats})
-    write_text(OUT / "summary.md", summary_markdown(cells, gains, beats))
+    long = long_table(rows)
+    write_json(OUT / "cells.json", {"cells": cells, "gains": gains, "beats_both_controls": beats,
+                                    "long_runs": long})
+    write_text(OUT / "summary.md", summary_markdown(cells, gains, beats, long))
     figures(rows, cells, gains)
     print(f"{len(rows)} finished run(s): {OUT / 'summary.json'}, {OUT / 'summary.md'}")
 
@@ -539,6 +541,39 @@ def cell_table(rows: list[dict]) -> list[dict]:
                       "params": group[0]["params"], "lr": group[0]["lr"],
                       "epochs": [r["epochs"] for r in group]})
     return table
+
+
+def long_table(rows: list[dict]) -> dict:
+    """The 15-epoch runs: per head, its tested seeds' best validation and test perplexities
+    (mean and sample sd) and Press rank; and MoS against the softmax, paired by seed as in
+    :func:`gain_table` (a positive gain: MoS lower)."""
+    from scipy import stats
+
+    tested = {(r["head"], r["seed"]): r for r in rows
+              if r["arm"].startswith("long-") and r["test_ppl"] is not None}
+    heads = []
+    for head in LONG_HEADS:
+        group = [tested[key] for key in sorted(tested) if key[0] == head]
+        if not group:
+            continue
+        test = [r["test_ppl"] for r in group]
+        heads.append({"head": head, "seeds": [r["seed"] for r in group],
+                      "epochs": [r["epochs"] for r in group],
+                      "valid_ppl": [r["valid_ppl"] for r in group], "test_ppl": test,
+                      "test_ppl_mean": statistics.fmean(test),
+                      "test_ppl_sd": statistics.stdev(test) if len(test) > 1 else None,
+                      "press_rank_mean": _mean(group, "press_rank")})
+    seeds = sorted(s for h, s in tested if h == "mos" and ("softmax", s) in tested)
+    if not seeds:
+        return {"heads": heads, "mos_against_softmax": None}
+    softmax = [math.log(tested["softmax", s]["test_ppl"]) for s in seeds]
+    mos = [math.log(tested["mos", s]["test_ppl"]) for s in seeds]
+    gains = [a - b for a, b in zip(softmax, mos, strict=True)]
+    p = (float(stats.ttest_rel(softmax, mos).pvalue)
+         if len(seeds) > 1 and statistics.stdev(gains) > 0 else None)
+    return {"heads": heads, "mos_against_softmax": {
+        "seeds": seeds, "gain_percent": [100 * (math.exp(g) - 1) for g in gains],
+        "mean_gain_percent": 100 * (math.exp(statistics.fmean(gains)) - 1), "paired_p": p}}
 
 
 def _shown(value: float | None, spec: str) -> str:
@@ -622,7 +657,8 @@ def _wins(gain: dict) -> bool:
     return bool(gain.get("beyond_two_spreads")) or significant
 
 
-def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = ()) -> str:
+def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = (),
+                     long: dict | None = None) -> str:
     lines = [f"# Bottleneck map: summary (written by `python -m {MODULE} "
              "--summarize`)", "", "Test perplexity (whole PTB test split) per cell, mean ± sd "
              "over seeds; Press rank of the first 2,000 test contexts' log-prob matrix.", "",
@@ -670,7 +706,28 @@ def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = (
         stops = b["stops_at"] if b["stops_at"] is not None else "-"
         lines.append(f"| {b['head']} | {b['tested']} | {b['beats_both_at'] or 'none'} | "
                      f"{b['not_at'] or 'none'} | {stops} |")
+    if long and long["heads"]:
+        lines += _long_markdown(long)
     return "\n".join(lines) + "\n"
+
+
+def _long_markdown(long: dict) -> list[str]:
+    lines = ["", f"The {LONG_EPOCHS}-epoch runs (the small recipes, output width 200; best "
+             "validation perplexity per seed, test perplexity mean ± sd over the seeds):", "",
+             "| head | seeds | epochs | best valid ppl | test ppl | Press rank |",
+             "| --- | --- | --- | --- | ---: | ---: |"]
+    for h in long["heads"]:
+        sd = f" ± {h['test_ppl_sd']:.2f}" if h["test_ppl_sd"] is not None else ""
+        valid = ", ".join(f"{v:.2f}" for v in h["valid_ppl"])
+        lines.append(f"| {h['head']} | {h['seeds']} | {h['epochs']} | {valid} | "
+                     f"{h['test_ppl_mean']:.2f}{sd} | {_shown(h['press_rank_mean'], '.0f')} |")
+    pair = long["mos_against_softmax"]
+    if pair:
+        per_seed = ", ".join(f"{x:+.2f}" for x in pair["gain_percent"])
+        p = f"{pair['paired_p']:.3f}" if pair["paired_p"] is not None else "-"
+        lines += ["", f"MoS against the softmax (gain as above, seeds {pair['seeds']}): per seed "
+                  f"{per_seed}%, mean {pair['mean_gain_percent']:+.2f}%, paired p {p}."]
+    return lines
 
 
 def pilot_choices() -> list[dict]:

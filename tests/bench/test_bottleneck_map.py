@@ -296,3 +296,47 @@ def test_every_command_of_a_cell_parses_on_either_device(tmp_path, monkeypatch, 
     analyze = [w for w in commands if w[0] == "analyze"]
     assert len(analyze) == 3 and all(("--device" in w) == (device == "cuda") for w in analyze)
     assert not any("--device" in w for w in commands if w[0] == "eval")
+
+
+def write_long(out, head, seed, test_ppl, valid_loss=4.7):
+    records = out / "records"
+    records.mkdir(parents=True, exist_ok=True)
+    train = {"arm": f"long-{head}", "seed": seed, "params": 4_900_000, "output_width": 200,
+             "curve": [{"epoch": 1, "valid_loss": 5.6}, {"epoch": 2, "valid_loss": valid_loss}],
+             "epochs": 2}
+    (records / f"long-{head}-seed{seed}.json").write_text(json.dumps(train))
+    (records / f"test-long-{head}-seed{seed}.json").write_text(json.dumps(
+        {"test_ppl": test_ppl, "press_rank": 202 if head == "softmax" else 1957}))
+
+
+def test_the_long_runs_get_their_own_table_with_mos_paired_against_the_softmax(tmp_path,
+                                                                                monkeypatch):
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    for seed, (soft, mos) in enumerate([(102.6, 105.4), (100.8, 104.2)], start=1):
+        write_long(tmp_path, "softmax", seed, soft)
+        write_long(tmp_path, "mos", seed, mos)
+    write_cell(tmp_path, "softmax", 8, 1, 170.0)  # a map cell stays out of the long table
+    rows = bm.summary_rows()
+    long = bm.long_table(rows)
+    assert [h["head"] for h in long["heads"]] == ["softmax", "mos"]
+    mos = long["heads"][1]
+    assert mos["test_ppl_mean"] == pytest.approx(104.8) and mos["seeds"] == [1, 2]
+    assert mos["test_ppl_sd"] == pytest.approx(0.8485, abs=1e-4)
+    assert mos["valid_ppl"] == pytest.approx([math.exp(4.7)] * 2)
+    pair = long["mos_against_softmax"]
+    assert pair["gain_percent"] == pytest.approx([100 * (102.6 / 105.4 - 1),
+                                                  100 * (100.8 / 104.2 - 1)])
+    assert pair["mean_gain_percent"] < 0 and 0 < pair["paired_p"] < 1
+    assert all(c["arm"] == "softmax" for c in bm.cell_table(rows))  # and out of the cells
+    bm.summarize()
+    text = (tmp_path / "summary.md").read_text()
+    assert "| mos | [1, 2] | [2, 2] | 109.95, 109.95 | 104.80 ± 0.85 | 1957 |" in text
+    assert json.loads((tmp_path / "cells.json").read_text())["long_runs"] == long
+
+
+def test_without_a_tested_pair_the_long_table_has_no_comparison(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    write_long(tmp_path, "softmax", 1, 102.6)
+    long = bm.long_table(bm.summary_rows())
+    assert [h["head"] for h in long["heads"]] == ["softmax"]
+    assert long["heads"][0]["test_ppl_sd"] is None and long["mos_against_softmax"] is None
