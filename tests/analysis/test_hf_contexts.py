@@ -330,7 +330,8 @@ def test_two_models_of_one_name_are_refused_before_one_overwrites_the_other(
     assert not list((tmp_path / "out").glob("rank-*.json"))
 
 
-@pytest.mark.parametrize("verb", ["rank", "gradient-bottleneck", "saturation", "hidden-size"])
+@pytest.mark.parametrize("verb", ["rank", "gradient-bottleneck", "saturation", "hidden-size",
+                                  "kl", "unargmaxable"])
 def test_a_later_call_with_another_model_of_one_name_keeps_the_first_record(
     llama, tmp_path, capsys, monkeypatch, verb
 ):
@@ -344,16 +345,21 @@ def test_a_later_call_with_another_model_of_one_name_keeps_the_first_record(
     common = ["--text", str(text), "--out", str(out), "--window", "10", "--no-progress"]
     if verb == "hidden-size":
         common.remove("--no-progress")  # hidden-size has no progress bars to hide
+    if verb == "unargmaxable":  # the output layer alone: no text
+        common = ["--out", str(out), "--no-progress"]
     assert main(["analyze", verb, "--hf", str(llama[0]), *common]) == 0
     (record_path,) = out.glob(f"{verb}-*.json")
     before = record_path.read_text()
     capsys.readouterr()
     import highrank.analysis.gradient_bottleneck as gradient
+    import highrank.analysis.kl as kl
     import highrank.analysis.saturation as saturation
+    import highrank.analysis.unargmaxable as unargmaxable
 
-    with monkeypatch.context() as patched:  # these two refuse before their work
+    with monkeypatch.context() as patched:  # these refuse before their work
         for module, name in ((gradient, "analyze_gradient_bottleneck_hf"),
-                             (saturation, "analyze_saturation_hf")):
+                             (saturation, "analyze_saturation_hf"), (kl, "analyze_kl"),
+                             (unargmaxable, "analyze_unargmaxable_hf")):
             patched.setattr(module, name, lambda *a, **k: pytest.fail("the work ran"))
         assert main(["analyze", verb, "--hf", str(twin), *common]) == 2
     err = capsys.readouterr().err

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from highrank.cli.analyze.common import add_run_arguments, check_hf_record, row_sources
+from highrank.cli.analyze.common import add_run_arguments, row_sources
 from highrank.cli.choices import KL_PAIRS
 from highrank.util.argtypes import positive_int
 from highrank.util.atomic import write_text_atomic
@@ -70,14 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"highrank analyze kl: error: {error}", file=sys.stderr)
         return 2
     if args.hf:
-        paths = [Path(args.out) / f"kl-{r['tag']}{_sampling(args)}.json" for r in records]
-        try:
-            for path, record in zip(paths, records, strict=True):
-                check_hf_record(path, record)
-        except HFInputError as error:
-            print(f"highrank analyze kl: error: {error}", file=sys.stderr)
-            return 2
-        written = [write_json(path, r) for path, r in zip(paths, records, strict=True)]
+        written = [write_json(_hf_path(args, r["tag"]), r) for r in records]
     else:
         tag = record_tag(args.split, args.which, max_contexts=args.max_contexts) + _sampling(args)
         written = [write_json(run_record_path(r["run_dir"], "kl", tag), r) for r in records]
@@ -106,6 +99,8 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
             "expected one matrix per run directory, in the same order"
         )
     options = {"n_pairs": args.pairs, "seed": args.seed, "max_contexts": args.max_contexts}
+    for source in sources if args.hf else ():  # another model's record: refused before the work
+        source.check_record(_hf_path(args, source.tag(max_contexts=args.max_contexts)))
     records = []
     for index, source in enumerate(sources):
         if matrices:
@@ -117,6 +112,11 @@ def _records(args: argparse.Namespace) -> list[dict[str, Any]]:
             source.release()  # one model in memory at a time
         records.append(record if args.hf else {**record, "checkpoint": args.which})
     return records
+
+
+def _hf_path(args: argparse.Namespace, tag: str) -> Path:
+    """``--out/kl-<tag>[-pairs...]``: the record of one ``--hf`` model."""
+    return Path(args.out) / f"kl-{tag}{_sampling(args)}.json"
 
 
 def _write_summary(out: Path, records: list[dict[str, Any]]) -> list[Path]:

@@ -85,13 +85,18 @@ def _run_record(run_dir: str, radius: float | None, args) -> tuple[dict[str, Any
 
 
 def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
-    from highrank.analysis.hf_contexts import model_name
+    from highrank.analysis.hf_contexts import check_record_owner, model_name
     from highrank.analysis.unargmaxable import analyze_unargmaxable_hf, radius_tag
 
+    def path(radius: float | None) -> Path:
+        return Path(args.out) / f"unargmaxable-{model_name(model_path)}-{radius_tag(radius)}.json"
+
+    # the record's radius is the one asked unless the head's domain is R^d: the usual path is
+    # refused before the work, the other one (checked by the caller) after it
+    check_record_owner(path(radius), model_path)
     options = {"radius": radius, "patience": args.patience, "progress": not args.no_progress}
     record = analyze_unargmaxable_hf(model_path, **options)
-    name = f"unargmaxable-{model_name(model_path)}-{radius_tag(record['radius'])}.json"
-    return record, Path(args.out) / name
+    return record, path(record["radius"])
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:
