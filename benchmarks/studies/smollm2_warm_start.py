@@ -575,8 +575,10 @@ CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "contro
                  # and against MoS-4 (the strongest earlier head)
                  ("mfs", "control7m"), ("cpr", "control7m"), ("moscpr", "control9m"),
                  ("mfs", "mos4"), ("cpr", "mos4"), ("moscpr", "mos4"),
-                 # MFS against its own inputs read by a rank-bounded softmax
-                 ("mfs", "mfs1"))
+                 # MFS against its own inputs read by a rank-bounded softmax; what CPR's
+                 # partitions add to that softmax on the same inputs (not a capacity
+                 # control: CPR has more parameters); what the mixture adds to CPR
+                 ("mfs", "mfs1"), ("cpr", "mfs1"), ("moscpr", "cpr"))
 
 
 def against_controls(rows: dict) -> list[dict]:
