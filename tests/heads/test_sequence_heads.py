@@ -402,6 +402,11 @@ def test_what_is_read_is_checked_in_one_line(make_head):
                        rf"size {head.vocab_size} \(an id below 0 marks padding\); got "
                        rf"\[{head.vocab_size + 7}\]$"):
         head.log_prob(hidden, layers=inputs["layers"], context_ids=beyond)
+    with pytest.raises(TypeError, match=r"^SoftmaxCPR: context_ids must be a tensor of token ids, "
+                       r"torch.int64 or torch.int32; got torch.float32$"):
+        head.log_prob(hidden, layers=inputs["layers"], context_ids=inputs["context_ids"].float())
+    with pytest.raises(TypeError, match=r"; got list$"):
+        head.log_prob(hidden, layers=inputs["layers"], context_ids=[[1, 2]])
     with pytest.raises(ValueError, match=r"time_dim=2 is not a time axis"):
         make_head("cpr", time_dim=2).log_prob(hidden, **inputs)
     with pytest.raises(ValueError, match=r"reranker_k1 must be an integer >= 0"):

@@ -62,6 +62,20 @@ def test_a_left_padded_prompt_gets_the_distribution_of_the_prompt_alone(attached
         torch.testing.assert_close(padded_gen[1], alone_gen[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head", HEADS)
+def test_a_static_cache_without_a_mask_generates_as_the_dynamic_one(attached, head):
+    """A new user's walk: ``generate(ids, cache_implementation="static")`` with no mask was
+    refused for the 4-D mask that transformers itself made for the body."""
+    model = attached("llama", head)
+    ids = padded_prompts()[0][:1]
+    runs = [model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True, cache_implementation=cache)
+            for cache in ("dynamic", "static")]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    torch.testing.assert_close(torch.stack(runs[0].scores), torch.stack(runs[1].scores),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_masks_that_do_not_say_which_positions_are_padding_are_refused(attached):
     """A 4-D mask, and packed rows (no mask, position ids restarting: TRL's padding-free
     batches), would let MFS/CPR read across what the caller meant to keep apart."""

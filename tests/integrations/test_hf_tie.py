@@ -103,3 +103,15 @@ def test_the_adapter_of_a_tied_model_reloads_onto_its_base(attached, token_batch
     fresh = peft.PeftModel.from_pretrained(reload(tmp_path / "base"), tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, expected)
+
+
+def test_another_output_width_on_a_tied_model_names_untie():
+    """A new user's walk: ``attach_head(gpt2, "mfs", d_embed=16, init="paper")`` said
+    "tied_weight has shape (V, 32); expected (V, 16)", a knob the user never passed."""
+    from tests.integrations.conftest import tiny_gpt2
+
+    with pytest.raises(ValueError, match=r"^d_embed=16 asks for an output embedding of another "
+                       r"width .* ties to its input embedding \(100, 32\): pass untie=True"):
+        hf.attach_head(tiny_gpt2(), "mfs", d_embed=16, init="paper")
+    untied = hf.attach_head(tiny_gpt2(), "mfs", d_embed=16, init="paper", untie=True)
+    assert untied.head.weight.shape == (100, 16) and not untied.config.tie_word_embeddings

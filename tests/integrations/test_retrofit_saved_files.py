@@ -98,6 +98,46 @@ def test_an_edited_training_text_is_one_line_saying_how_to_start_again(texts, tm
     assert main([*argv, "--restart"]) == 0
 
 
+def test_restart_with_a_stale_cache_discards_nothing(finished, texts, tmp_path, capsys):
+    """A new user's walk: ``--restart`` with another head on a finished frozen run deleted the
+    model and the results, then refused the training cache (its rows are another head's)."""
+    out = tmp_path / "out"
+    shutil.copytree(finished["frozen"], out)
+    before = contents(out)
+    model, files = texts
+    argv = command(model, files, out, "--head", "cpr", "--knob", "input_layers=2",
+                   "--knob", "input_window=1", "--restart")
+    line = refused(argv, capsys)
+    assert line.startswith(f"{ERROR}3 feature caches do not fit this plan: "), line
+    for split in ("train", "valid", "test"):  # every one named at once
+        assert f"{out / f'cache-{split}'} was cached with other settings" in line, line
+    assert contents(out) == before  # the finished model, its results and the caches: all kept
+
+
+def contents(folder):
+    """Every file's bytes but the run lock's (it names the last process that held it)."""
+    return {path.relative_to(folder): path.read_bytes() for path in folder.rglob("*")
+            if path.is_file() and path.name != ".lock"}
+
+
+def test_every_stale_cache_is_named_before_the_first_is_made(texts, tmp_path, capsys):
+    """A new user's walk: after deleting the stale training cache as told, the training cache
+    was made again (minutes on a real model) before the validation cache refused, then the
+    test cache: one at a time."""
+    files = edited_texts(texts, tmp_path)
+    out = tmp_path / "out"
+    argv = argv_of(texts, out, files=files)
+    assert main(argv) == 0
+    for split in ("train", "valid"):
+        files[split].write_text(files[split].read_text().replace("cat", "dog"))
+    shutil.rmtree(out / "cache-test")
+    line = refused([*argv, "--restart"], capsys)
+    assert line.startswith(f"{ERROR}2 feature caches do not fit this plan: "), line
+    assert "--train" in line and "--valid" in line and "--test" not in line, line
+    assert (out / "model").is_dir() and (out / "results.json").is_file()
+    assert not (out / "cache-test").exists()  # nothing made before the refusal
+
+
 def test_an_edited_training_text_is_refused_by_the_state_in_full_mode(texts, tmp_path, capsys):
     """No cache in lora/full: the state keeps the digest of the windows it trained on (it
     resumed on the new text silently)."""

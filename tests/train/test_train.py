@@ -347,6 +347,29 @@ def test_too_many_consecutive_non_finite_steps_stop_with_advice(corpus, tmp_path
     assert load_checkpoint(out / "checkpoints/last.pt")["training"]["progress"]["step"] == 6
 
 
+def test_a_loss_far_above_a_uniform_distribution_s_warns_once_and_goes_on(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    """A new user's walk: CPR on AWD-LSTM at the recipe's lr 30 went 4.1 -> 76 -> 489 -> 1,036
+    in 4 steps and on to a perplexity of 2e245, finite, so no guard said a word."""
+    real = awd_recipe.training_loss
+    calls = {"n": 0}
+
+    def exploding(model, tokens, target, state, chunk_size):
+        calls["n"] += 1
+        loss, nll, new_state = real(model, tokens, target, state, chunk_size)
+        return loss, nll * (100.0 if calls["n"] in (3, 4) else 1.0), new_state
+
+    monkeypatch.setattr(awd_recipe, "training_loss", exploding)
+    result = train(tiny_config(corpus, tmp_path / "run", "train.epochs=1"), options=QUIET)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "diverging" in line]
+    assert len(warnings) == 1, warnings  # once a stage
+    assert warnings[0].startswith("warning: train step 3 (epoch 1): the training loss ")
+    assert "above 2 x a uniform distribution's (log V = " in warnings[0]
+    assert "--train.lr=2.5" in warnings[0]  # the recipe's advice
+    assert result.steps > 4  # and the run went on
+
+
 # ---- evaluation, finetuning, load_run ---------------------------------------------------------
 
 

@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bptt",
         type=positive_int,
         help="segment length (default: a Transformer run's train.bptt, its training window; "
-        "70 for AWD-LSTM runs)",
+        "70 for AWD-LSTM runs, whose hidden state crosses segments but whose mfs / cpr heads "
+        "read the tokens and layers of their own segment only: their figures depend on it)",
     )
     parser.add_argument("--token-nll", help="also write per-token NLL to this .tsv or .npy file")
     parser.add_argument(

@@ -135,7 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--restart",
         action="store_true",
         help="train again from the warm start in an existing --out (settings may change), "
-        "keeping its feature caches",
+        "keeping its feature caches; caches that do not fit the new settings are all named "
+        "before anything is discarded",
     )
 
 

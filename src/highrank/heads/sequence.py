@@ -244,7 +244,9 @@ class SequenceHead(OutputHead):
     ) -> torch.Tensor:
         name = type(self).__name__
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name}: context_ids must be a tensor of integer token ids")
+            got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise TypeError(f"{name}: context_ids must be a tensor of token ids, torch.int64 or "
+                            f"torch.int32; got {got}")
         _check_like(name, "context_ids", ids, hidden, order.time_axis, with_features=False)
         seqs = order.sequences(ids)
         if seqs.shape[1] != length:

@@ -148,6 +148,7 @@ from highrank.integrations.attach_knobs import check_attach_knobs
 from highrank.integrations.hf_config import MODEL_TYPE, HighrankConfig
 from highrank.integrations.hf_context import (
     GENERATION_MASK,
+    NO_PADDING,
     check_layers_given,
     check_not_packed,
     head_inputs,
@@ -330,6 +331,8 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             check_not_packed(type(self.head).__name__, position_ids, attention_mask)
             states = getattr(outputs, "hidden_states", None)
             mask = attention_mask if generation_mask is None else generation_mask
+            if isinstance(mask, str):  # NO_PADDING
+                mask = None
             hidden, inputs = head_inputs(
                 self.head, hidden, states, input_ids, mask, outputs.get(CACHE)
             )
@@ -417,8 +420,9 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
         inputs = super().prepare_inputs_for_generation(*args, inputs_embeds=inputs_embeds, **kwargs)
         inputs[GENERATING] = True
         mask = kwargs.get("attention_mask")
-        if reads_more(self.head) and mask is not None and mask.dim() == 2:
-            inputs[GENERATION_MASK] = mask  # the body may get a 4-D one (hf_context.py)
+        if reads_more(self.head) and (mask is None or mask.dim() == 2):
+            # the body may get a 4-D mask (hf_context.py), made by transformers even from none
+            inputs[GENERATION_MASK] = NO_PADDING if mask is None else mask
         return inputs
 
     def _generation_logits(self, hidden: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
@@ -693,6 +697,12 @@ def attach_head(
     embedding = model.get_input_embeddings()
     tied = embedding is not None and lm_head.weight is embedding.weight and not untie
     vocab_size, d_in = lm_head.weight.shape
+    if tied and knobs.get("d_embed", d_in) != d_in:
+        raise ValueError(
+            f"d_embed={knobs['d_embed']} asks for an output embedding of another width than "
+            f"this model's, which it ties to its input embedding ({vocab_size}, {d_in}): pass "
+            "untie=True to give the head its own (or drop d_embed)"
+        )
     config = HighrankConfig(
         base_config=model.config,
         head_name=name,

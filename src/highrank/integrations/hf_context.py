@@ -17,9 +17,10 @@ Positions a 2-D attention mask leaves out (left padding in a batch) read as posi
 the context's start: their ids are -1, which no partition counts, and their layers zeros,
 which Mi's window reads before the start. A padded prompt so gets the distribution of the
 same prompt alone (tested, with the dynamic and the static cache: ``generate`` hands the
-forward its 2-D mask, ``GENERATION_MASK``). A mask of another shape cannot say which positions
-are padding and is refused; so are packed sequences (position ids that restart within a
-row), whose contexts these heads would read across the boundary.
+forward its 2-D mask, ``GENERATION_MASK``, or ``NO_PADDING`` where it was given none). A mask of
+another shape cannot say which positions are padding and is refused; so are packed sequences
+(position ids that restart within a row), whose contexts these heads would read across the
+boundary.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ HISTORY = "_highrank_head_context"
 # The forward keyword under which generate's 2-D attention mask reaches the head (transformers
 # may hand the body a 4-D one, e.g. with a static cache).
 GENERATION_MASK = "_highrank_attention_mask_2d"
+# Its value where generate was given no mask: no position is padding, whatever mask
+# transformers makes for the body (a static cache's 4-D one).
+NO_PADDING = "no padding"
 
 
 def reads_more(head: OutputHead) -> bool:

@@ -15,7 +15,10 @@ What the loop guarantees whatever the recipe:
   validation it is written once the next epoch has begun, so it resumes cleanly there);
 * a step the recipe skipped as non-finite changes nothing; more than
   ``train.max_nonfinite_skips`` in a row stop the run with a :class:`TrainingError`, as does a
-  non-finite validation loss.
+  non-finite validation loss;
+* a finite training loss above :data:`DIVERGING` times a uniform distribution's (log V) is
+  one warning with the recipe's advice (a learning rate too high for a head, say): the run
+  goes on, since such a loss can still come down.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from highrank.runs.run_dir import MetricsLog, RunDir
 from highrank.train import distributed
 from highrank.train.interrupts import SignalCatcher
 from highrank.train.recipe import Recipe, Stage, StepBatch
+from highrank.train.reporting import say
 from highrank.train.saving import Checkpoints
 from highrank.train.state import (
     Interrupted,
@@ -43,6 +47,10 @@ from highrank.train.state import (
     TrainOptions,
     TrainResult,
 )
+
+# A step's training loss above this many times log V (a uniform distribution's) is taken as
+# divergence: every head starts near log V, and a run that learns does not climb to twice it.
+DIVERGING = 2.0
 
 
 class Trainer:
@@ -66,6 +74,7 @@ class Trainer:
         # the next step boundary acts on either.
         self.signals = SignalCatcher(options.catch_signals, once=not distributed.active())
         self._skip_reason = ""
+        self._warned = False
 
     def run(self) -> TrainResult:
         """Epochs until the stage ends, ``options.max_steps`` is reached or a signal arrives."""
@@ -124,7 +133,20 @@ class Trainer:
             meter.add(result.nll, batch.tokens, seconds)
         self._skip_reason = result.skip_reason
         self._count_skip(result.nll is None)
+        self._warn_if_diverging(result.nll)
         return batch, result.nll
+
+    def _warn_if_diverging(self, loss: float | None) -> None:
+        """Once a stage: a finite loss above :data:`DIVERGING` log V, with what to change."""
+        uniform = math.log(self.vocab_size)
+        if self._warned or loss is None or not loss > DIVERGING * uniform:
+            return
+        self._warned = True
+        if distributed.is_writer():
+            p = self.progress
+            say(f"warning: {self.stage.name} step {p.step} (epoch {p.epoch}): the training loss "
+                f"{loss:.4g} is above {DIVERGING:g} x a uniform distribution's (log V = "
+                f"{uniform:.2f}): the run is diverging. {self.recipe.divergence_advice()}")
 
     def _count_skip(self, skipped: bool) -> None:
         p = self.progress

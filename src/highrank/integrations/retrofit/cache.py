@@ -190,29 +190,11 @@ def cache_hidden_states(
     continues after the last batch recorded in ``progress.json``, a rerun with other settings
     is refused (delete the folder to start again). A finished cache is just loaded.
     """
-    if dtype not in CACHE_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(CACHE_DTYPES)}; got {dtype!r}")
     check_positive_int("batch_windows", batch_windows)
-    if layers is not None:
-        check_positive_int("layers", layers)
     inputs, targets = window_tokens(token_ids, window)
     body, hidden_size = _body_and_hidden_size(model)
     directory = Path(directory)
-    meta = {
-        "window": window,
-        "n_windows": inputs.shape[0],
-        "n_tokens": inputs.numel(),
-        "hidden_size": hidden_size,
-        "dtype": dtype,
-        "source": source,
-        "token_ids_sha256": tokens_sha256(inputs, targets),
-        "rows": "window-major: row i*window + t is position t of window i",
-        "context": "position t of a window sees the t + 1 tokens of its window (1..window)",
-    }
-    if layers is not None:  # only then: token caches keep the settings they were made with
-        meta["layers"] = layers
-        meta["first_token_id"] = int(inputs[0, 0])
-        meta["rows"] += f"; each row the last {layers} layers (bottom first), {hidden_size} each"
+    meta = _cache_meta(inputs, targets, hidden_size, dtype=dtype, source=source, layers=layers)
     # Under torchrun process 0 writes the folder; every process computes its share of windows.
     done = distributed.from_writer(lambda: _start_or_resume(directory, meta, targets))
     if done is None:
@@ -313,6 +295,61 @@ def _hidden_rows(body, windows: torch.Tensor, device, width: int,
     return hidden.reshape(-1, hidden.shape[-1]).cpu().float()
 
 
+def _cache_meta(inputs: torch.Tensor, targets: torch.Tensor, hidden_size: int, *, dtype: str,
+                source: str, layers: int | None) -> dict:
+    """The settings a cache of these windows ``inputs, targets (n_windows, window)`` keeps in
+    its ``meta.json`` (module docstring)."""
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(CACHE_DTYPES)}; got {dtype!r}")
+    if layers is not None:
+        check_positive_int("layers", layers)
+    meta = {
+        "window": inputs.shape[1],
+        "n_windows": inputs.shape[0],
+        "n_tokens": inputs.numel(),
+        "hidden_size": hidden_size,
+        "dtype": dtype,
+        "source": source,
+        "token_ids_sha256": tokens_sha256(inputs, targets),
+        "rows": "window-major: row i*window + t is position t of window i",
+        "context": "position t of a window sees the t + 1 tokens of its window (1..window)",
+    }
+    if layers is not None:  # only then: token caches keep the settings they were made with
+        meta["layers"] = layers
+        meta["first_token_id"] = int(inputs[0, 0])
+        meta["rows"] += f"; each row the last {layers} layers (bottom first), {hidden_size} each"
+    return meta
+
+
+def check_cache_settings(
+    model: nn.Module,
+    token_ids: Sequence[int] | torch.Tensor,
+    directory: str | os.PathLike,
+    *,
+    window: int,
+    dtype: str = "bfloat16",
+    source: str = "",
+    layers: int | None = None,
+) -> None:
+    """Raise the :class:`CacheSettingsError` that :func:`cache_hidden_states` would raise for
+    these arguments, without computing or writing anything: a caller with several caches to
+    make names every stale one before the first is made. No cache there: nothing to check."""
+    meta_path = Path(directory) / META_FILE
+    if not meta_path.exists():
+        return
+    inputs, targets = window_tokens(token_ids, window)
+    meta = _cache_meta(inputs, targets, _body_and_hidden_size(model)[1], dtype=dtype,
+                       source=source, layers=layers)
+    _refuse_other_settings(meta_path, meta)
+
+
+def _refuse_other_settings(meta_path: Path, meta: dict) -> None:
+    old = read_record(meta_path, meta_path.parent)
+    changed = sorted(k for k in meta if old.get(k) != meta[k])
+    if changed:
+        raise CacheSettingsError(meta_path, {k: (old.get(k), meta[k]) for k in changed})
+
+
 def _gathered_rows(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Every process's ``rows`` in rank order, on every process (``counts[r]`` rows from
     process r, padded to the largest for the exchange); ``rows`` itself in one process."""
@@ -328,10 +365,7 @@ def _start_or_resume(directory: Path, meta: dict, targets: torch.Tensor) -> int 
     """Windows already cached (0 for a new cache), or None when the cache is complete."""
     meta_path = directory / META_FILE
     if meta_path.exists():
-        old = read_record(meta_path, directory)
-        changed = sorted(k for k in meta if old.get(k) != meta[k])
-        if changed:
-            raise CacheSettingsError(meta_path, {k: (old.get(k), meta[k]) for k in changed})
+        _refuse_other_settings(meta_path, meta)
         state = _read_progress(directory, meta)
         if state["complete"]:
             return None
@@ -609,6 +643,7 @@ __all__ = [
     "FeatureCache",
     "SavedFileError",
     "cache_hidden_states",
+    "check_cache_settings",
     "check_head_fits",
     "head_from_lm_head",
     "load_cache",

@@ -92,6 +92,7 @@ from highrank.integrations.hf_parallel import full_state_dict, fully_shard_highr
 from highrank.integrations.retrofit.cache import (
     CacheSettingsError,
     cache_hidden_states,
+    check_cache_settings,
     head_from_lm_head,
 )
 from highrank.integrations.retrofit.plan import (
@@ -142,9 +143,7 @@ def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False
             return finished
     check_before_loading(plan)
     with distributed.writer_lock(lambda: run_lock(out)), _peers_kept():
-        if restart:  # process 0 writes, and locks
-            distributed.from_writer(lambda: _forget_training(out))
-        return _retrofit(plan, out, progress, say)
+        return _retrofit(plan, out, progress, say, restart)
 
 
 # What torch.distributed's gloo and NCCL say when another process of the group is gone.
@@ -187,7 +186,7 @@ def _forget_training(out: Path) -> None:
     shutil.rmtree(out / "model", ignore_errors=True)
 
 
-def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say) -> dict:
+def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool) -> dict:
     say(f"loading {plan.model}", flush=True)  # a GGUF file takes minutes to dequantise
     model, tokenizer = _load(plan)
     device = resolve_device(plan.device)
@@ -198,7 +197,9 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say) -> dict:
     for split in plan.splits:
         say(f"tokenising --{split} {getattr(plan, split)}", flush=True)
         ids[split] = _token_ids(plan, tokenizer, split)
-    _check_plan_fits(plan, model, ids)
+    _check_plan_fits(plan, model, ids)  # the caches too: nothing is discarded before
+    if restart:  # process 0 writes
+        distributed.from_writer(lambda: _forget_training(out))
 
     def start() -> dict:
         out.mkdir(parents=True, exist_ok=True)
@@ -385,6 +386,7 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
                 f"{_existing_parent(Path(plan.out))} has {free_disk / 2**30:.1f} GiB free; "
                 "free space, lower --max-train-tokens or use --cache-dtype bfloat16"
             )
+        _check_caches(plan, model, ids, max(probe_layers, 1) if plan.reads_context else None)
     else:  # weights (and for full: gradients, Adam's moments), 1/N each under --fsdp
         shards = distributed.world_size() if plan.fsdp else 1
         need += (sum(p.numel() for p in model.parameters()) * 4
@@ -499,7 +501,10 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: 
                                         label=f"{split} (base)", progress=progress)
                    for split in ("valid", "test") if split in windows}
     torch.manual_seed(plan.seed)
-    hf_model = attach_head(model, plan.head, init=plan.init, **plan.knobs)
+    width = model.get_output_embeddings().weight.shape[1]
+    # an output embedding of another width (--knob d_embed) cannot be the input embedding
+    untie = plan.knobs.get("d_embed", width) != width
+    hf_model = attach_head(model, plan.head, init=plan.init, untie=untie, **plan.knobs)
     trainable = make_trainable(hf_model, plan)
     if plan.fsdp:  # in place: every process keeps 1/N of each group's weights
         fully_shard_highrank(trainable)
@@ -522,27 +527,48 @@ def _cache(plan: RetrofitPlan, model, ids: torch.Tensor, out: Path, split: str,
            progress: bool, layers: int | None = None):
     """The feature cache of ``split`` (made, continued or loaded; with ``layers``, a sequence
     cache of that many layers); one made from other tokens or with other settings is one line
-    saying how to go on."""
+    saying how to go on (:func:`_check_caches` names them all before the first is made)."""
     folder = out / f"cache-{split}"
     try:
         return cache_hidden_states(model, ids, folder, window=plan.window, dtype=plan.cache_dtype,
                                    source=str(plan.model), progress=progress, layers=layers)
     except CacheSettingsError as error:
-        again = " and add --restart (to train again on them)" if split == "train" else ""
-        if set(error.changed) <= {"token_ids_sha256", "n_tokens", "n_windows"}:
-            limit = "--max-train-tokens" if split == "train" else "--max-eval-tokens"
-            raise RetrofitError(
-                f"--{split} {getattr(plan, split)}: its tokens changed since {folder} was cached "
+        raise RetrofitError(_stale_cache(plan, split, folder, error)) from None
+
+
+def _check_caches(plan: RetrofitPlan, model, ids: dict, layers: int | None) -> None:
+    """Every feature cache in ``--out`` that this plan could not use, named in one line before
+    any is made or anything is discarded (``--restart`` keeps the caches: a stale one would
+    refuse only after the caches before it were made, and the run's model already gone)."""
+    stale = []
+    for split, split_ids in ids.items():
+        folder = Path(plan.out) / f"cache-{split}"
+        try:
+            check_cache_settings(model, split_ids, folder, window=plan.window,
+                                 dtype=plan.cache_dtype, source=str(plan.model), layers=layers)
+        except CacheSettingsError as error:
+            stale.append(_stale_cache(plan, split, folder, error))
+    if len(stale) == 1:
+        raise RetrofitError(stale[0])
+    if stale:
+        raise RetrofitError(f"{len(stale)} feature caches do not fit this plan: "
+                            + "; ".join(stale))
+
+
+def _stale_cache(plan: RetrofitPlan, split: str, folder: Path, error: CacheSettingsError) -> str:
+    """What to do about ``folder``, a cache of ``split`` made from other tokens or with other
+    settings."""
+    again = " and add --restart (to train again on them)" if split == "train" else ""
+    if set(error.changed) <= {"token_ids_sha256", "n_tokens", "n_windows"}:
+        limit = "--max-train-tokens" if split == "train" else "--max-eval-tokens"
+        return (f"--{split} {getattr(plan, split)}: its tokens changed since {folder} was cached "
                 f"from them (the text was edited, or {limit} changed); delete {folder}{again}, "
                 "or give another --out (--restart alone keeps the caches, and they refuse "
-                "tokens they were not made from)"
-            ) from None
-        differ = ", ".join(f"{k} {old!r}, now {new!r}" for k, (old, new) in error.changed.items()
-                           if k != "token_ids_sha256")
-        raise RetrofitError(
-            f"{folder} was cached with other settings ({differ}); delete it{again}, or give "
-            "another --out"
-        ) from None
+                "tokens they were not made from)")
+    differ = ", ".join(f"{k} {old!r}, now {new!r}" for k, (old, new) in error.changed.items()
+                       if k != "token_ids_sha256")
+    return (f"{folder} was cached with other settings ({differ}); delete it{again}, or give "
+            "another --out")
 
 
 def effective_budget(plan: RetrofitPlan, budget: dict) -> dict:
