@@ -562,7 +562,7 @@ def long_table(rows: list[dict]) -> dict:
                       "valid_ppl": [r["valid_ppl"] for r in group], "test_ppl": test,
                       "test_ppl_mean": statistics.fmean(test),
                       "test_ppl_sd": statistics.stdev(test) if len(test) > 1 else None,
-                      "press_rank_mean": _mean(group, "press_rank")})
+                      "press_rank": [r["press_rank"] for r in group]})
     seeds = sorted(s for h, s in tested if h == "mos" and ("softmax", s) in tested)
     if not seeds:
         return {"heads": heads, "mos_against_softmax": None}
@@ -715,12 +715,13 @@ def _long_markdown(long: dict) -> list[str]:
     lines = ["", f"The {LONG_EPOCHS}-epoch runs (the small recipes, output width 200; best "
              "validation perplexity per seed, test perplexity mean ± sd over the seeds):", "",
              "| head | seeds | epochs | best valid ppl | test ppl | Press rank |",
-             "| --- | --- | --- | --- | ---: | ---: |"]
+             "| --- | --- | --- | --- | ---: | --- |"]
     for h in long["heads"]:
         sd = f" ± {h['test_ppl_sd']:.2f}" if h["test_ppl_sd"] is not None else ""
         valid = ", ".join(f"{v:.2f}" for v in h["valid_ppl"])
+        ranks = ", ".join(_shown(rank, "d") for rank in h["press_rank"])
         lines.append(f"| {h['head']} | {h['seeds']} | {h['epochs']} | {valid} | "
-                     f"{h['test_ppl_mean']:.2f}{sd} | {_shown(h['press_rank_mean'], '.0f')} |")
+                     f"{h['test_ppl_mean']:.2f}{sd} | {ranks} |")
     pair = long["mos_against_softmax"]
     if pair:
         per_seed = ", ".join(f"{x:+.2f}" for x in pair["gain_percent"])

@@ -330,7 +330,7 @@ def test_the_long_runs_get_their_own_table_with_mos_paired_against_the_softmax(t
     assert all(c["arm"] == "softmax" for c in bm.cell_table(rows))  # and out of the cells
     bm.summarize()
     text = (tmp_path / "summary.md").read_text()
-    assert "| mos | [1, 2] | [2, 2] | 109.95, 109.95 | 104.80 ± 0.85 | 1957 |" in text
+    assert "| mos | [1, 2] | [2, 2] | 109.95, 109.95 | 104.80 ± 0.85 | 1957, 1957 |" in text
     assert json.loads((tmp_path / "cells.json").read_text())["long_runs"] == long
 
 

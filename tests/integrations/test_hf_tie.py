@@ -115,3 +115,9 @@ def test_another_output_width_on_a_tied_model_names_untie():
         hf.attach_head(tiny_gpt2(), "mfs", d_embed=16, init="paper")
     untied = hf.attach_head(tiny_gpt2(), "mfs", d_embed=16, init="paper", untie=True)
     assert untied.head.weight.shape == (100, 16) and not untied.config.tie_word_embeddings
+    with pytest.raises(ValueError, match=r"^init='base' needs the head's decoder to be "
+                       r"lm_head's \(100, 32\) matrix, but d_embed makes it \(100, 16\)"):
+        hf.attach_head(tiny_gpt2(), "mos", d_embed=16)  # untie=True would not help: said first
+    same = hf.attach_head(tiny_gpt2(), "mos", d_embed=None, n_components=2)  # the model's width
+    assert same.config.tie_word_embeddings
+    assert same.head.weight is same.model.get_input_embeddings().weight

@@ -232,3 +232,20 @@ def test_results_say_how_many_steps_one_pass_took(texts, tmp_path):
     assert effective["notes"][0] == (
         f"--steps not given: one pass over the training text, {effective['steps']} steps")
     assert effective["warmup_steps"] == min(2, effective["steps"])
+
+
+@pytest.mark.parametrize(("d_embed", "tied"), [("None", True), ("8", False)])
+def test_full_mode_on_a_tied_model_unties_only_for_another_output_width(
+    texts, tmp_path, d_embed, tied
+):
+    """``--knob d_embed=None`` is the model's width: the head stays tied to the embedding (in
+    full mode; LoRA trains a copy of a tied head, saved untied: test_hf_tie.py); another width
+    cannot be tied, so the head gets its own (attach_head refuses a tie)."""
+    _, files = texts
+    model = save_tiny_model(tmp_path / "gpt2", "gpt2")  # GPT-2 ties lm_head to its embedding
+    out = tmp_path / "out"
+    assert main(command(model, files, out, "--head", "mos", "--knob", "n_components=2",
+                        "--knob", f"d_embed={d_embed}", "--init", "paper",
+                        "--mode", "full")) == 0
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is tied

@@ -331,7 +331,7 @@ class HighrankForCausalLM(PreTrainedModel, GenerationMixin):
             check_not_packed(type(self.head).__name__, position_ids, attention_mask)
             states = getattr(outputs, "hidden_states", None)
             mask = attention_mask if generation_mask is None else generation_mask
-            if isinstance(mask, str):  # NO_PADDING
+            if mask is NO_PADDING:
                 mask = None
             hidden, inputs = head_inputs(
                 self.head, hidden, states, input_ids, mask, outputs.get(CACHE)
@@ -697,12 +697,16 @@ def attach_head(
     embedding = model.get_input_embeddings()
     tied = embedding is not None and lm_head.weight is embedding.weight and not untie
     vocab_size, d_in = lm_head.weight.shape
-    if tied and knobs.get("d_embed", d_in) != d_in:
-        raise ValueError(
-            f"d_embed={knobs['d_embed']} asks for an output embedding of another width than "
-            f"this model's, which it ties to its input embedding ({vocab_size}, {d_in}): pass "
-            "untie=True to give the head its own (or drop d_embed)"
-        )
+    d_embed = knobs.get("d_embed")
+    if d_embed not in (None, d_in):  # an output embedding of another width
+        if init == "base":
+            raise ValueError(_base_needs_lm_head((vocab_size, d_in), (vocab_size, d_embed)))
+        if tied:
+            raise ValueError(
+                f"d_embed={d_embed} asks for an output embedding of another width than this "
+                f"model's, which it ties to its input embedding ({vocab_size}, {d_in}): pass "
+                "untie=True to give the head its own (or drop d_embed)"
+            )
     config = HighrankConfig(
         base_config=model.config,
         head_name=name,
@@ -735,12 +739,15 @@ def _initialise_from_lm_head(head: OutputHead, lm_head: nn.Module, tied: bool) -
 
 def _start_at_lm_head(head: OutputHead, lm_head: nn.Module) -> None:
     if head.weight.shape != lm_head.weight.shape:
-        raise ValueError(
-            f"init='base' needs the head's decoder to be lm_head's {tuple(lm_head.weight.shape)}"
-            f" matrix, but d_embed makes it {tuple(head.weight.shape)}; drop d_embed or use "
-            "init='paper'"
-        )
+        raise ValueError(_base_needs_lm_head(lm_head.weight.shape, head.weight.shape))
     head.start_at_base()
+
+
+def _base_needs_lm_head(lm_head_shape, head_shape) -> str:
+    return (
+        f"init='base' needs the head's decoder to be lm_head's {tuple(lm_head_shape)} matrix, "
+        f"but d_embed makes it {tuple(head_shape)}; drop d_embed or use init='paper'"
+    )
 
 
 def _check_causal_lm(model: object) -> nn.Module:

@@ -45,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from highrank.analysis.hf_contexts import check_record_owner
     from highrank.analysis.output import write_json
     from highrank.analysis.unargmaxable import UnargmaxableError
 
@@ -54,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         if args.hf and not args.out:
             raise UnargmaxableError("--hf needs --out DIR: the records are written there")
         radius = None if args.unbounded else args.radius
+        # the record's radius is the one asked unless the head's domain is R^d: every model's
+        # usual record is refused before any work, the other one (below) after its own
+        for model in args.hf or ():
+            check_record_owner(_hf_path(args.out, model, radius), model)
         records = []
         for source in args.hf or args.run_dirs:
             record, path = (_hf_record if args.hf else _run_record)(source, radius, args)
@@ -85,18 +90,18 @@ def _run_record(run_dir: str, radius: float | None, args) -> tuple[dict[str, Any
 
 
 def _hf_record(model_path: str, radius: float | None, args) -> tuple[dict[str, Any], Path]:
-    from highrank.analysis.hf_contexts import check_record_owner, model_name
-    from highrank.analysis.unargmaxable import analyze_unargmaxable_hf, radius_tag
+    from highrank.analysis.unargmaxable import analyze_unargmaxable_hf
 
-    def path(radius: float | None) -> Path:
-        return Path(args.out) / f"unargmaxable-{model_name(model_path)}-{radius_tag(radius)}.json"
-
-    # the record's radius is the one asked unless the head's domain is R^d: the usual path is
-    # refused before the work, the other one (checked by the caller) after it
-    check_record_owner(path(radius), model_path)
     options = {"radius": radius, "patience": args.patience, "progress": not args.no_progress}
     record = analyze_unargmaxable_hf(model_path, **options)
-    return record, path(record["radius"])
+    return record, _hf_path(args.out, model_path, record["radius"])
+
+
+def _hf_path(out: str, model_path: str, radius: float | None) -> Path:
+    from highrank.analysis.hf_contexts import model_name
+    from highrank.analysis.unargmaxable import radius_tag
+
+    return Path(out) / f"unargmaxable-{model_name(model_path)}-{radius_tag(radius)}.json"
 
 
 def summary_table(records: list[dict[str, Any]], *, markdown: bool = False) -> str:

@@ -330,17 +330,19 @@ def check_cache_settings(
     dtype: str = "bfloat16",
     source: str = "",
     layers: int | None = None,
-) -> None:
-    """Raise the :class:`CacheSettingsError` that :func:`cache_hidden_states` would raise for
-    these arguments, without computing or writing anything: a caller with several caches to
-    make names every stale one before the first is made. No cache there: nothing to check."""
+) -> bool:
+    """Whether a cache of these arguments is in ``directory`` (made or begun), without
+    computing or writing anything; one made with other settings raises the
+    :class:`CacheSettingsError` that :func:`cache_hidden_states` would: a caller with several
+    caches to make names every stale one before the first is made."""
     meta_path = Path(directory) / META_FILE
     if not meta_path.exists():
-        return
+        return False
     inputs, targets = window_tokens(token_ids, window)
     meta = _cache_meta(inputs, targets, _body_and_hidden_size(model)[1], dtype=dtype,
                        source=source, layers=layers)
     _refuse_other_settings(meta_path, meta)
+    return True
 
 
 def _refuse_other_settings(meta_path: Path, meta: dict) -> None:

@@ -197,7 +197,7 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool)
     for split in plan.splits:
         say(f"tokenising --{split} {getattr(plan, split)}", flush=True)
         ids[split] = _token_ids(plan, tokenizer, split)
-    _check_plan_fits(plan, model, ids)  # the caches too: nothing is discarded before
+    _check_plan_fits(plan, model, ids, restart)  # the caches too: nothing is discarded before
     if restart:  # process 0 writes
         distributed.from_writer(lambda: _forget_training(out))
 
@@ -348,7 +348,7 @@ def _token_ids(plan: RetrofitPlan, tokenizer, split: str) -> torch.Tensor:
     return ids
 
 
-def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
+def _check_plan_fits(plan: RetrofitPlan, model, ids: dict, restart: bool = False) -> None:
     """Head and knobs valid, window within the model's positions, the batch shared evenly
     among the processes under torchrun, memory and disk enough."""
     if not _by_windows(plan):
@@ -377,8 +377,10 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
     del probe
     need = head_bytes + _activation_bytes(plan, vocab)
     if plan.mode == "frozen":
-        layers = max(probe_layers, 1) if plan.reads_context else 1  # a sequence cache: more
-        cache_bytes = sum(t.numel() for t in ids.values()) * width * layers * _dtype_bytes(plan)
+        layers = _cache_layers(plan, probe_layers)
+        made = _check_caches(plan, model, ids, layers, restart)  # their disk space is taken
+        tokens = sum(t.numel() for split, t in ids.items() if split not in made)
+        cache_bytes = tokens * width * (layers or 1) * _dtype_bytes(plan)
         free_disk = shutil.disk_usage(_existing_parent(Path(plan.out))).free
         if cache_bytes > free_disk:
             raise RetrofitError(
@@ -386,7 +388,6 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict) -> None:
                 f"{_existing_parent(Path(plan.out))} has {free_disk / 2**30:.1f} GiB free; "
                 "free space, lower --max-train-tokens or use --cache-dtype bfloat16"
             )
-        _check_caches(plan, model, ids, max(probe_layers, 1) if plan.reads_context else None)
     else:  # weights (and for full: gradients, Adam's moments), 1/N each under --fsdp
         shards = distributed.world_size() if plan.fsdp else 1
         need += (sum(p.numel() for p in model.parameters()) * 4
@@ -463,7 +464,7 @@ def _run_frozen(plan, model, ids, out: Path, progress: bool, lr_may_change: bool
 
     torch.manual_seed(plan.seed)
     hf_model = attach_head(model, plan.head, init=plan.init, untie=True, **plan.knobs)
-    layers = max(hf_model.head.input_layers, 1) if plan.reads_context else None
+    layers = _cache_layers(plan, hf_model.head.input_layers)
     caches = {split: _cache(plan, model, ids[split], out, split, progress, layers)
               for split in ids}
     base_head = head_from_lm_head(model, "softmax").to(model.get_output_embeddings().weight.device)
@@ -503,7 +504,7 @@ def _run_end_to_end(plan, model, ids, out: Path, progress: bool, lr_may_change: 
     torch.manual_seed(plan.seed)
     width = model.get_output_embeddings().weight.shape[1]
     # an output embedding of another width (--knob d_embed) cannot be the input embedding
-    untie = plan.knobs.get("d_embed", width) != width
+    untie = plan.knobs.get("d_embed") not in (None, width)
     hf_model = attach_head(model, plan.head, init=plan.init, untie=untie, **plan.knobs)
     trainable = make_trainable(hf_model, plan)
     if plan.fsdp:  # in place: every process keeps 1/N of each group's weights
@@ -533,42 +534,58 @@ def _cache(plan: RetrofitPlan, model, ids: torch.Tensor, out: Path, split: str,
         return cache_hidden_states(model, ids, folder, window=plan.window, dtype=plan.cache_dtype,
                                    source=str(plan.model), progress=progress, layers=layers)
     except CacheSettingsError as error:
-        raise RetrofitError(_stale_cache(plan, split, folder, error)) from None
+        raise RetrofitError(_stale_message(plan, [(split, folder, error)], False)) from None
 
 
-def _check_caches(plan: RetrofitPlan, model, ids: dict, layers: int | None) -> None:
-    """Every feature cache in ``--out`` that this plan could not use, named in one line before
-    any is made or anything is discarded (``--restart`` keeps the caches: a stale one would
-    refuse only after the caches before it were made, and the run's model already gone)."""
-    stale = []
+def _cache_layers(plan: RetrofitPlan, input_layers: int) -> int | None:
+    """The layers a sequence cache keeps for a head that reads its context, None for the
+    token cache of the others."""
+    return max(input_layers, 1) if plan.reads_context else None
+
+
+def _check_caches(plan: RetrofitPlan, model, ids: dict, layers: int | None,
+                  restart: bool) -> set[str]:
+    """The splits whose feature cache in ``--out`` this plan can use; every one it could not
+    use named in one line before any is made or anything is discarded (``--restart`` keeps the
+    caches: a stale one refused only after the caches before it were made, and the run's model
+    already gone)."""
+    usable, stale = set(), []
     for split, split_ids in ids.items():
         folder = Path(plan.out) / f"cache-{split}"
         try:
-            check_cache_settings(model, split_ids, folder, window=plan.window,
-                                 dtype=plan.cache_dtype, source=str(plan.model), layers=layers)
+            if check_cache_settings(model, split_ids, folder, window=plan.window,
+                                    dtype=plan.cache_dtype, source=str(plan.model),
+                                    layers=layers):
+                usable.add(split)
         except CacheSettingsError as error:
-            stale.append(_stale_cache(plan, split, folder, error))
-    if len(stale) == 1:
-        raise RetrofitError(stale[0])
+            stale.append((split, folder, error))
     if stale:
-        raise RetrofitError(f"{len(stale)} feature caches do not fit this plan: "
-                            + "; ".join(stale))
+        raise RetrofitError(_stale_message(plan, stale, restart))
+    return usable
 
 
-def _stale_cache(plan: RetrofitPlan, split: str, folder: Path, error: CacheSettingsError) -> str:
-    """What to do about ``folder``, a cache of ``split`` made from other tokens or with other
-    settings."""
-    again = " and add --restart (to train again on them)" if split == "train" else ""
-    if set(error.changed) <= {"token_ids_sha256", "n_tokens", "n_windows"}:
-        limit = "--max-train-tokens" if split == "train" else "--max-eval-tokens"
-        return (f"--{split} {getattr(plan, split)}: its tokens changed since {folder} was cached "
-                f"from them (the text was edited, or {limit} changed); delete {folder}{again}, "
-                "or give another --out (--restart alone keeps the caches, and they refuse "
-                "tokens they were not made from)")
-    differ = ", ".join(f"{k} {old!r}, now {new!r}" for k, (old, new) in error.changed.items()
-                       if k != "token_ids_sha256")
-    return (f"{folder} was cached with other settings ({differ}); delete it{again}, or give "
-            "another --out")
+TOKENS = {"token_ids_sha256", "n_tokens", "n_windows"}  # a cache's settings that are its tokens
+
+
+def _stale_message(plan: RetrofitPlan, stale: list[tuple], restart: bool) -> str:
+    """Why each ``(split, folder, CacheSettingsError)`` cannot be used, and what to do."""
+    reasons = []
+    for split, folder, error in stale:
+        if set(error.changed) <= TOKENS:
+            limit = "--max-train-tokens" if split == "train" else "--max-eval-tokens"
+            reasons.append(f"--{split} {getattr(plan, split)}: its tokens changed since {folder} "
+                           f"was cached from them (the text was edited, or {limit} changed)")
+        else:
+            differ = ", ".join(f"{k} {old!r}, now {new!r}"
+                               for k, (old, new) in error.changed.items() if k not in TOKENS)
+            reasons.append(f"{folder} was cached with other settings ({differ})")
+    folders = " and ".join(str(folder) for _, folder, _ in stale)
+    train = any(split == "train" for split, _, _ in stale)
+    again = " and add --restart (to train again on them)" if train and not restart else ""
+    lead = reasons[0] if len(reasons) == 1 else (
+        f"{len(reasons)} feature caches do not fit this plan: " + "; ".join(reasons))
+    return (f"{lead}; delete {folders}{again}, or give another --out (--restart alone keeps the "
+            "caches, and they refuse what they were not made from)")
 
 
 def effective_budget(plan: RetrofitPlan, budget: dict) -> dict:
