@@ -330,6 +330,23 @@ def test_two_models_of_one_name_are_refused_before_one_overwrites_the_other(
     assert not list((tmp_path / "out").glob("rank-*.json"))
 
 
+def test_retrofit_models_are_named_by_their_retrofit(llama, tmp_path, capsys):
+    """A new user's walk: every retrofit saves OUT/model, so two retrofits' models were both
+    named 'model' and refused side by side; each is now named by its OUT folder."""
+    folders = []
+    for name in ("retrofit-mos4", "retrofit-control"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "plan.json").write_text("{}")  # what marks a retrofit's OUT
+        folders.append(shutil.copytree(llama[0], tmp_path / name / "model"))
+    text = write_text(tmp_path / "text.txt", n_words=80)
+    out = tmp_path / "out"
+    argv = ["analyze", "rank", "--hf", str(folders[0]), "--hf", str(folders[1]), "--text",
+            str(text), "--out", str(out), "--window", "10", "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert {p.name for p in out.glob("rank-*.json")} == {
+        "rank-retrofit-mos4-text-w10.json", "rank-retrofit-control-text-w10.json"}
+
+
 @pytest.mark.parametrize("verb", ["rank", "gradient-bottleneck", "saturation", "hidden-size",
                                   "kl", "unargmaxable"])
 def test_a_later_call_with_another_model_of_one_name_keeps_the_first_record(

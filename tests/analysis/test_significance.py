@@ -289,3 +289,61 @@ def test_holm_adjusted_p_values_by_hand():
 def test_holm_refuses_what_is_not_a_p_value(values):
     with pytest.raises(CompareError, match="p-values"):
         holm_adjusted(values)
+
+
+def fake_retrofit(folder, perplexity, *, base=50.0, seed=1, head="mos", finished=True):
+    """A ``highrank retrofit`` output holding what compare reads: plan.json, results.json."""
+    folder.mkdir(parents=True)
+    plan = {"head": head, "mode": "frozen", "seed": seed, "test": "test.txt", "valid": "v.txt"}
+    (folder / "plan.json").write_text(json.dumps(plan))
+    if finished:
+        score = {split: {"tokens": 768, "perplexity": perplexity} for split in ("valid", "test")}
+        base_score = {split: {"tokens": 768, "perplexity": base} for split in ("valid", "test")}
+        (folder / "results.json").write_text(json.dumps(
+            {"plan": plan, "base": base_score, "trained": score}))
+    return str(folder)
+
+
+def test_retrofit_outputs_compare_by_their_results(tmp_path, capsys):
+    """A new user's walk: the decision page asks for a head and its capacity control over two
+    seeds, and `compare` refused retrofit outputs, pointing at `highrank eval` (which said
+    the finished retrofit "has saved no checkpoint yet")."""
+    mos = [fake_retrofit(tmp_path / f"mos-s{s}", p, seed=s) for s, p in ((1, 20.1), (2, 20.3))]
+    control = [fake_retrofit(tmp_path / f"ctl-s{s}", p, seed=s, head="mlp_softmax")
+               for s, p in ((1, 20.6), (2, 20.5))]
+    assert main(["compare", *mos, "--", *control, "--names", "mos4,control"]) == 0
+    out = capsys.readouterr().out
+    assert "lower mean perplexity: mos4" in out
+    assert "retrofit outputs keep no rank records" in out
+    assert f"mos4: {mos[0]}: retrofit mos (frozen, seed 1) on --test test.txt (768 tokens)" in out
+    record = compare_runs({"a": mos, "b": control})
+    assert record["groups"]["a"]["perplexities"] == [20.1, 20.3]
+    expected = stats.ttest_ind([20.1, 20.3], [20.6, 20.5])
+    assert record["t"] == pytest.approx(expected.statistic)
+    assert compare_runs({"a": mos, "b": control}, split="valid")["mean_a"] == pytest.approx(20.2)
+
+
+def test_retrofits_of_other_models_unfinished_or_mixed_with_runs_are_refused(tmp_path):
+    mos = [fake_retrofit(tmp_path / f"mos-s{s}", 20 + s) for s in (1, 2)]
+    other = [fake_retrofit(tmp_path / f"other-s{s}", 20 + s, base=51.0) for s in (1, 2)]
+    with pytest.raises(CompareError, match=r"score their base model differently \(51 against "
+                       r"50\): another model or other data"):
+        compare_runs({"a": mos, "b": other})
+    runs = [fake_run(tmp_path / f"run-s{s}", 20 + s) for s in (1, 2)]
+    with pytest.raises(CompareError, match=r"mix `highrank retrofit` outputs and `highrank "
+                       r"train` runs"):
+        compare_runs({"a": mos, "b": runs})
+    pending = fake_retrofit(tmp_path / "pending", 0, finished=False)
+    with pytest.raises(CompareError, match=r"retrofit .*pending has not finished \(no "
+                       r"results.json\): run its command again"):
+        compare_runs({"a": mos, "b": [pending, other[0]]})
+
+
+def test_verbs_of_training_runs_say_where_a_retrofit_s_scores_and_model_are(tmp_path, capsys):
+    out = fake_retrofit(tmp_path / "retrofit-mos4", 20.0)
+    note = (f"{out} is the output of `highrank retrofit`, not a run of `highrank train`: its "
+            f"valid and test scores are in {out}/results.json (`highrank compare` reads them)")
+    assert main(["eval", out, "--split", "test"]) == 2
+    assert note in capsys.readouterr().err
+    assert main(["report", out, "--out", str(tmp_path / "report")]) == 2
+    assert note in capsys.readouterr().err

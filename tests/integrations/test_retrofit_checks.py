@@ -249,3 +249,20 @@ def test_full_mode_on_a_tied_model_unties_only_for_another_output_width(
                         "--mode", "full")) == 0
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["tie_word_embeddings"] is tied
+
+
+def test_a_window_beyond_the_model_s_positions_is_refused_before_the_texts_are_read(
+    texts, tmp_path, capsys, monkeypatch
+):
+    """A new user's walk: retrofit's default --window 256 on a 128-position model was refused
+    only after all three texts were tokenised."""
+    import highrank.integrations.retrofit.run as run
+
+    model, files = texts
+    positions = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    monkeypatch.setattr(run, "_token_ids", lambda *a, **k: pytest.fail("the texts were read"))
+    argv = command(model, files, tmp_path / "out", "--head", "mos")
+    assert main(with_option(argv, "--window", str(positions + 1))) == 2
+    line = one_line(capsys.readouterr().err, ERROR)
+    assert line.endswith(f"--window {positions + 1} exceeds the model's {positions} positions: "
+                         f"give --window {positions} or less"), line

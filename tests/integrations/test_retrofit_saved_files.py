@@ -346,3 +346,14 @@ def test_a_damaged_state_is_one_line(finished, texts, tmp_path, capsys, mode, da
     assert nothing_saved(out)
     if damage is history_three_times_the_budget:
         assert main([*argv, "--restart"]) == 0  # and --restart trains again
+
+
+def test_compare_reads_a_real_retrofit_output(finished):
+    """The layout test_significance.py's fake retrofits copy is the one retrofit writes."""
+    from highrank.analysis.significance import read_eval
+
+    results = json.loads((finished["frozen"] / "results.json").read_text())
+    record = read_eval(finished["frozen"], "test", "auto")
+    assert record["perplexity"] == results["trained"]["test"]["perplexity"]
+    assert record["base_perplexity"] == results["base"]["test"]["perplexity"]
+    assert record["source"].startswith("retrofit mos (frozen, seed ")

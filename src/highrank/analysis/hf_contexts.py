@@ -69,6 +69,7 @@ from highrank.causal_lm import (  # noqa: F401  (loading and windows live there;
     text_token_ids,
     vocab_width,
 )
+from highrank.util.paths import is_retrofit_output
 from highrank.util.progress import progress_bar
 
 # Logits entries of one batch of windows: 256 MB of float32 logits, about 6 times that at the
@@ -366,9 +367,13 @@ def load_text_contexts(
 
 
 def model_name(path: str | os.PathLike) -> str:
-    """A model's short name: the ``.gguf`` file's stem, or the folder's name."""
+    """A model's short name: the ``.gguf`` file's stem, or the folder's name; a retrofit's
+    model (``OUT/model``, every one so named) is named by its retrofit, ``OUT``'s name."""
     path = Path(path)
-    return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    path = path.resolve()
+    return path.parent.name if is_retrofit_output(path.parent) else path.name
 
 
 def hf_tag(

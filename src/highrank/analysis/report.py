@@ -37,6 +37,7 @@ from highrank.evaluate.records import describe, stale_checkpoint
 from highrank.models import build_model, count_parameters
 from highrank.runs.run_dir import RunDirError, read_metrics
 from highrank.util.atomic import write_text_atomic
+from highrank.util.paths import is_retrofit_output, retrofit_output_note
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 62rem; margin: 2rem auto; color: #222; }
@@ -56,6 +57,8 @@ code { background: #f4f4f4; padding: 0 0.2rem; } img { max-width: 100%; }
 def collect_run(run_dir: str | Path) -> dict[str, Any]:
     """Everything :func:`write_report` shows about one run, read from its directory."""
     run_dir = Path(run_dir)
+    if is_retrofit_output(run_dir):
+        raise RunDirError(retrofit_output_note(run_dir))
     if not (run_dir / "config.toml").is_file():
         raise RunDirError(f"{run_dir} is not a run directory of `highrank train` (no config.toml)")
     config = load_config(run_dir / "config.toml")

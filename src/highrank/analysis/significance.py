@@ -17,6 +17,10 @@ discovery rate).
 
     highrank eval runs/softmax-s1 --split test    # ... for every run: eval-test-best.json
     highrank compare runs/softmax-s* -- runs/mos-s* --names softmax,mos --out results/
+
+The outputs of ``highrank retrofit`` compare too (their ``results.json``: the trained model's
+valid and test perplexity, :func:`read_retrofit`), each group all retrofits or all runs, and
+all scored on the same data with the same base model (their base perplexities agree).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from scipy import stats
 
 from highrank.analysis.output import read_json, record_tag, run_record_path
+from highrank.util.paths import is_retrofit_output
 
 SEPARATOR = "--"
 MIN_CORRELATION_POINTS = 3  # Pearson of two points is always +-1
@@ -182,6 +187,8 @@ def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
     # torch: `compare` of records needs none
     from highrank.evaluate.records import describe, stale_checkpoint
 
+    if is_retrofit_output(run_dir):
+        return read_retrofit(run_dir, split)
     which = resolve_which(run_dir, split, which)
     path = eval_path(run_dir, split, which)
     if not path.is_file():
@@ -204,6 +211,33 @@ def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
     return {**record, "which": which, "source": describe({**record, "split": split})}
 
 
+def read_retrofit(out: str | Path, split: str) -> dict[str, Any]:
+    """The record :func:`read_eval` gives for a ``highrank retrofit`` output: its trained
+    model's ``split`` perplexity from ``results.json``, with the base model's beside it (two
+    retrofits of one model on one text share it) and ``"source"``."""
+    path = Path(out) / "results.json"
+    if not path.is_file():
+        raise CompareError(f"retrofit {out} has not finished (no {path.name}): run its command "
+                           "again to complete it")
+    record = _read_record(path)
+    trained, base = record.get("trained"), record.get("base")
+    if not (isinstance(trained, dict) and isinstance(base, dict) and split in trained
+            and split in base):
+        raise CompareError(f"{path} holds no {split} score of the trained and the base model "
+                           f"(retrofit with --{split} FILE)")
+    plan = record.get("plan") if isinstance(record.get("plan"), dict) else {}
+    perplexity = _number(trained[split], "perplexity", path, float)
+    tokens = trained[split].get("tokens")
+    source = (f"retrofit {plan.get('head', '?')} ({plan.get('mode', '?')}, seed "
+              f"{plan.get('seed', '?')}) on --{split} {plan.get(split, '?')} ({tokens} tokens)")
+    return {"perplexity": perplexity, "which": "retrofit", "source": source, "retrofit": True,
+            "base_perplexity": _number(base[split], "perplexity", path, float)}
+
+
+# Two retrofits of one model on one text score its base model alike (to float rounding).
+BASE_TOLERANCE = 1e-6
+
+
 def _refuse_mixed(groups: dict[str, Sequence[str]], evals: dict[str, list[dict]]) -> None:
     """Both groups' runs distinct, and every run scored on the same split file (its sha256,
     where the record has one): perplexities of other test data cannot be compared."""
@@ -221,6 +255,21 @@ def _refuse_mixed(groups: dict[str, Sequence[str]], evals: dict[str, list[dict]]
         raise CompareError(
             f"the runs were scored on different data, whose perplexities do not compare: {shown}"
         )
+    records = [(run, record) for name in groups
+               for run, record in zip(groups[name], evals[name], strict=True)]
+    retrofits = [(run, r["base_perplexity"]) for run, r in records if r.get("retrofit")]
+    if retrofits and len(retrofits) != len(records):
+        raise CompareError("the groups mix `highrank retrofit` outputs and `highrank train` "
+                           "runs; compare retrofits with retrofits")
+    if retrofits:
+        first, reference = retrofits[0]
+        for run, base in retrofits[1:]:
+            if abs(base - reference) > BASE_TOLERANCE * reference:
+                raise CompareError(
+                    f"{run} and {first} score their base model differently ({base:.6g} against "
+                    f"{reference:.6g}): another model or other data, whose perplexities do not "
+                    "compare"
+                )
 
 
 def read_press_rank(run_dir: str | Path, tag: str) -> int | None:
@@ -298,6 +347,9 @@ def rank_correlation(
     """Pearson of press_rank (records ``rank-<tag>.json``; one tag, or one per run) vs
     perplexity over ``runs``, pooled over both groups (each run is one point), or
     ``{"skipped": why}``."""
+    if any(is_retrofit_output(run) for run in runs):
+        return {"skipped": "retrofit outputs keep no rank records: `highrank analyze rank --hf "
+                           "OUT/model --text FILE --out DIR` measures each model's"}
     tags = [tag] * len(runs) if isinstance(tag, str) else list(tag)
     ranks = [read_press_rank(run, t) for run, t in zip(runs, tags, strict=True)]
     tag = tags[0] if len(set(tags)) == 1 else "TAG"

@@ -69,7 +69,7 @@ import torch
 from highrank.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from highrank.data import Vocab
 from highrank.util.atomic import fsync_directory, sync, temporary_beside
-from highrank.util.paths import run_dir_problem
+from highrank.util.paths import is_retrofit_output, retrofit_output_note, run_dir_problem
 
 FORMAT = "highrank-checkpoint"
 VERSION = 1
@@ -378,6 +378,8 @@ def missing_best_hint(run_dir: str | os.PathLike) -> str:
     """What every verb (eval, dynamic-eval, finetune, analyze) says when ``run_dir`` has no
     ``best.pt``: one helper, one wording."""
     path = Path(run_dir) / CHECKPOINT_DIR / CHECKPOINT_FILES["best"]
+    if is_retrofit_output(run_dir):
+        return retrofit_output_note(run_dir)
     if (Path(run_dir) / CHECKPOINT_DIR / CHECKPOINT_FILES["last"]).is_file():
         return (
             f"checkpoint {path} does not exist: best.pt is written at the end of an epoch, and "

@@ -41,6 +41,25 @@ def run_dir_problem(run_dir: str | os.PathLike) -> str | None:
     return f"run directory {run_dir} does not exist"
 
 
+def is_retrofit_output(run_dir: str | os.PathLike) -> bool:
+    """Whether ``run_dir`` is the ``--out`` folder of ``highrank retrofit`` (its ``plan.json``,
+    no ``config.toml`` of a training run)."""
+    run_dir = Path(run_dir)
+    return (run_dir / "plan.json").is_file() and not (run_dir / "config.toml").is_file()
+
+
+def retrofit_output_note(run_dir: str | os.PathLike) -> str:
+    """What a verb of training runs says of a retrofit's ``--out`` folder: where its scores
+    and its model are, and which verbs read them."""
+    run_dir = Path(run_dir)
+    return (
+        f"{run_dir} is the output of `highrank retrofit`, not a run of `highrank train`: its "
+        f"valid and test scores are in {run_dir / 'results.json'} (`highrank compare` reads "
+        f"them) and its model is {run_dir / 'model'} (`highrank analyze VERB --hf "
+        f"{run_dir / 'model'}`)"
+    )
+
+
 def out_folder_problem(out: str | os.PathLike, purpose: str = "the records") -> str | None:
     """An output folder for ``purpose``, new or existing: neither it nor a folder above it may
     be a file."""

@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "runs",
         nargs=argparse.REMAINDER,
         metavar="GROUP_A_RUN... -- GROUP_B_RUN...",
-        help="run directories of the two groups (each evaluated with `highrank eval`)",
+        help="run directories of the two groups (each evaluated with `highrank eval`), or "
+        "the --out folders of `highrank retrofit` (their results.json)",
     )
     parser.epilog = "Options may come before the runs or after the last run of group B."
 

@@ -193,6 +193,10 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool)
     if device.type != "cpu":
         say(f"running on {device}", flush=True)
     model.to(device)
+    positions = causal_lm.max_positions(model)  # before the texts are tokenised (minutes)
+    if positions is not None and plan.window > positions:
+        raise RetrofitError(f"--window {plan.window} exceeds the model's {positions} positions: "
+                            f"give --window {positions} or less")
     ids = {}
     for split in plan.splits:
         say(f"tokenising --{split} {getattr(plan, split)}", flush=True)
@@ -369,9 +373,6 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict, restart: bool = False
         check_layers_given(probe, model.config, fix="--knob input_layers=")
     except ValueError as error:
         raise RetrofitError(f"--head {plan.head}: {error}") from None
-    positions = causal_lm.max_positions(model)
-    if positions is not None and plan.window > positions:
-        raise RetrofitError(f"--window {plan.window} exceeds the model's {positions} positions")
     head_bytes = sum(p.numel() for p in probe.parameters()) * 4 * 4  # weights, grads, Adam
     probe_layers = probe.input_layers
     del probe
