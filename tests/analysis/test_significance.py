@@ -347,3 +347,32 @@ def test_verbs_of_training_runs_say_where_a_retrofit_s_scores_and_model_are(tmp_
     assert note in capsys.readouterr().err
     assert main(["report", out, "--out", str(tmp_path / "report")]) == 2
     assert note in capsys.readouterr().err
+
+
+def test_a_paired_test_pairs_the_runs_in_place_and_checks_retrofit_seeds(tmp_path, capsys):
+    """The studies' paired test by seed, for a user's own seeds (the decision page)."""
+    from highrank.analysis.significance import compare_paired
+
+    a, b = [20.1, 20.3, 20.2], [20.6, 20.5, 20.8]
+    result = compare_paired(a, b)
+    expected = stats.ttest_rel(a, b)
+    assert result.paired and result.df == 2
+    assert result.t == pytest.approx(expected.statistic) and result.p == pytest.approx(
+        expected.pvalue)
+    diffs = np.subtract(a, b)  # the closed form: mean / (sd / sqrt(n))
+    assert result.t == pytest.approx(diffs.mean() / (diffs.std(ddof=1) / math.sqrt(3)))
+    with pytest.raises(CompareError, match="groups of one size; got 3 and 2"):
+        compare_paired(a, b[:2])
+    with pytest.raises(CompareError, match="every pair differs by the same amount"):
+        compare_paired([1.0, 2.0], [0.5, 1.5])
+    mos = [fake_retrofit(tmp_path / f"mos-s{s}", p, seed=s) for s, p in enumerate(a, start=1)]
+    ctl = [fake_retrofit(tmp_path / f"ctl-s{s}", p, seed=s) for s, p in enumerate(b, start=1)]
+    assert main(["compare", *mos, "--", *ctl, "--paired"]) == 0
+    assert "paired t-test (each run of one group with the run in its place in the other)" in (
+        capsys.readouterr().out)
+    assert compare_runs({"a": mos, "b": ctl}, paired=True)["t"] == pytest.approx(result.t)
+    with pytest.raises(CompareError, match=r"--paired pairs .*mos-s1 \(seed 1\) with .*ctl-s2 "
+                       r"\(seed 2\): give the runs of both groups in the order of their seeds"):
+        compare_runs({"a": mos, "b": [ctl[1], ctl[0], ctl[2]]}, paired=True)
+    with pytest.raises(CompareError, match="--paired and --welch"):
+        compare_runs({"a": mos, "b": ctl}, paired=True, welch=True)

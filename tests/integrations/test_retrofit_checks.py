@@ -266,3 +266,23 @@ def test_a_window_beyond_the_model_s_positions_is_refused_before_the_texts_are_r
     line = one_line(capsys.readouterr().err, ERROR)
     assert line.endswith(f"--window {positions + 1} exceeds the model's {positions} positions: "
                          f"give --window {positions} or less"), line
+
+
+def test_the_tokens_after_the_last_whole_window_are_said_to_be_unread(texts, tmp_path, capsys):
+    """A new user's walk: 889 valid tokens were scored as 768, and nothing said why."""
+    from highrank.analysis.hf_contexts import text_token_ids
+
+    model, files = texts
+    out = tmp_path / "out"
+    assert main(command(model, files, out, "--head", "softmax")) == 0
+    printed = capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    unread = json.loads((out / "results.json").read_text())["effective"]["unread_tokens"]
+    for split, path in files.items():
+        n = len(text_token_ids(tokenizer, path))
+        left = (n - 1) % 8  # command()'s --window 8
+        assert unread.get(split, 0) == left
+        if left:
+            assert (f"note: --{split}: its last {left} of {n:,} tokens fill no window of 8 and "
+                    "are not read") in printed
+    assert unread  # these texts leave some

@@ -47,8 +47,8 @@ class CompareError(ValueError):
 
 @dataclass(frozen=True)
 class GroupComparison:
-    """An unpaired two-sample t-test of groups a and b (``std_*`` with ddof=1; ``p``
-    two-sided)."""
+    """A two-sample t-test of groups a and b, unpaired or paired (``std_*`` with ddof=1;
+    ``p`` two-sided)."""
 
     mean_a: float
     mean_b: float
@@ -60,6 +60,7 @@ class GroupComparison:
     df: float
     p: float
     welch: bool
+    paired: bool = False  # a paired test of a[i] against b[i] (df = n - 1)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -118,6 +119,33 @@ def compare_groups(
         df=df,
         p=float(result.pvalue),
         welch=welch,
+    )
+
+
+def compare_paired(a: Sequence[float], b: Sequence[float]) -> GroupComparison:
+    """Two-sided paired t-test of ``a[i] - b[i]`` (SciPy's ``ttest_rel``; df = n - 1): runs
+    that share a seed share their batch order and random factors, whose effect the pairing
+    removes; ``t`` is positive when ``a``'s mean is larger."""
+    x, y = _as_sample(a, "group a"), _as_sample(b, "group b")
+    if x.size != y.size:
+        raise CompareError(f"a paired test needs groups of one size; got {x.size} and {y.size}")
+    differences = x - y
+    if float(differences.var(ddof=1)) == 0.0:
+        raise CompareError("every pair differs by the same amount: the paired t statistic is "
+                           "undefined; compare unpaired (without --paired)")
+    result = stats.ttest_rel(x, y)
+    return GroupComparison(
+        mean_a=float(x.mean()),
+        mean_b=float(y.mean()),
+        std_a=float(x.std(ddof=1)),
+        std_b=float(y.std(ddof=1)),
+        n_a=int(x.size),
+        n_b=int(y.size),
+        t=float(result.statistic),
+        df=float(x.size - 1),
+        p=float(result.pvalue),
+        welch=False,
+        paired=True,
     )
 
 
@@ -231,7 +259,8 @@ def read_retrofit(out: str | Path, split: str) -> dict[str, Any]:
     source = (f"retrofit {plan.get('head', '?')} ({plan.get('mode', '?')}, seed "
               f"{plan.get('seed', '?')}) on --{split} {plan.get(split, '?')} ({tokens} tokens)")
     return {"perplexity": perplexity, "which": "retrofit", "source": source, "retrofit": True,
-            "base_perplexity": _number(base[split], "perplexity", path, float)}
+            "base_perplexity": _number(base[split], "perplexity", path, float),
+            "seed": plan.get("seed")}
 
 
 # Two retrofits of one model on one text score its base model alike (to float rounding).
@@ -306,23 +335,33 @@ def compare_runs(
     split: str = "test",
     which: str = "best",
     welch: bool = False,
+    paired: bool = False,
     alpha: float = 0.05,
     rank_tag: str | None = None,
 ) -> dict[str, Any]:
-    """The record of ``highrank compare``: each group's perplexities, the t-test and, when
-    every run has a rank record (``rank-<rank_tag>.json``, default ``<split>-<which>``), the
-    Pearson correlation of Press rank and perplexity over all runs of both groups."""
+    """The record of ``highrank compare``: each group's perplexities, the t-test (unpaired,
+    or ``paired``: the i-th run of a with the i-th of b) and, when every run has a rank record
+    (``rank-<rank_tag>.json``, default ``<split>-<which>``), the Pearson correlation of Press
+    rank and perplexity over all runs of both groups."""
     (name_a, runs_a), (name_b, runs_b) = groups.items()
+    if paired and welch:
+        raise CompareError("--paired and --welch are two different tests; choose one")
     evals = {name: [read_eval(r, split, which) for r in runs] for name, runs in groups.items()}
     _refuse_mixed(groups, evals)
     ppl = {name: [e["perplexity"] for e in records] for name, records in evals.items()}
     tags = [record_tag(split, e["which"]) for name in groups for e in evals[name]]
-    test = compare_groups(ppl[name_a], ppl[name_b], welch=welch)
+    if paired:
+        _refuse_other_seeds(groups, evals)
+        test = compare_paired(ppl[name_a], ppl[name_b])
+    else:
+        test = compare_groups(ppl[name_a], ppl[name_b], welch=welch)
     better = name_a if test.mean_a < test.mean_b else name_b
+    kind = ("paired t-test (each run of one group with the run in its place in the other)"
+            if paired else "Welch's t-test" if welch else "Student's t-test (pooled variance)")
     return {
         "split": split,
         "checkpoint": which,
-        "test": "Welch's t-test" if welch else "Student's t-test (pooled variance)",
+        "test": kind,
         "alpha": alpha,
         "groups": {
             name: {
@@ -339,6 +378,17 @@ def compare_runs(
             [*runs_a, *runs_b], [*ppl[name_a], *ppl[name_b]], rank_tag or tags
         ),
     }
+
+
+def _refuse_other_seeds(groups: dict[str, Sequence[str]], evals: dict[str, list[dict]]) -> None:
+    """Paired runs share their seed where their records say it (retrofit outputs)."""
+    (name_a, runs_a), (name_b, runs_b) = groups.items()
+    for run_a, run_b, a, b in zip(runs_a, runs_b, evals[name_a], evals[name_b], strict=True):
+        if a.get("seed") is not None and b.get("seed") is not None and a["seed"] != b["seed"]:
+            raise CompareError(
+                f"--paired pairs {run_a} (seed {a['seed']}) with {run_b} (seed {b['seed']}): "
+                "give the runs of both groups in the order of their seeds"
+            )
 
 
 def rank_correlation(

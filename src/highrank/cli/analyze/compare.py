@@ -29,6 +29,12 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--welch", action="store_true", help="Welch's t-test (unequal variances)")
     parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="a paired t-test: each run of group A with the run in its place in group B (the "
+        "same seed; retrofit outputs' seeds are checked)",
+    )
+    parser.add_argument(
         "--alpha", type=_probability, default=0.05, help="significance level (0.05)"
     )
     parser.add_argument(
@@ -109,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
             "split": args.split,
             "which": args.which,
             "welch": args.welch,
+            "paired": args.paired,
             "rank_tag": args.rank_tag,
         }
         record = compare_runs({name_a: runs_a, name_b: runs_b}, **knobs, alpha=args.alpha)

@@ -201,6 +201,10 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool)
     for split in plan.splits:
         say(f"tokenising --{split} {getattr(plan, split)}", flush=True)
         ids[split] = _token_ids(plan, tokenizer, split)
+    tails = _unread_tails(plan, ids)
+    for split, left in tails.items():
+        say(f"note: --{split}: its last {left} of {len(ids[split]):,} tokens fill no window of "
+            f"{plan.window} and are not read", flush=True)
     _check_plan_fits(plan, model, ids, restart)  # the caches too: nothing is discarded before
     if restart:  # process 0 writes
         distributed.from_writer(lambda: _forget_training(out))
@@ -215,7 +219,8 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool)
     run = _run_frozen if plan.mode == "frozen" else _run_end_to_end
     hf_model, summary, scores, base_scores = run(plan, model, ids, out, progress, bool(stopped))
     _refuse_non_finite(out, plan, hf_model, scores, summary)
-    results = {"plan": asdict(plan), "effective": effective_budget(plan, summary["budget"]),
+    effective = {**effective_budget(plan, summary["budget"]), "unread_tokens": tails}
+    results = {"plan": asdict(plan), "effective": effective,
                "base": base_scores, "trained": scores,
                "training": {k: v for k, v in summary.items() if k != "history"},
                **({"processes": distributed.world_size()} if distributed.active() else {})}
@@ -237,6 +242,13 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool)
     say(f"saved {out / 'model'} (reload with AutoModelForCausalLM after "
         "import highrank.integrations.hf)", flush=True)
     return results
+
+
+def _unread_tails(plan: RetrofitPlan, ids: dict) -> dict[str, int]:
+    """Per text, the last tokens that fill no whole window (``window_tokens``): neither
+    trained on nor scored (texts read to their end left out)."""
+    tails = {split: (len(split_ids) - 1) % plan.window for split, split_ids in ids.items()}
+    return {split: left for split, left in tails.items() if left}
 
 
 def _stopped(out: Path) -> dict:
