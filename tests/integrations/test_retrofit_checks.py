@@ -286,3 +286,27 @@ def test_the_tokens_after_the_last_whole_window_are_said_to_be_unread(texts, tmp
             assert (f"note: --{split}: its last {left} of {n:,} tokens fill no window of 8 and "
                     "are not read") in printed
     assert unread  # these texts leave some
+
+
+def test_a_dry_run_checks_counts_and_writes_nothing(texts, tmp_path, capsys):
+    """A new user's walk: finding the control's width took a whole retrofit per guess (the
+    parameter count was in results.json only)."""
+    model, files = texts
+    out = tmp_path / "out"
+    argv = command(model, files, out, "--head", "mos", "--knob", "n_components=2")
+    assert main([*argv, "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert not out.exists()  # nothing written, not even the folder
+    config = json.loads((model / "config.json").read_text())
+    decoder = config["vocab_size"] * (config["hidden_size"] + 1)  # E and b
+    found = re.search(r"dry run: checked, nothing trained or written\. --head mos: ([\d,]+) new "
+                      rf"parameters beside the decoder E, b \({decoder:,}\); ([\d,]+) in all",
+                      printed)
+    assert found, printed
+    new, total = (int(group.replace(",", "")) for group in found.groups())
+    assert new + decoder == total and new > 0
+    assert "6 steps (frozen mode), warm-up 2" in printed
+    assert main([*argv, "--knob", "n_components=0", "--dry-run"]) == 2  # the checks ran
+    assert main(argv) == 0  # the real run trains the head counted
+    results = json.loads((out / "results.json").read_text())
+    assert results["training"]["trainable_parameters"] == total

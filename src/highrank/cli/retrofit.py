@@ -132,6 +132,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=positive_int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="load the model and texts, run every check, print the head's new parameters "
+        "(what a capacity control must reach), tokens, windows and steps; train and write "
+        "nothing",
+    )
+    parser.add_argument(
         "--restart",
         action="store_true",
         help="train again from the warm start in an existing --out (settings may change), "
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             RetrofitError,
             RetrofitPlan,
             SavedFileError,
+            dry_run,
             retrofit,
         )
         from highrank.train.state import Interrupted
@@ -179,7 +187,10 @@ def run(args: argparse.Namespace) -> int:
                 fsdp=args.fsdp,
             )
             with _sigterm_raises():
-                retrofit(plan, restart=args.restart)
+                if args.dry_run:
+                    dry_run(plan)
+                else:
+                    retrofit(plan, restart=args.restart)
         except (RetrofitError, SavedFileError) as error:
             if _speaks():
                 print(f"highrank retrofit: error: {error}", file=sys.stderr)

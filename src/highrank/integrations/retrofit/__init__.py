@@ -57,6 +57,7 @@ from highrank.integrations.retrofit.plan import (
 from highrank.integrations.retrofit.run import (
     LORA_TARGETS,
     check_before_loading,
+    dry_run,
     effective_budget,
     make_trainable,
     retrofit,
@@ -117,6 +118,7 @@ __all__ = [
     "check_history",
     "check_out",
     "check_saved_budget",
+    "dry_run",
     "effective_budget",
     "evaluate_head",
     "finite_perplexity",

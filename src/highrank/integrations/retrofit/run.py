@@ -186,7 +186,38 @@ def _forget_training(out: Path) -> None:
     shutil.rmtree(out / "model", ignore_errors=True)
 
 
-def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool) -> dict:
+def dry_run(plan: RetrofitPlan, *, progress: bool = True) -> dict:
+    """Every check of a retrofit (the model loaded, the texts tokenised, memory, disk and the
+    caches in ``--out``), then what it would train, without training or writing anything: the
+    head's parameters (new ones beside the decoder E, b: what a capacity control must reach),
+    each text's tokens and windows, the steps. Printed and returned."""
+    say = print if progress else (lambda *a, **k: None)
+    check_before_loading(plan)
+    model, _, ids, _ = _prepared(plan, say, restart=False)
+    vocab, width = model.get_output_embeddings().weight.shape
+    head = _head_on_meta(plan, width, vocab)
+    total = sum(p.numel() for p in head.parameters())
+    decoder = head.weight.numel() + head.bias.numel()
+    windows = {split: (len(split_ids) - 1) // plan.window for split, split_ids in ids.items()}
+    budget = (_window_budget(plan, windows["train"]) if _by_windows(plan)
+              else _budget(plan, windows["train"] * plan.window))
+    found = {"head": plan.head, "knobs": plan.knobs, "parameters": total,
+             "decoder_parameters": decoder, "new_parameters": total - decoder,
+             "tokens": {split: len(split_ids) for split, split_ids in ids.items()},
+             "windows": windows, **effective_budget(plan, asdict(budget))}
+    say(f"dry run: checked, nothing trained or written. --head {plan.head}: "
+        f"{total - decoder:,} new parameters beside the decoder E, b ({decoder:,}); "
+        f"{total:,} in all")
+    for split, count in found["tokens"].items():
+        say(f"--{split}: {count:,} tokens, {windows[split]:,} windows of {plan.window}")
+    say(f"{found['steps']} steps ({plan.mode} mode), warm-up {found['warmup_steps']}, "
+        f"lr {found['lr']:g}")
+    return found
+
+
+def _prepared(plan: RetrofitPlan, say, restart: bool):
+    """The model (on its device), its tokenizer, each text's token ids and the tokens after
+    its last whole window, every check of the plan against them passed."""
     say(f"loading {plan.model}", flush=True)  # a GGUF file takes minutes to dequantise
     model, tokenizer = _load(plan)
     device = resolve_device(plan.device)
@@ -206,6 +237,11 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool)
         say(f"note: --{split}: its last {left} of {len(ids[split]):,} tokens fill no window of "
             f"{plan.window} and are not read", flush=True)
     _check_plan_fits(plan, model, ids, restart)  # the caches too: nothing is discarded before
+    return model, tokenizer, ids, tails
+
+
+def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool) -> dict:
+    model, tokenizer, ids, tails = _prepared(plan, say, restart)
     if restart:  # process 0 writes
         distributed.from_writer(lambda: _forget_training(out))
 
