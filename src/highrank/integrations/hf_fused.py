@@ -70,7 +70,8 @@ def trl_fused_settings(forward: object) -> dict | None:
     if settings["temperature"] != 1.0:
         raise ValueError(
             f"TRL asks for log-probabilities at temperature {settings['temperature']:g}; a "
-            "highrank head scores its own distribution (temperature 1.0) only"
+            "highrank head scores its own distribution (temperature 1.0) only: set "
+            "temperature=1.0 in the trainer's config (GRPOConfig, RLOOConfig)"
         )
     unknown = sorted(set(settings["outputs"]) - set(FIELDS))
     if unknown:
