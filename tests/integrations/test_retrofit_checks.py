@@ -283,8 +283,8 @@ def test_the_tokens_after_the_last_whole_window_are_said_to_be_unread(texts, tmp
         left = (n - 1) % 8  # command()'s --window 8
         assert unread.get(split, 0) == left
         if left:
-            assert (f"note: --{split}: its last {left} of {n:,} tokens fill no window of 8 and "
-                    "are not read") in printed
+            assert (f"note: --{split}: the last {left} of its {n:,} tokens fill no window of 8 "
+                    "and are not read") in printed
     assert unread  # these texts leave some
 
 
@@ -307,6 +307,8 @@ def test_a_dry_run_checks_counts_and_writes_nothing(texts, tmp_path, capsys):
     assert new + decoder == total and new > 0
     assert "6 steps (frozen mode), warm-up 2" in printed
     assert main([*argv, "--knob", "n_components=0", "--dry-run"]) == 2  # the checks ran
+    (tmp_path / "file").write_text("")
+    assert main([*with_option(list(argv), "--out", str(tmp_path / "file")), "--dry-run"]) == 2
     assert main(argv) == 0  # the real run trains the head counted
     results = json.loads((out / "results.json").read_text())
     assert results["training"]["trainable_parameters"] == total

@@ -373,7 +373,8 @@ def model_name(path: str | os.PathLike) -> str:
     if path.suffix.lower() == ".gguf":
         return path.stem
     path = path.resolve()
-    return path.parent.name if is_retrofit_output(path.parent) else path.name
+    return path.parent.name if path.name == "model" and is_retrofit_output(path.parent) else (
+        path.name)
 
 
 def hf_tag(

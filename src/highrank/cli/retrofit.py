@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             )
             with _sigterm_raises():
                 if args.dry_run:
-                    dry_run(plan)
+                    dry_run(plan, restart=args.restart)
                 else:
                     retrofit(plan, restart=args.restart)
         except (RetrofitError, SavedFileError) as error:

@@ -186,14 +186,19 @@ def _forget_training(out: Path) -> None:
     shutil.rmtree(out / "model", ignore_errors=True)
 
 
-def dry_run(plan: RetrofitPlan, *, progress: bool = True) -> dict:
+def dry_run(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False) -> dict:
     """Every check of a retrofit (the model loaded, the texts tokenised, memory, disk and the
     caches in ``--out``), then what it would train, without training or writing anything: the
     head's parameters (new ones beside the decoder E, b: what a capacity control must reach),
     each text's tokens and windows, the steps. Printed and returned."""
     say = print if progress else (lambda *a, **k: None)
+    if distributed.launched_rank() is not None:
+        raise RetrofitError("--dry-run is one process: run it without torchrun (it checks how "
+                            "a batch shares among N processes only when they run)")
+    if not restart:
+        check_out(Path(plan.out), plan)
     check_before_loading(plan)
-    model, _, ids, _ = _prepared(plan, say, restart=False)
+    model, _, ids, _ = _prepared(plan, say, restart)
     vocab, width = model.get_output_embeddings().weight.shape
     head = _head_on_meta(plan, width, vocab)
     total = sum(p.numel() for p in head.parameters())
@@ -205,9 +210,13 @@ def dry_run(plan: RetrofitPlan, *, progress: bool = True) -> dict:
              "decoder_parameters": decoder, "new_parameters": total - decoder,
              "tokens": {split: len(split_ids) for split, split_ids in ids.items()},
              "windows": windows, **effective_budget(plan, asdict(budget))}
+    body = ("" if plan.mode == "frozen" else
+            f" (the head's; the {'LoRA adapters' if plan.mode == 'lora' else 'body'} train too)")
     say(f"dry run: checked, nothing trained or written. --head {plan.head}: "
         f"{total - decoder:,} new parameters beside the decoder E, b ({decoder:,}); "
-        f"{total:,} in all")
+        f"{total:,} in all{body}")
+    for note in found.get("notes", []):
+        say(f"note: {note}")
     for split, count in found["tokens"].items():
         say(f"--{split}: {count:,} tokens, {windows[split]:,} windows of {plan.window}")
     say(f"{found['steps']} steps ({plan.mode} mode), warm-up {found['warmup_steps']}, "
@@ -234,8 +243,11 @@ def _prepared(plan: RetrofitPlan, say, restart: bool):
         ids[split] = _token_ids(plan, tokenizer, split)
     tails = _unread_tails(plan, ids)
     for split, left in tails.items():
-        say(f"note: --{split}: its last {left} of {len(ids[split]):,} tokens fill no window of "
-            f"{plan.window} and are not read", flush=True)
+        limited = (plan.max_train_tokens if split == "train" else plan.max_eval_tokens) is not None
+        option = "--max-train-tokens" if split == "train" else "--max-eval-tokens"
+        read = f"tokens read ({option})" if limited else "tokens"
+        say(f"note: --{split}: the last {left} of its {len(ids[split]):,} {read} fill no window "
+            f"of {plan.window} and are not read", flush=True)
     _check_plan_fits(plan, model, ids, restart)  # the caches too: nothing is discarded before
     return model, tokenizer, ids, tails
 
