@@ -7,22 +7,32 @@
 # widths (records, pilots, the runs' configs, curves and analyses, not their checkpoints, and the
 # commands they ran) packed at the end into OUT_TGZ, to bring back and unpack over the folder:
 #
-#   [WORKERS=6] bash benchmarks/studies/bottleneck_map_device.sh DATA_DIR WIDTHS OUT_TGZ [LIMIT_S]
+#   [WORKERS=12] [DEVICE=cuda] bash benchmarks/studies/bottleneck_map_device.sh \
+#       DATA_DIR WIDTHS OUT_TGZ [LIMIT_S]
 #
+# (DEVICE=cpu WORKERS=1 LIMIT_S=60 tries the script itself on a machine without a GPU.)
 # DATA_DIR holds ptb/{train,valid,test}.txt (carry it: ../shared does not travel); WIDTHS is
 # one or more of the map's widths (32, or 32,16): a width belongs to one kind of machine, so
 # that its arms are compared on one device (the CPU processes then take the others, e.g.
 # --widths 8,128,16,64,256 --first long). The processes are interrupted after LIMIT_S seconds (default 480:
 # a device call may run 600) and a rerun on the same machine continues from the records and
-# checkpoints. A run trained here but not tested before the machine goes back trains again on
-# the next one (its checkpoint stays here): the cells' tests follow their width's trainings.
+# checkpoints: a device call brings a fresh copy of the working tree, which drops the files the
+# last call wrote into the map's folder (its records, the runs' configs) but keeps the ignored
+# checkpoints, so each call leaves its archive in /tmp/bottleneck-map-device/state.tgz and the
+# next one unpacks it first. A run trained here but not tested before the machine goes back
+# trains again on the next one (its checkpoint stays here): the cells' tests follow their width's
+# trainings.
+# Measured on an H100 (2026-11-27, WORKERS=12, widths 32,128): the 12 learning-rate pilots
+# took 100-190 s each side by side; then 12 cells trained side by side at 15-26 s an epoch each
+# (36,000-63,000 tokens/s), so one width's 12 cells need about 7 minutes of training after their
+# pilots: about 10 minutes of device time a width, two calls.
 set -uo pipefail
 if [ $# -lt 3 ]; then
     echo "usage: $0 DATA_DIR WIDTHS OUT_TGZ [LIMIT_S (480)]" >&2
     exit 2
 fi
 data=$(realpath "$1") widths=$2 archive=$(realpath -m "$3") limit=${4:-480}
-workers=${WORKERS:-6}
+workers=${WORKERS:-12} device=${DEVICE:-cuda}
 source "$(dirname "$0")/../_workers.sh"
 check_workers "$workers"
 cd "$(dirname "$0")/../.." || exit 2  # the repository root
@@ -30,13 +40,18 @@ export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 map=benchmarks/results/bottleneck-map
 logs=/tmp/bottleneck-map-device
 mkdir -p "$logs"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt" \
+    || echo "no GPU: DEVICE=$device" > "$logs/gpu.txt"
+state=$logs/state.tgz  # this machine's last call's archive (see above)
+if [ -f "$state" ]; then
+    tar xzf "$state" -C "$map" && echo "continuing from this machine's last call ($state)"
+fi
 commands_before=$(wc -l < "$map/commands.txt" 2>/dev/null || echo 0)
 pids=() worker_logs=()
 for worker in $(seq 1 "$workers"); do
     worker_logs+=("$logs/worker-$worker.log")
     timeout --signal=INT --kill-after=30 "$limit" python3 -m benchmarks.studies.bottleneck_map \
-        --device cuda --widths "$widths" --no-long --data-dir "$data" \
+        --device "$device" --widths "$widths" --no-long --data-dir "$data" \
         >> "${worker_logs[-1]}" 2>&1 &
     pids+=("$!")
 done
@@ -51,6 +66,7 @@ for width in ${widths//,/ }; do
         pilots/*-d"$width"-* runs/*-d"$width"-seed* 2>/dev/null))
 done
 tar czf "$archive" --exclude=checkpoints --exclude='*.lock' -C "$map" "${files[@]}"
+cp "$archive" "$state"
 echo "exit status $status (124: stopped at $limit s; rerun to continue);" \
     "$(tar tzf "$archive" | grep -c '^records/') records; $archive: $(du -h "$archive" | cut -f1)"
 # here: tar xzf OUT_TGZ -C benchmarks/results/bottleneck-map && cat .../commands-gpu-*.txt >>
