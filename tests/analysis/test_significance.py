@@ -148,9 +148,10 @@ def test_split_groups_errors():
 # ---- runs on disk ------------------------------------------------------------------------------
 
 
-def fake_run(folder, perplexity, press_rank=None, split="test", which="best"):
-    """A run directory holding only what compare reads: the eval record and a rank record."""
-    folder.mkdir(parents=True)
+def fake_run(folder, perplexity, press_rank=None, split="test", which="best", seed=None):
+    """A run directory holding only what compare reads: its config.toml (the seed), the eval
+    record and a rank record."""
+    make_run_dir(folder, seed)
     record = {"split": split, "checkpoint": which, "perplexity": perplexity}
     (folder / f"eval-{split}-{which}.json").write_text(json.dumps(record))
     if press_rank is not None:
@@ -160,8 +161,15 @@ def fake_run(folder, perplexity, press_rank=None, split="test", which="best"):
     return str(folder)
 
 
+def make_run_dir(folder, seed=None):
+    """An empty run of ``highrank train`` as compare sees it: a folder with its config.toml."""
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text("[train]\n" + ("" if seed is None else f"seed = {seed}\n"))
+    return folder
+
+
 def test_a_missing_eval_record_says_which_run_and_the_command_to_make_it(tmp_path):
-    (tmp_path / "r").mkdir()
+    make_run_dir(tmp_path / "r")
     with pytest.raises(CompareError) as info:
         read_perplexity(tmp_path / "r", "valid", "last")
     message = str(info.value)
@@ -170,8 +178,7 @@ def test_a_missing_eval_record_says_which_run_and_the_command_to_make_it(tmp_pat
 
 
 def test_a_broken_eval_record_names_its_file_and_key(tmp_path):
-    run = tmp_path / "r"
-    run.mkdir()
+    run = make_run_dir(tmp_path / "r")
     (run / "eval-test-best.json").write_text('{"perplexity": "high"}')
     with pytest.raises(CompareError, match=r"eval-test-best.json: key 'perplexity' is 'high'"):
         read_perplexity(run, "test", "best")
@@ -225,7 +232,7 @@ def test_cli_compare_smoke_on_a_tiny_trained_run(tiny_run, tmp_path, capsys):
 
 def test_cli_compare_input_errors_exit_2_in_one_line(tmp_path, capsys):
     a = [fake_run(tmp_path / "a0", 70), fake_run(tmp_path / "a1", 71)]
-    (tmp_path / "b0").mkdir()
+    make_run_dir(tmp_path / "b0")
     code = main(["compare", *a, "--", str(tmp_path / "b0"), fake_run(tmp_path / "b1", 60)])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("highrank compare: error: run ")
@@ -386,3 +393,37 @@ def test_retrofits_on_other_devices_or_modes_still_compare(tmp_path):
     cpu = [fake_retrofit(tmp_path / f"cpu-s{s}", 20 + s, base=33.920234) for s in (1, 2)]
     gpu = [fake_retrofit(tmp_path / f"gpu-s{s}", 21 + s, base=33.920806) for s in (1, 2)]
     assert compare_runs({"a": cpu, "b": gpu})["lower_perplexity"] == "a"
+
+
+def test_folders_that_are_no_run_yet_say_what_they_are(tmp_path):
+    """A review: a retrofit still loading its model (its OUT holds only the lock) read as a
+    training run without an eval record, and compare told the user to evaluate it."""
+    from highrank.runs.locks import LOCK_FILE
+
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    (starting / LOCK_FILE).write_text("")
+    with pytest.raises(CompareError, match=r"starting holds a lock but no config.toml or "
+                       r"plan.json yet: .*compare it once it has finished"):
+        read_eval(starting, "test", "best")
+    (tmp_path / "other").mkdir()
+    with pytest.raises(CompareError, match=r"other is neither a run of `highrank train` \(no "
+                       r"config.toml\) nor the output of `highrank retrofit` \(no plan.json\)"):
+        read_eval(tmp_path / "other", "test", "best")
+    with pytest.raises(CompareError, match=r"run directory .*missing does not exist"):
+        read_eval(tmp_path / "missing", "test", "best")
+
+
+def test_paired_training_runs_are_checked_by_the_seeds_of_their_configs(tmp_path):
+    """A review: --paired checked the seeds of retrofits only; a training run's config.toml
+    has its seed too."""
+    a = [fake_run(tmp_path / f"a{s}", 70 + s, seed=s) for s in (1, 2, 3)]
+    b = [fake_run(tmp_path / f"b{s}", 60 + s * s, seed=s) for s in (1, 2, 3)]
+    assert compare_runs({"A": a, "B": b}, paired=True)["paired"]
+    with pytest.raises(CompareError, match=r"--paired pairs .*a1 \(seed 1\) with .*b2 "
+                       r"\(seed 2\): give the runs of both groups in the order of their seeds"):
+        compare_runs({"A": a, "B": [b[1], b[0], b[2]]}, paired=True)
+    unseeded = [fake_run(tmp_path / f"c{s}", 50 + s * s) for s in (1, 2, 3)]
+    assert compare_runs({"A": a, "C": unseeded}, paired=True)["paired"]  # nothing to check
+    (Path(b[0]) / "config.toml").write_text("not [toml")  # unreadable: not checked, not fatal
+    assert compare_runs({"A": a, "B": b}, paired=True)["paired"]

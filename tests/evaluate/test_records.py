@@ -91,6 +91,7 @@ def test_report_shows_the_source_and_prefers_the_finetuned_figure(run, tmp_path)
 
 def fake_run(folder: Path, ppl: float, finetuned: float | None = None) -> str:
     folder.mkdir(parents=True)
+    (folder / "config.toml").write_text("[train]\nseed = 1\n")  # a run of `highrank train`
     for which, value in (("best", ppl), ("finetuned", finetuned)):
         if value is not None:
             record = {"split": "test", "perplexity": value, "tokens": 100, "data_dir": "/d",

@@ -26,6 +26,7 @@ all scored on the same data with the same base model (their base perplexities ag
 from __future__ import annotations
 
 import math
+import tomllib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +36,8 @@ import numpy as np
 from scipy import stats
 
 from highrank.analysis.output import read_json, record_tag, run_record_path
-from highrank.util.paths import is_retrofit_output
+from highrank.runs.locks import LOCK_FILE
+from highrank.util.paths import is_retrofit_output, run_dir_problem
 
 SEPARATOR = "--"
 MIN_CORRELATION_POINTS = 3  # Pearson of two points is always +-1
@@ -217,6 +219,9 @@ def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
 
     if is_retrofit_output(run_dir):
         return read_retrofit(run_dir, split)
+    problem = not_a_run(run_dir)
+    if problem:
+        raise CompareError(problem)
     which = resolve_which(run_dir, split, which)
     path = eval_path(run_dir, split, which)
     if not path.is_file():
@@ -236,7 +241,32 @@ def read_eval(run_dir: str | Path, split: str, which: str) -> dict[str, Any]:
             f"sha256 {record['checkpoint_sha256'][:12]}... then); re-evaluate with `highrank "
             f"eval {run_dir} --split {split} --which {which}`"
         )
-    return {**record, "which": which, "source": describe({**record, "split": split})}
+    return {**record, "which": which, "source": describe({**record, "split": split}),
+            "seed": train_seed(run_dir)}
+
+
+def not_a_run(run_dir: str | Path) -> str | None:
+    """Why ``run_dir`` is neither a run of ``highrank train`` nor a retrofit's output, or None."""
+    run_dir = Path(run_dir)
+    problem = run_dir_problem(run_dir)
+    if problem or (run_dir / "config.toml").is_file() or is_retrofit_output(run_dir):
+        return problem
+    if (run_dir / LOCK_FILE).is_file():  # both commands take the lock before writing either
+        return (f"{run_dir} holds a lock but no config.toml or plan.json yet: a `highrank "
+                "train` or `highrank retrofit` starting there (or stopped before it wrote "
+                "either); compare it once it has finished")
+    return (f"{run_dir} is neither a run of `highrank train` (no config.toml) nor the output "
+            "of `highrank retrofit` (no plan.json)")
+
+
+def train_seed(run_dir: str | Path) -> int | None:
+    """The ``train.seed`` in a run's ``config.toml``, None when it cannot be read there."""
+    try:
+        config = tomllib.loads((Path(run_dir) / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
+    seed = config.get("train", {}).get("seed") if isinstance(config.get("train"), dict) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
 def read_retrofit(out: str | Path, split: str) -> dict[str, Any]:
@@ -387,7 +417,8 @@ def compare_runs(
 
 
 def _refuse_other_seeds(groups: dict[str, Sequence[str]], evals: dict[str, list[dict]]) -> None:
-    """Paired runs share their seed where their records say it (retrofit outputs)."""
+    """Paired runs share their seed where their records say it (a training run's config.toml,
+    a retrofit's plan)."""
     (name_a, runs_a), (name_b, runs_b) = groups.items()
     for run_a, run_b, a, b in zip(runs_a, runs_b, evals[name_a], evals[name_b], strict=True):
         if a.get("seed") is not None and b.get("seed") is not None and a["seed"] != b["seed"]:
