@@ -308,8 +308,13 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
+# where a key came from when no file line or override set it
+UNSET_ORIGIN = "a default or a value set in code"
+
+
 def _origin(origins: Mapping[str, str], dotted: str) -> str:
-    return origins.get(dotted, "default")
+    """Where ``dotted`` was set (``FILE:LINE``, ``override 'k=v'``) for an error's start."""
+    return origins.get(dotted, UNSET_ORIGIN)
 
 
 # ---- value constraints ------------------------------------------------------------------------
@@ -443,7 +448,7 @@ def _validate_head_values(config: Config, origins: Mapping[str, str]) -> None:
     alone = [k for k in knobs if _head_error(name, {k: knobs[k]}, config.model.d_embed)]
     culprits = alone[:1] or [k for k in knobs if knobs[k] != defaults.get(k)] or list(knobs)
     shown = ", ".join(f"head.{k} = {_show(knobs[k])}" for k in culprits)
-    where = _origin(origins, f"head.{culprits[0]}") if culprits else "default"
+    where = _origin(origins, f"head.{culprits[0]}") if culprits else UNSET_ORIGIN
     verb = "is" if len(culprits) == 1 else "are"
     raise ConfigError(f"{where}: {shown} {verb} out of range; {error}")
 
