@@ -237,7 +237,8 @@ def pilot(arm: str, d: int, lr: float) -> dict:
               "valid_loss": score["loss"], "valid_ppl": score["perplexity"],
               "train_loss_last": steps[-1]["train_loss"] if steps else None,
               "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps) if steps
-              else None, "seconds": time.perf_counter() - began, "load_average": os.getloadavg()}
+              else None, "seconds": time.perf_counter() - began, "load_average": os.getloadavg(),
+              "device": DEVICE}
     write_json(record_path, record)
     shutil.rmtree(directory, ignore_errors=True)  # its checkpoints are large; the record stays
     return record
@@ -877,6 +878,9 @@ PTB_TRAIN_TOKENS = 929_589
 PRIOR_EPOCHS = 20  # before any map run has finished: the cap (the first cell reached it)
 PRIOR_TOKENS_PER_S = {"softmax": 3000.0, "mos": 1000.0}  # the 15-epoch runs, before measured
 PRIOR_TEST_SECONDS = 300.0  # a test stage, before one has finished
+# One width's 12 cells and their pilots on an H100, 12 processes side by side (measured
+# 2026-11-27, bottleneck_map_device.sh): pilots 100-190 s, then 15-26 s an epoch per cell.
+GPU_MINUTES_PER_WIDTH = 10.0
 
 
 def plan(study: Study) -> None:
@@ -918,15 +922,30 @@ def plan(study: Study) -> None:
     spent = sum(r.get("stage_seconds", 0.0) for r in records.values()) / 3600
     print(f"  spent so far: {spent:.1f} process-hours in {len(records)} finished stages "
           "(a resumed stage counts its last process only; superseded rounds apart)")
+    widths = sorted({_width(name) for name in pending} - {None})
+    print(f"  on an H100 instead (bottleneck_map_device.sh, 12 processes): about "
+          f"{GPU_MINUTES_PER_WIDTH:.0f} minutes a width, {len(widths)} width(s) with stages "
+          f"left ({', '.join(map(str, widths))})")
     for name in pending[:6]:
         print(f"  next: {name}")
 
 
+def _width(stage: str) -> int | None:
+    """The output width of a map stage (``lr-mos-d8``, ``train-mos-d8-seed2``, ...), None for
+    the 15-epoch runs'."""
+    for part in stage.split("-"):
+        if part[:1] == "d" and part[1:].isdigit():
+            return int(part[1:])
+    return None
+
+
 def _pilot_rates() -> dict[tuple[str, int], float]:
+    """Each (arm, d)'s median tokens/s over its pilots on the CPU (a GPU's are another
+    machine's rates; pilots before the ``device`` field ran on the CPU)."""
     rates: dict[tuple[str, int], list[float]] = {}
     for path in (OUT / "pilots").glob("*.json"):
         record = json.loads(path.read_text())
-        if record.get("tokens_per_s"):
+        if record.get("tokens_per_s") and record.get("device", "cpu") == "cpu":
             rates.setdefault((record["arm"], record["d"]), []).append(record["tokens_per_s"])
     return {key: statistics.median(values) for key, values in rates.items()}
 

@@ -340,3 +340,22 @@ def test_without_a_tested_pair_the_long_table_has_no_comparison(tmp_path, monkey
     long = bm.long_table(bm.summary_rows())
     assert [h["head"] for h in long["heads"]] == ["softmax"]
     assert long["heads"][0]["test_ppl_sd"] is None and long["mos_against_softmax"] is None
+
+
+def test_the_cpu_plan_reads_the_cpu_pilots_rates_only(tmp_path, monkeypatch):
+    """A GPU's pilots ran 5-10x the CPU's tokens/s: the CPU plan must not take them (pilots
+    before the ``device`` field ran on the CPU)."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    (tmp_path / "pilots").mkdir()
+    for name, rate, device in (("softmax-d8-lr5", 9000.0, None), ("softmax-d8-lr10", 8000.0, "cpu"),
+                               ("softmax-d32-lr5", 49000.0, "cuda")):
+        arm, d, _ = name.split("-")
+        record = {"arm": arm, "d": int(d[1:]), "tokens_per_s": rate,
+                  **({} if device is None else {"device": device})}
+        (tmp_path / "pilots" / f"{name}.json").write_text(json.dumps(record))
+    rates = bm._pilot_rates()
+    assert rates == {("softmax", 8): 8500.0}
+    # d = 32 from the nearest CPU width, scaled by the output layer's width; not the GPU's 49,000
+    assert bm._rate(rates, "softmax", 32) == pytest.approx(8500.0 * (1 + 8 / 256) / (1 + 32 / 256))
+    assert [bm._width(s) for s in ("lr-mos-d8", "train-wide_softmax-d128-seed2",
+                                   "test-mos-d32-seed3", "long-mos-seed1")] == [8, 128, 32, None]
