@@ -56,6 +56,7 @@ from torch import nn
 from highrank.analysis.rank import press_rank
 from highrank.heads import HEADS, PAPER_HEADS, OutputHead, build_head
 from highrank.util.checks import check_names, check_positive_int
+from highrank.util.denormals import flush_denormals
 from highrank.util.machine import describe_machine
 from highrank.util.progress import progress_bar
 
@@ -288,19 +289,17 @@ def _reproducible_and_fast(threads: int):
     Deterministic algorithms: the CPU backward of an index with repeated indices (LMS-PLIF's
     piece lookup) otherwise adds with atomics in thread order, so two runs with the same seed
     would differ. Denormals: tiny probabilities of the peaked true rows underflow into
-    denormal floats, which make CPU arithmetic many times slower; flushing changes values only
-    below 1e-38. PyTorch has no getter for that flag, so it is restored to its default (off).
+    denormal floats, which make CPU arithmetic many times slower (:mod:`highrank.util.denormals`).
     """
     previous_threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
-    torch.set_flush_denormal(True)
     try:
-        yield
+        with flush_denormals():
+            yield
     finally:
-        torch.set_flush_denormal(False)
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.set_num_threads(previous_threads)
 

@@ -29,6 +29,7 @@ from highrank.evaluate.scoring import (
 )
 from highrank.models import LanguageModel
 from highrank.util.checks import check_positive_int
+from highrank.util.denormals import flush_denormals
 
 # ---- static evaluation --------------------------------------------------------------------
 
@@ -64,6 +65,7 @@ def check_segment_length(config, bptt: int) -> int:
     return bptt
 
 
+@flush_denormals()
 def evaluate_perplexity(
     model: LanguageModel,
     ids: TokenIds,

@@ -48,6 +48,7 @@ from highrank.train.startup import resolve_device, seed_everything
 from highrank.train.state import Progress, TrainOptions, TrainResult
 from highrank.train.transformer import TransformerRecipe
 from highrank.train.warm_start import init_from_run
+from highrank.util.denormals import flush_denormals
 
 # model.backbone -> the recipe class that trains it.
 RECIPES: dict[str, Callable[..., Recipe]] = {
@@ -211,6 +212,7 @@ def _continue_words(
 # ---- public entry points ----------------------------------------------------------------------
 
 
+@flush_denormals()
 def train(
     config: Config,
     *,
@@ -283,6 +285,7 @@ def _note_restart(run: RunDir) -> None:
         )
 
 
+@flush_denormals()
 def resume(
     run_dir: str | os.PathLike,
     *,
@@ -331,6 +334,7 @@ def check_own_checkpoint(run: RunDir, payload: Mapping[str, Any], path: Path) ->
     own_checkpoint(run.path, payload, path)
 
 
+@flush_denormals()
 def finetune(
     run_dir: str | os.PathLike,
     *,

@@ -23,6 +23,7 @@ from highrank.integrations.hf_parallel import is_sharded
 from highrank.integrations.retrofit.cache import FeatureCache, check_head_fits
 from highrank.train import distributed
 from highrank.util.checks import check_positive_int
+from highrank.util.denormals import flush_denormals
 from highrank.util.npy import write_matrix
 from highrank.util.progress import progress_bar
 
@@ -69,6 +70,7 @@ class Tally:
                 "perplexity": finite_perplexity(nll), "seconds": self.seconds}
 
 
+@flush_denormals()
 def evaluate_head(
     head: OutputHead,
     cache: FeatureCache,

@@ -65,6 +65,7 @@ from highrank.train.state import Interrupted, TrainingError
 from highrank.train.steps import backward_or_skip, clip_or_skip
 from highrank.util.atomic import atomic_file
 from highrank.util.checks import check_positive_int
+from highrank.util.denormals import flush_denormals
 from highrank.util.progress import progress_bar
 
 # Consecutive non-finite steps a retrofit skips before it stops (the LM trainers' default of
@@ -200,6 +201,7 @@ class Trainee:
 # ---- the loop ------------------------------------------------------------------------------------
 
 
+@flush_denormals()
 def train_loop(
     trainee: Trainee,
     n_rows: int,
