@@ -578,7 +578,10 @@ CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "contro
                  # MFS against its own inputs read by a rank-bounded softmax; what CPR's
                  # partitions add to that softmax on the same inputs (not a capacity
                  # control: CPR has more parameters); what the mixture adds to CPR
-                 ("mfs", "mfs1"), ("cpr", "mfs1"), ("moscpr", "cpr"))
+                 ("mfs", "mfs1"), ("cpr", "mfs1"), ("moscpr", "cpr"),
+                 # Mi's inputs alone, rank-bounded, against the control of MFS's size on the
+                 # final state: with MFS against mfs1, it splits MFS's gain in two
+                 ("mfs1", "control7m"))
 
 
 def against_controls(rows: dict) -> list[dict]:
