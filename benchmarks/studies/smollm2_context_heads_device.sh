@@ -17,7 +17,9 @@
 # 480: a device call may run 600; killed 30 s later if it has not stopped) and a rerun on the
 # same machine continues from its records and states (its work folder is
 # /tmp/smollm2-context). OUT is then summarised and packed into OUT.tgz, one file to bring
-# back. How the model travels to a device machine (it is larger than one call may carry): the
+# back, and a copy kept in the work folder: each device call brings a fresh copy of the
+# working tree, which drops what the last call wrote into an OUT inside it, so a rerun unpacks
+# that copy over OUT first (the bottleneck map's device script does the same). How the model travels to a device machine (it is larger than one call may carry): the
 # warm-start page, "The heads that came after", on a GPU.
 set -uo pipefail
 if [ $# -lt 3 ]; then
@@ -30,7 +32,11 @@ heads=${HEADS:-mfs,cpr,moscpr,control7m,control9m,mfs1,mos4} workers=${WORKERS:-
 source "$(dirname "$0")/../_workers.sh"
 check_workers "$workers"
 cd "$(dirname "$0")/../.." || exit 2  # the repository root
-mkdir -p "$out"
+mkdir -p "$out" /tmp/smollm2-context
+kept=/tmp/smollm2-context/last-out.tgz  # this machine's last call's records (see above)
+if [ -f "$kept" ]; then
+    tar xzf "$kept" -C "$out" && echo "continuing from this machine's last call ($kept)"
+fi
 export PYTHONPATH="$PWD/src:$PWD:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt"
 work=(--out "$out" --data-dir "$data" --work-dir /tmp/smollm2-context --device cuda)
@@ -50,6 +56,7 @@ tail -n 40 "$out/study.log"
 timeout 120 python3 -m benchmarks.studies.smollm2_warm_start "${work[@]}" --summarize \
     > /dev/null 2>&1 || echo "the summary failed: rerun --summarize on the records"
 tar czf "$out.tgz" -C "$out" .
+cp "$out.tgz" "$kept"
 echo "study exit status $status (124: stopped at $limit s; rerun to continue);" \
     "stage records: $(ls "$out" | grep -c -E '^(train|eval|rank|pilot|cache)')"
 exit "$status"
