@@ -879,8 +879,9 @@ PRIOR_EPOCHS = 20  # before any map run has finished: the cap (the first cell re
 PRIOR_TOKENS_PER_S = {"softmax": 3000.0, "mos": 1000.0}  # the 15-epoch runs, before measured
 PRIOR_TEST_SECONDS = 300.0  # a test stage, before one has finished
 # One width's 12 cells and their pilots on an H100, 12 processes side by side (measured
-# 2026-11-27, bottleneck_map_device.sh): pilots 100-190 s, then 15-26 s an epoch per cell.
-GPU_MINUTES_PER_WIDTH = 10.0
+# 2026-11-27, bottleneck_map_device.sh): pilots 100-190 s, then 15-26 s an epoch per cell:
+# 20 epochs and the tests after them, about 12 minutes.
+GPU_MINUTES_PER_WIDTH = 12.0
 
 
 def plan(study: Study) -> None:
@@ -923,9 +924,10 @@ def plan(study: Study) -> None:
     print(f"  spent so far: {spent:.1f} process-hours in {len(records)} finished stages "
           "(a resumed stage counts its last process only; superseded rounds apart)")
     widths = sorted({_width(name) for name in pending} - {None})
-    print(f"  on an H100 instead (bottleneck_map_device.sh, 12 processes): about "
-          f"{GPU_MINUTES_PER_WIDTH:.0f} minutes a width, {len(widths)} width(s) with stages "
-          f"left ({', '.join(map(str, widths))})")
+    print(f"  (the totals above count every width on the CPU) on an H100 instead "
+          f"(bottleneck_map_device.sh, 12 processes): about {GPU_MINUTES_PER_WIDTH:.0f} "
+          f"minutes a width with its pilots, {len(widths)} width(s) with stages left "
+          f"({', '.join(map(str, widths))})")
     for name in pending[:6]:
         print(f"  next: {name}")
 

@@ -14,12 +14,14 @@
 # DATA_DIR holds ptb/{train,valid,test}.txt (carry it: ../shared does not travel); WIDTHS is
 # one or more of the map's widths (32, or 32,16): a width belongs to one kind of machine, so
 # that its arms are compared on one device (the CPU processes then take the others, e.g.
-# --widths 8,128,16,64,256 --first long). The processes are interrupted after LIMIT_S seconds (default 480:
-# a device call may run 600) and a rerun on the same machine continues from the records and
+# --widths 8,16,64,256 --first long; the pilots of 32 and 128 ran on an H100). The processes
+# are interrupted after LIMIT_S seconds (default 480: a device call may run 600) and a rerun on the same machine continues from the records and
 # checkpoints: a device call brings a fresh copy of the working tree, which drops the files the
 # last call wrote into the map's folder (its records, the runs' configs) but keeps the ignored
-# checkpoints, so each call leaves its archive in /tmp/bottleneck-map-device/state.tgz and the
-# next one unpacks it first. A run trained here but not tested before the machine goes back
+# checkpoints, so each call leaves its files in /tmp/bottleneck-map-device/state-*.tgz (one
+# archive per width, one for its command files) and the next one unpacks them first: they
+# replace the tree's copies of the same files. Each call's commands are a file of their own,
+# commands-gpu-d<W>-<UTC time>.txt. A run trained here but not tested before the machine goes back
 # trains again on the next one (its checkpoint stays here): the cells' tests follow their width's
 # trainings.
 # Measured on an H100 (2026-11-27, WORKERS=12, widths 32,128): the 12 learning-rate pilots
@@ -42,10 +44,15 @@ logs=/tmp/bottleneck-map-device
 mkdir -p "$logs"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$logs/gpu.txt" \
     || echo "no GPU: DEVICE=$device" > "$logs/gpu.txt"
-state=$logs/state.tgz  # this machine's last call's archive (see above)
-if [ -f "$state" ]; then
-    tar xzf "$state" -C "$map" && echo "continuing from this machine's last call ($state)"
-fi
+# this machine's earlier calls' files, one archive per width (see above), restored first
+for saved in "$logs"/state-*.tgz; do
+    [ -f "$saved" ] || continue
+    if ! tar xzf "$saved" -C "$map"; then
+        echo "could not unpack $saved (an earlier call's records): stopping, nothing run" >&2
+        exit 1
+    fi
+    echo "restored $saved (an earlier call on this machine)"
+done
 commands_before=$(wc -l < "$map/commands.txt" 2>/dev/null || echo 0)
 pids=() worker_logs=()
 for worker in $(seq 1 "$workers"); do
@@ -57,18 +64,27 @@ for worker in $(seq 1 "$workers"); do
 done
 wait_workers  # status: the worst worker's
 grep -h -E "^(==|   .* done in|stopped)" "$logs"/worker-*.log | tail -n 40
-tag=gpu-d${widths//,/-d}
+kind=$([ "$device" = cpu ] && echo cpu || echo gpu)  # DEVICE=cpu trials are named so
+tag=$kind-d${widths//,/-d}
 cp "$logs/gpu.txt" "$map/$tag.txt"
-tail -n +"$((commands_before + 1))" "$map/commands.txt" >> "$map/commands-$tag.txt"
-files=("$tag.txt" "commands-$tag.txt")
+# this call's commands alone, in a file of its own (earlier calls' files come back restored)
+tail -n +"$((commands_before + 1))" "$map/commands.txt" \
+    > "$map/commands-$tag-$(date -u +%Y%m%dT%H%M%SZ).txt"
+save_state() {  # save_state ARCHIVE FILE...: atomically, so a killed call leaves the old one
+    tar czf "$1.partial" --exclude=checkpoints --exclude='*.lock' -C "$map" "${@:2}" \
+        && mv "$1.partial" "$1"
+}
+files=("$tag.txt" $(cd "$map" && ls commands-"$tag"-*.txt))
+save_state "$logs/state-commands-$tag.tgz" "${files[@]}"
 for width in ${widths//,/ }; do
-    files+=($(cd "$map" && ls -d records/*-d"$width"-* records/*-d"$width".json \
+    of_width=($(cd "$map" && ls -d records/*-d"$width"-* records/*-d"$width".json \
         pilots/*-d"$width"-* runs/*-d"$width"-seed* 2>/dev/null))
+    files+=("${of_width[@]}")
+    [ "${#of_width[@]}" -gt 0 ] && save_state "$logs/state-d$width.tgz" "${of_width[@]}"
 done
 tar czf "$archive" --exclude=checkpoints --exclude='*.lock' -C "$map" "${files[@]}"
-cp "$archive" "$state"
 echo "exit status $status (124: stopped at $limit s; rerun to continue);" \
     "$(tar tzf "$archive" | grep -c '^records/') records; $archive: $(du -h "$archive" | cut -f1)"
-# here: tar xzf OUT_TGZ -C benchmarks/results/bottleneck-map && cat .../commands-gpu-*.txt >>
-# .../commands.txt is the page's step; then --summarize
+# here: tar xzf OUT_TGZ -C benchmarks/results/bottleneck-map, append each commands-gpu-*-STAMP.txt
+# not appended before to .../commands.txt (the page's step), then --summarize
 exit "$status"

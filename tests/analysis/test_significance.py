@@ -423,6 +423,10 @@ def test_paired_training_runs_are_checked_by_the_seeds_of_their_configs(tmp_path
     with pytest.raises(CompareError, match=r"--paired pairs .*a1 \(seed 1\) with .*b2 "
                        r"\(seed 2\): give the runs of both groups in the order of their seeds"):
         compare_runs({"A": a, "B": [b[1], b[0], b[2]]}, paired=True)
+    others = [fake_run(tmp_path / f"d{s}", 60 + s * s, seed=s) for s in (4, 5, 6)]
+    with pytest.raises(CompareError, match=r"the groups' seeds differ \(A: 1, 2, 3; D: 4, 5, "
+                       r"6\): compare them unpaired"):  # no order can pair them (a review)
+        compare_runs({"A": a, "D": others}, paired=True)
     unseeded = [fake_run(tmp_path / f"c{s}", 50 + s * s) for s in (1, 2, 3)]
     assert compare_runs({"A": a, "C": unseeded}, paired=True)["paired"]  # nothing to check
     (Path(b[0]) / "config.toml").write_text("not [toml")  # unreadable: not checked, not fatal

@@ -306,6 +306,8 @@ def test_value_constraints(override, expected):
 def test_et_asgd_switch_epoch_must_come_before_the_last_epoch():
     message = error_of(None, ["train.optimizer=et-asgd", "train.epochs=100"])
     assert "train.switch_epoch = 200 with train.epochs = 100" in message
+    # a review: the rule named the defaulted switch_epoch's origin, not the override given
+    assert message.startswith("override 'train.epochs=100': ")
     assert load_config(None, ["train.optimizer=et-asgd", "train.switch_epoch=50"])
 
 

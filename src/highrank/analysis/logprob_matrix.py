@@ -30,6 +30,7 @@ from highrank.analysis.contexts import count_contexts, iter_contexts
 from highrank.analysis.output import read_json, write_json
 from highrank.heads import OutputHead
 from highrank.models import LanguageModel
+from highrank.util.denormals import flush_denormals
 from highrank.util.npy import MATRIX_DTYPE, write_matrix  # noqa: F401  (its old home)
 
 MATRIX_KINDS = ("log_prob", "logits")
@@ -89,6 +90,7 @@ def check_disk_space(path: str | os.PathLike, shape: tuple[int, int]) -> int:
     return needed
 
 
+@flush_denormals()
 def write_head_matrix(
     path: str | os.PathLike,
     head: OutputHead,
@@ -112,6 +114,7 @@ def write_head_matrix(
         head.train(was_training)
 
 
+@flush_denormals()
 def write_log_prob_matrix(
     path: str | os.PathLike,
     model: LanguageModel,
@@ -164,6 +167,7 @@ def write_log_prob_matrix(
 ContextRows = tuple[torch.Tensor | np.ndarray, torch.Tensor | np.ndarray, torch.Tensor | np.ndarray]
 
 
+@flush_denormals()
 def write_context_matrix(
     path: str | os.PathLike,
     blocks: Iterable[ContextRows],

@@ -420,6 +420,14 @@ def _refuse_other_seeds(groups: dict[str, Sequence[str]], evals: dict[str, list[
     """Paired runs share their seed where their records say it (a training run's config.toml,
     a retrofit's plan)."""
     (name_a, runs_a), (name_b, runs_b) = groups.items()
+    seeds = {name: [e.get("seed") for e in evals[name]] for name in groups}
+    if all(seed is not None for name in groups for seed in seeds[name]) and (
+            sorted(seeds[name_a]) != sorted(seeds[name_b])):
+        raise CompareError(
+            f"--paired pairs runs of one seed, but the groups' seeds differ ({name_a}: "
+            f"{', '.join(map(str, seeds[name_a]))}; {name_b}: "
+            f"{', '.join(map(str, seeds[name_b]))}): compare them unpaired (without --paired)"
+        )
     for run_a, run_b, a, b in zip(runs_a, runs_b, evals[name_a], evals[name_b], strict=True):
         if a.get("seed") is not None and b.get("seed") is not None and a["seed"] != b["seed"]:
             raise CompareError(

@@ -312,9 +312,13 @@ def _show(value: Any) -> str:
 UNSET_ORIGIN = "a default or a value set in code"
 
 
-def _origin(origins: Mapping[str, str], dotted: str) -> str:
-    """Where ``dotted`` was set (``FILE:LINE``, ``override 'k=v'``) for an error's start."""
-    return origins.get(dotted, UNSET_ORIGIN)
+def _origin(origins: Mapping[str, str], dotted: str, *others: str) -> str:
+    """Where ``dotted`` was set (``FILE:LINE``, ``override 'k=v'``) for an error's start; for
+    a rule over several keys, the first of them (``dotted``, then ``others``) that the user set."""
+    for key in (dotted, *others):
+        if key in origins:
+            return origins[key]
+    return UNSET_ORIGIN
 
 
 # ---- value constraints ------------------------------------------------------------------------
@@ -479,12 +483,14 @@ def _validate_switch_epoch(config: Config, origins: Mapping[str, str]) -> None:
     train = config.train
     if train.latest_switch_epoch is not None and train.optimizer != "nt-asgd":
         raise ConfigError(
-            f"{_origin(origins, 'train.latest_switch_epoch')}: train.latest_switch_epoch bounds "
+            f"{_origin(origins, 'train.latest_switch_epoch', 'train.optimizer')}: "
+            f"train.latest_switch_epoch bounds "
             f"nt-asgd's switch; train.optimizer is {train.optimizer!r} (use nt-asgd, or unset it)"
         )
     if train.optimizer == "et-asgd" and train.switch_epoch >= train.epochs:
         raise ConfigError(
-            f"{_origin(origins, 'train.switch_epoch')}: train.switch_epoch = "
+            f"{_origin(origins, 'train.switch_epoch', 'train.epochs', 'train.optimizer')}: "
+            f"train.switch_epoch = "
             f"{train.switch_epoch} with train.epochs = {train.epochs}: et-asgd switches after "
             f"epoch switch_epoch, so it would never average; lower train.switch_epoch or raise "
             f"train.epochs"

@@ -37,6 +37,7 @@ from highrank.models import LanguageModel
 from highrank.runs.run_dir import RunDirError
 from highrank.train.state import TrainingError
 from highrank.util.checks import check_positive_int
+from highrank.util.denormals import flush_denormals
 
 # Krause et al. (2017) hyperparameters as used for AWD-LSTM-MoS (Yang et al., 2018, Sec. 3);
 # the keys are the keyword arguments of dynamic_evaluate (and the [dynamic_eval] config keys).
@@ -61,6 +62,7 @@ def refuse_transformer_dynamic_eval(config) -> None:
 # ---- dynamic evaluation: gradient statistics and decay rates --------------------------------
 
 
+@flush_denormals()
 def gradient_statistics(
     model: LanguageModel,
     train_ids: TokenIds,
@@ -131,6 +133,7 @@ def decay_rates(stats: Mapping[str, torch.Tensor], prior_decay: float) -> dict[s
 # ---- dynamic evaluation: the adaptive scoring loop -----------------------------------------
 
 
+@flush_denormals()
 def dynamic_evaluate(
     model: LanguageModel,
     ids: TokenIds,

@@ -38,6 +38,7 @@ from highrank.evaluate.scoring import EvalResult
 from highrank.models import LanguageModel, load_run_corpus
 from highrank.runs.checkpoint import CONFIG_FILE, CheckpointError
 from highrank.util.checks import check_positive_int
+from highrank.util.denormals import flush_denormals
 
 SPLITS = ("valid", "test")
 
@@ -134,6 +135,7 @@ def record_file(run_dir: str | os.PathLike, record: dict[str, Any], kind: str = 
     return record_path(run_dir, kind, record["split"], record["checkpoint"], record)
 
 
+@flush_denormals()
 def evaluate_run(
     run_dir: str | os.PathLike,
     split: str = "test",

@@ -45,6 +45,7 @@ from highrank.runs.checkpoint import (
     load_weights,
 )
 from highrank.util.atomic import write_text_atomic
+from highrank.util.denormals import flush_denormals
 from highrank.util.progress import progress_bar
 
 # ---- a trained run ----------------------------------------------------------------------------
@@ -113,6 +114,7 @@ class Search:
 
 
 @torch.no_grad()
+@flush_denormals()
 def translate_split(
     model: torch.nn.Module,
     subwords: Subwords,
@@ -178,6 +180,7 @@ def write_translation(
     return json_path, text_path
 
 
+@flush_denormals()
 def evaluate_bleu(
     run_dir: str | os.PathLike,
     *,

@@ -113,6 +113,7 @@ from highrank.runs.locks import run_lock
 from highrank.train import distributed
 from highrank.train.state import TrainingError
 from highrank.util.atomic import write_json
+from highrank.util.denormals import flush_denormals
 from highrank.util.machine import available_memory
 
 # The body's projections that LoRA adapts, by the names transformers' architectures use.
@@ -124,6 +125,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 PLACEHOLDER_WIDTH, PLACEHOLDER_VOCAB = 64, 1024
 
 
+@flush_denormals()
 def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False) -> dict:
     """Check, (cache,) train, evaluate and save: ``results.json``'s contents. One process at
     a time writes ``plan.out``: a second is refused naming the first (they raced before).
