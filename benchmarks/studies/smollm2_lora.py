@@ -2,7 +2,14 @@
 MoS-2 and the capacity control (benchmarks/studies/smollm2_warm_start.py has the frozen arm).
 
     python -m benchmarks.studies.smollm2_lora [--data-dir ../shared/data] [--work-dir DIR]
-        [--heads own,control,mos2] [--seeds 1] [--steps 100] [--device auto] [--commit]
+        [--heads own,control,mos2] [--seeds 1] [--steps 100] [--lr 2e-4] [--device auto]
+        [--commit]
+
+``--heads`` also takes the frozen arm's heads that came after and their controls (``mfs``,
+``control7m``, ``mfs1``, ``cpr``, ``moscpr``, ``control9m``; their knobs from
+:data:`benchmarks.studies.smollm2_warm_start.HEADS`); every head of one call trains at one
+``--lr`` (the first three at 2e-4; the frozen arm's pilots chose 1e-4 for MFS and its
+controls).
 
 On a GPU machine: ``bash benchmarks/studies/smollm2_lora_device.sh`` (what the recorded runs used).
 
@@ -28,11 +35,15 @@ from pathlib import Path
 from benchmarks import _common
 from benchmarks._common import DATA, REPO, commit, write_json
 from benchmarks.studies.smollm2_retrofit import GGUF_NAME, model_folder
+from benchmarks.studies.smollm2_warm_start import HEADS as FROZEN_ARM_HEADS
 
 HEADS = {
     "own": ("softmax", {}),
     "control": ("mlp_softmax", {"mlp_width": 2 * 576}),  # MoS-2's new parameters, rank <= d + 2
     "mos2": ("mos", {"n_components": 2, "latent_dropout": 0.0}),
+    # the heads that came after (issue 34) and their controls, as the frozen arm defines them
+    **{name: FROZEN_ARM_HEADS[name]
+       for name in ("mfs", "control7m", "mfs1", "cpr", "moscpr", "control9m")},
 }
 
 
