@@ -3,10 +3,10 @@
 A sharp next-token distribution over a large vocabulary holds probabilities below the
 smallest normal float32 (1.2e-38) - in a log-softmax's or logsumexp's exponentials and their
 gradients - and CPUs compute with such denormal numbers many times slower. One training step
-of the warm-start study's MoS + CPR on SmolLM2's vocabulary (49,152 tokens) took 1.4-3.4x
-longer with them than flushed, depending on the trained state
-(``benchmarks/results/denormals``). Flushing changes only values below 1.2e-38 (2.2e-308 in
-float64), which a log-space loss never reads.
+of the warm-start study's MoS + CPR on SmolLM2's vocabulary (49,152 tokens) took 3.6-5.5
+times longer with them than flushed, from its seeds' states after 190 and 270 steps, the loss
+unchanged (``benchmarks/results/denormals``). Flushing changes only values below 1.2e-38
+(2.2e-308 in float64), which a log-space loss never reads.
 
 The flag (``torch.set_flush_denormal``, where torch supports it: x86 with SSE3, ARM) belongs
 to a thread: it is the calling thread's, and torch's OpenMP worker threads take the setting of
