@@ -980,9 +980,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--first", choices=("map", "long"), default="map",
                         help="which part this process starts with (default: the map)")
-    parser.add_argument("--widths", type=_widths, default=D_VALUES, metavar="D,D",
+    parser.add_argument("--widths", type=_widths, default=None, metavar="D,D",
                         help="only the map's cells of these output widths (of "
-                        f"{', '.join(map(str, D_VALUES))}: all by default)")
+                        f"{', '.join(map(str, D_VALUES))}; default: every width whose pilots "
+                        "did not run on another device)")
     parser.add_argument("--no-long", action="store_true", help="not the 15-epoch runs")
     parser.add_argument("--device", default="cpu",
                         help="where the cells train and are tested (cpu, cuda; default cpu)")
@@ -997,6 +998,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: Penn Treebank not found at {DATA_DIR / 'ptb'}", file=sys.stderr)
         return 0
     passed_on = ("--device", DEVICE, "--data-dir", str(DATA_DIR))  # to each child stage
+    if args.widths is None:
+        args.widths, elsewhere = widths_of_this_device()
+        if elsewhere and not args.stage:
+            print(f"widths {', '.join(f'{d} ({where})' for d, where in elsewhere.items())} "
+                  f"are left to the device their pilots ran on: a width's arms train on one "
+                  "(--widths takes them here)", flush=True)
     study = Study(
         lambda: stages(args.first, args.widths, long=not args.no_long), work,
         records=OUT / "records", locks=OUT / ".locks", done=stage_done,
@@ -1008,6 +1015,19 @@ def main(argv: list[str] | None = None) -> int:
         plan(study)
         return 0
     return study.main(args.stage, summarize=summarize, only_summary=args.summarize)
+
+
+def widths_of_this_device() -> tuple[tuple[int, ...], dict[int, str]]:
+    """The map's widths whose pilots ran on :data:`DEVICE` or have not run (pilots before the
+    ``device`` field ran on the CPU), and the others with their device: a width's arms are
+    compared on one device, so its cells train where its pilots ran."""
+    elsewhere: dict[int, str] = {}
+    for path in (OUT / "pilots").glob("*.json"):
+        record = json.loads(path.read_text())
+        device = record.get("device", "cpu")
+        if device != DEVICE and record.get("d") in D_VALUES:
+            elsewhere[record["d"]] = device
+    return tuple(d for d in D_VALUES if d not in elsewhere), dict(sorted(elsewhere.items()))
 
 
 def _widths(text: str) -> tuple[int, ...]:

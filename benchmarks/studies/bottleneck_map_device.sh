@@ -13,8 +13,8 @@
 # (DEVICE=cpu WORKERS=1 LIMIT_S=60 tries the script itself on a machine without a GPU.)
 # DATA_DIR holds ptb/{train,valid,test}.txt (carry it: ../shared does not travel); WIDTHS is
 # one or more of the map's widths (32, or 32,16): a width belongs to one kind of machine, so
-# that its arms are compared on one device (the CPU processes then take the others, e.g.
-# --widths 8,16,64,256 --first long; the pilots of 32 and 128 ran on an H100). The processes
+# that its arms are compared on one device (a CPU process leaves to it the widths whose
+# pilots ran on it: the pilots of 32 and 128 ran on an H100). The processes
 # are interrupted after LIMIT_S seconds (default 480: a device call may run 600) and a rerun on the same machine continues from the records and
 # checkpoints: a device call brings a fresh copy of the working tree, which drops the files the
 # last call wrote into the map's folder (its records, the runs' configs) but keeps the ignored

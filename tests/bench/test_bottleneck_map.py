@@ -359,3 +359,18 @@ def test_the_cpu_plan_reads_the_cpu_pilots_rates_only(tmp_path, monkeypatch):
     assert bm._rate(rates, "softmax", 32) == pytest.approx(8500.0 * (1 + 8 / 256) / (1 + 32 / 256))
     assert [bm._width(s) for s in ("lr-mos-d8", "train-wide_softmax-d128-seed2",
                                    "test-mos-d32-seed3", "long-mos-seed1")] == [8, 128, 32, None]
+
+
+def test_a_width_whose_pilots_ran_on_another_device_is_left_to_it(tmp_path, monkeypatch):
+    """A map process without --widths started a d = 32 cell on the CPU whose pilots ran on the
+    H100: a width's arms train on one device, where its pilots ran."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    (tmp_path / "pilots").mkdir()
+    for name, d, device in (("softmax-d8-lr5", 8, None), ("mos-d32-lr5", 32, "cuda"),
+                            ("softmax-d32-lr5", 32, "cuda")):
+        record = {"arm": name.split("-")[0], "d": d, **({} if device is None else
+                                                        {"device": device})}
+        (tmp_path / "pilots" / f"{name}.json").write_text(json.dumps(record))
+    assert bm.widths_of_this_device() == ((8, 128, 16, 64, 256), {32: "cuda"})
+    monkeypatch.setattr(bm, "DEVICE", "cuda")
+    assert bm.widths_of_this_device() == ((32, 128, 16, 64, 256), {8: "cpu"})
