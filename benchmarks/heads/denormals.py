@@ -92,7 +92,7 @@ def synthetic(args) -> list[dict]:
                 loss.backward()
                 return loss.item()
 
-            row = {"head": name, "scale": scale, "share_below_denormal_exp": share,
+            row = {"head": name, "scale": scale, "share_in_denormal_band": share,
                    **kept_and_flushed(step, args.repeats), "load_average": os.getloadavg()}
             print(f"{name} scale {scale}: {share:.1%} of log-probs in the denormal band; "
                   f"{row['kept_s']:.2f} s kept, {row['flushed_s']:.2f} s flushed "
@@ -148,7 +148,7 @@ def report(record: dict) -> str:
              "| kept / flushed | loss | its change | load |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in record["synthetic"]:
-        lines.append(f"| {r['head']} | {r['scale']:g} | {r['share_below_denormal_exp']:.1%} | "
+        lines.append(f"| {r['head']} | {r['scale']:g} | {r['share_in_denormal_band']:.1%} | "
                      f"{r['kept_s']:.2f} | {r['flushed_s']:.2f} | {r['ratio']:.2f} | "
                      f"{r['loss']:.6f} | {r['loss_difference']:.1e} | "
                      f"{r['load_average'][0]:.1f} |")

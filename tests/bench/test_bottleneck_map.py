@@ -16,8 +16,12 @@ import benchmarks.studies.bottleneck_map as bm
 @pytest.fixture(autouse=True)
 def no_recorded_study(tmp_path, monkeypatch):
     """Every test starts from an empty study folder: the records the real study commits as it
-    runs (a third seed, a pilot on the GPU) change its stages, and must not change a test."""
+    runs (a third seed, a pilot on the GPU) change its stages, and must not change a test. Nor
+    do the other studies' summaries the gain figure reads (the synthetic sweep's, SmolLM2's,
+    rewritten as those studies run): a test that wants them writes its own."""
     monkeypatch.setattr(bm, "OUT", tmp_path / "empty-study")
+    monkeypatch.setattr(bm, "SYNTHETIC", tmp_path / "no-synthetic-sweep" / "summary.json")
+    monkeypatch.setattr(bm, "SMOLLM2", tmp_path / "no-smollm2-warm-start" / "summary.json")
 
 
 def body(overrides) -> set[str]:

@@ -336,7 +336,7 @@ def test_the_table_reads_compare_only_when_it_covers_these_runs(study, tmp_path)
 
 def test_the_table_reads_the_committed_runs_records(study, tmp_path):
     """The study's own finished runs (benchmarks/results/replication/runs), as committed."""
-    runs = SCRIPT.parents[0] / "results" / "replication" / "runs"
+    runs = SCRIPT.parents[1] / "results" / "replication" / "runs"
     args = study.parse_arguments(
         ["--epochs", "2", "--extra-seeds", "0", "--runs", str(runs), "--results", str(tmp_path)]
     )

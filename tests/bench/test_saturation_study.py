@@ -33,6 +33,12 @@ def study(monkeypatch, tmp_path):
     monkeypatch.setattr(checkpoint, "read_run", lambda run_dir, which: argparse.Namespace(
         payload=(run_dir / "checkpoints" / "last.pt").read_text()))
     monkeypatch.setattr(saturation, "checkpoint_step", lambda payload: int(payload.split()[1]))
+    # the replication study's widths, not its committed hidden-sizes.json (which a rerun of that
+    # study rewrites): the runs' words must not change with the records
+    results = tmp_path / "results"
+    (results / "replication").mkdir(parents=True)
+    (results / "replication" / "hidden-sizes.json").write_text('{"softmax": 650, "mos": 620}')
+    monkeypatch.setattr(saturation_study, "RESULTS", results)
     args = argparse.Namespace(runs_dir=tmp_path / "runs", threads=1)
     return saturation_study, args, calls, state
 
