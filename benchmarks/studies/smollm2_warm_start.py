@@ -581,7 +581,9 @@ CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "contro
                  ("mfs", "mfs1"), ("cpr", "mfs1"), ("moscpr", "cpr"),
                  # Mi's inputs alone, rank-bounded, against the control of MFS's size on the
                  # final state: with MFS against mfs1, it splits MFS's gain in two
-                 ("mfs1", "control7m"))
+                 ("mfs1", "control7m"),
+                 # the two heads that beat their controls, against each other
+                 ("moscpr", "mfs"))
 
 
 def against_controls(rows: dict) -> list[dict]:
