@@ -779,6 +779,14 @@ def figures(rows: list[dict], cells: list[dict], gains: list[dict]) -> None:
 
 SYNTHETIC = RESULTS / "synthetic-sweep" / "summary.json"
 SMOLLM2 = RESULTS / "smollm2-warm-start" / "summary.json"
+SMOLLM2_CONTEXT = RESULTS / "smollm2-warm-start" / "context-h100" / "summary.json"
+
+
+def smollm2_pairs() -> tuple[tuple[Path, str, str], ...]:
+    """SmolLM2's frozen warm start: each high-rank head that has a capacity control, with it,
+    and the summary that pairs them (read at call time: a test points them elsewhere)."""
+    return ((SMOLLM2, "mos4", "control3m"), (SMOLLM2_CONTEXT, "mfs", "control7m"),
+            (SMOLLM2_CONTEXT, "moscpr", "control9m"))
 
 
 def gain_points(gains: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -787,9 +795,10 @@ def gain_points(gains: list[dict]) -> dict[str, list[tuple[int, float]]]:
     controls: the mean over shared seeds of the difference of test log-perplexities, from
     :func:`gain_table`), the synthetic sweep (MoS-15 against the softmax at true rank 64 and
     256, V = 256: the difference of their KLs, which is the difference of their
-    cross-entropies) and SmolLM2-135M's frozen warm start (MoS-4 against its rank-bounded
-    control, d = 576, V = 49,152). Each series is a list of (d, nats); a study whose summary is
-    missing or lacks a figure is left out."""
+    cross-entropies) and SmolLM2-135M's frozen warm start (MoS-4, MFS and MoS + CPR, each
+    against its rank-bounded capacity control, :func:`smollm2_pairs`, d = 576, V = 49,152). Each
+    series is a list of (d, nats); a study whose summary is missing or lacks a figure is left
+    out."""
     series: dict[str, list[tuple[int, float]]] = {}
     nats = {(g["head"], g["d"], g["against"]): math.log1p(g["mean_gain_percent"] / 100)
             for g in gains}
@@ -808,14 +817,19 @@ def gain_points(gains: list[dict]) -> dict[str, list[tuple[int, float]]]:
                 for rr, d, head in kl if rr == rank and head == "mos" and (rr, d, "softmax") in kl)
     except (OSError, KeyError, ValueError):
         pass
-    try:
-        for pair in json.loads(SMOLLM2.read_text())["against_controls"]:
-            if (pair["head"], pair["split"]) == ("mos4", "test"):
-                series["SmolLM2 frozen: mos4 - control"] = [
-                    (576, math.log(pair["control_mean"] / pair["head_mean"]))]
-    except (OSError, KeyError, ValueError):
-        pass
+    for summary, head, control in smollm2_pairs():
+        try:
+            for pair in json.loads(summary.read_text())["against_controls"]:
+                if (pair["head"], pair["control"], pair["split"]) == (head, control, "test"):
+                    series[f"SmolLM2 frozen: {head} - control"] = [
+                        (576, math.log(pair["control_mean"] / pair["head_mean"]))]
+        except (OSError, KeyError, ValueError):
+            pass
     return {label: points for label, points in series.items() if points}
+
+
+SMOLLM2_MARKERS = {"mos4": "*", "mfs": "P", "moscpr": "X"}
+SMOLLM2_COLOURS = {"mos4": "C1", "mfs": "C8", "moscpr": "C9"}  # MoS-4 in the map's MoS colour
 
 
 def gain_figure(plt, gains: list[dict], colours: dict) -> None:
@@ -831,7 +845,8 @@ def gain_figure(plt, gains: list[dict], colours: dict) -> None:
         if label.startswith("synthetic"):
             style.update(marker="s", color="k", linestyle=":" if "64" in label else "--")
         elif label.startswith("SmolLM2"):
-            style.update(marker="*", markersize=12, color="C1", linestyle="none")
+            style.update(marker=SMOLLM2_MARKERS.get(arm, "*"), markersize=11, linestyle="none",
+                         color=SMOLLM2_COLOURS.get(arm, "C7"))
         elif "control" in label:
             style.update(linestyle="--")
         axis.plot([d for d, _ in points], [g for _, g in points], label=label, **style)

@@ -22,6 +22,7 @@ def no_recorded_study(tmp_path, monkeypatch):
     monkeypatch.setattr(bm, "OUT", tmp_path / "empty-study")
     monkeypatch.setattr(bm, "SYNTHETIC", tmp_path / "no-synthetic-sweep" / "summary.json")
     monkeypatch.setattr(bm, "SMOLLM2", tmp_path / "no-smollm2-warm-start" / "summary.json")
+    monkeypatch.setattr(bm, "SMOLLM2_CONTEXT", tmp_path / "no-smollm2-context" / "summary.json")
 
 
 def body(overrides) -> set[str]:
@@ -132,8 +133,17 @@ def test_the_gain_figure_puts_three_studies_on_one_axis_in_nats(tmp_path, monkey
          "control_mean": 9.0},
         {"head": "mos4", "control": "control3m", "split": "test", "head_mean": 20.0,
          "control_mean": 21.0}]}))
+    context = tmp_path / "context.json"  # the context heads' summary: MFS and MoS + CPR
+    context.write_text(json.dumps({"against_controls": [
+        {"head": "mfs", "control": "control7m", "split": "test", "head_mean": 18.0,
+         "control_mean": 20.0},
+        {"head": "mfs", "control": "mos4", "split": "test", "head_mean": 18.0,
+         "control_mean": 30.0},  # not a capacity control: not on the figure
+        {"head": "moscpr", "control": "control9m", "split": "valid", "head_mean": 1.0,
+         "control_mean": 2.0}]}))  # its test pair missing: no point
     monkeypatch.setattr(bm, "SYNTHETIC", synthetic)
     monkeypatch.setattr(bm, "SMOLLM2", smollm2)
+    monkeypatch.setattr(bm, "SMOLLM2_CONTEXT", context)
     rows = []
     for seed, ppl in ((1, {"softmax": 300, "mos": 250, "mlp_softmax": 280, "wide_softmax": 290,
                            "mixtape": 320}),
@@ -154,6 +164,8 @@ def test_the_gain_figure_puts_three_studies_on_one_axis_in_nats(tmp_path, monkey
     assert series["synthetic r = 256: mos - softmax"] == [(8, pytest.approx(0.4))]
     assert "synthetic r = 64: mos - softmax" not in series  # no rows: no series
     assert series["SmolLM2 frozen: mos4 - control"] == [(576, pytest.approx(math.log(21 / 20)))]
+    assert series["SmolLM2 frozen: mfs - control"] == [(576, pytest.approx(math.log(20 / 18)))]
+    assert "SmolLM2 frozen: moscpr - control" not in series
     smollm2.write_text("{}")  # a summary of another format is left out, not an error
     assert "SmolLM2 frozen: mos4 - control" not in bm.gain_points(gains)
     import matplotlib
