@@ -3,7 +3,9 @@ buys (:mod:`highrank.util.denormals`).
 
     OMP_NUM_THREADS=1 python -m benchmarks.heads.denormals [--vocab 49152] [--d 576]
         [--tokens 512] [--scales 1,8,32] [--repeats 3]
-        [--study-work-dir /work/smollm2-context-cpu] [--out benchmarks/results/denormals]
+        [--study-work-dir /work/smollm2-context-cpu]
+        [--map-runs benchmarks/results/bottleneck-map/runs/softmax-d8-seed2,...]
+        [--out benchmarks/results/denormals]
 
 **Synthetic part** (anywhere): the softmax and MoS-4 heads at SmolLM2's shapes (V = 49,152,
 d = 576), one step (loss and backward) on ``--tokens`` random hidden states whose scale sets
@@ -16,6 +18,11 @@ times, one torch thread (the flag is per thread: :mod:`highrank.util.denormals`)
 **The study's part** (when ``--study-work-dir`` holds the warm-start study's saved states of
 MoS + CPR, ``state-moscpr-s<seed>.pt``, and its sequence cache): one training step of the
 study's batch (2 windows of 256 tokens) from each seed's saved head, kept and flushed.
+
+**The bottleneck map's part** (``--map-runs``: run folders of the map with their ``best.pt``):
+one training step of the map's batch (32 columns of BPTT 35 from the start of PTB's training
+split) with each trained model, in training mode (its dropouts on, the same masks both ways).
+Penn Treebank's distributions (perplexity 100-200) are far flatter than SmolLM2's (about 16).
 
 Records: ``denormals.json`` (every time, the machine, the load average) and ``denormals.md``.
 """
@@ -138,6 +145,37 @@ def study_states(args) -> list[dict]:
     return rows
 
 
+MAP_BATCH, MAP_BPTT = 32, 35  # the small PTB recipe's, which every map cell trains with
+
+
+def map_runs(args) -> list[dict]:
+    """One training step of each trained map run (``--map-runs``), kept and flushed."""
+
+    from highrank.models.load import load_run_corpus
+
+    rows = []
+    for run in args.map_runs:
+        model, _, corpus = load_run_corpus(run, "best")
+        model.train()
+        bptt = min(MAP_BPTT, (len(corpus.train) - 1) // MAP_BATCH)  # shorter in a tiny corpus
+        ids = corpus.train[: MAP_BATCH * bptt + 1]
+        tokens = ids[:-1].view(MAP_BATCH, bptt).t().contiguous()  # (T, B)
+        targets = ids[1:].view(MAP_BATCH, bptt).t().contiguous()
+
+        def step(model=model, tokens=tokens, targets=targets) -> float:
+            model.zero_grad()
+            loss, _, _ = model(tokens, targets)
+            loss.backward()
+            return loss.item()
+
+        row = {"run": Path(run).name, **kept_and_flushed(step, args.repeats),
+               "load_average": os.getloadavg()}
+        print(f"{row['run']}: {row['kept_s']:.3f} s kept, {row['flushed_s']:.3f} s flushed "
+              f"(x{row['ratio']:.2f})", flush=True)
+        rows.append(row)
+    return rows
+
+
 def report(record: dict) -> str:
     lines = ["# Denormals kept and flushed: one training step on the CPU", "",
              f"`python -m benchmarks.heads.denormals` ({record['machine'].get('cpu', '?')}, "
@@ -162,6 +200,15 @@ def report(record: dict) -> str:
             lines.append(f"| {r['seed']} | {r['steps_trained']} | {r['kept_s']:.1f} | "
                          f"{r['flushed_s']:.1f} | {r['ratio']:.2f} | {r['loss']:.6f} | "
                          f"{r['loss_difference']:.1e} | {r['load_average'][0]:.1f} |")
+    if record.get("map"):
+        lines += ["", "The bottleneck map's trained models, one training step of 32 x 35 tokens "
+                  "(best checkpoint, training mode):", "",
+                  "| run | kept (s) | flushed (s) | kept / flushed | loss | its change | load |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in record["map"]:
+            lines.append(f"| {r['run']} | {r['kept_s']:.3f} | {r['flushed_s']:.3f} | "
+                         f"{r['ratio']:.2f} | {r['loss']:.6f} | {r['loss_difference']:.1e} | "
+                         f"{r['load_average'][0]:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--study-work-dir", default=None,
                         help="the warm-start study's --work-dir (its saved MoS + CPR states)")
+    parser.add_argument("--map-runs", type=lambda t: [x for x in t.split(",") if x], default=[],
+                        help="comma-separated bottleneck-map run folders (their best.pt)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     import torch
@@ -187,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
               "vocab": args.vocab, "d": args.d, "tokens": args.tokens,
               "machine": machine(torch.get_num_threads()),
               "synthetic": synthetic(args),
-              "study": study_states(args) if args.study_work_dir else []}
+              "study": study_states(args) if args.study_work_dir else [],
+              "map": map_runs(args)}
     write_json(args.out / "denormals.json", record)
     write_text(args.out / "denormals.md", report(record))
     print(f"wrote {args.out / 'denormals.md'}")
