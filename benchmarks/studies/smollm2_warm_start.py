@@ -583,7 +583,9 @@ CONTROL_PAIRS = (("mos2", "control"), ("mixtape", "control3m"), ("mos4", "contro
                  # final state: with MFS against mfs1, it splits MFS's gain in two
                  ("mfs1", "control7m"),
                  # the two heads that beat their controls, against each other
-                 ("moscpr", "mfs"))
+                 ("moscpr", "mfs"),
+                 # what 2 million more parameters buy a rank-bounded head
+                 ("control9m", "control7m"))
 
 
 def against_controls(rows: dict) -> list[dict]:
