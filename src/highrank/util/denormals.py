@@ -3,8 +3,8 @@
 A sharp next-token distribution over a large vocabulary holds probabilities below the
 smallest normal float32 (1.2e-38) - in a log-softmax's or logsumexp's exponentials and their
 gradients - and CPUs compute with such denormal numbers many times slower. One training step
-of the warm-start study's MoS + CPR on SmolLM2's vocabulary (49,152 tokens) took 3.6-5.5
-times longer with them than flushed, from its seeds' states after 190 and 270 steps, the loss
+of the warm-start study's MoS + CPR on SmolLM2's vocabulary (49,152 tokens) took 4.5-4.9
+times longer with them than flushed, from its three seeds' final states, the loss
 unchanged (``benchmarks/results/denormals``). Flushing changes only values below 1.2e-38
 (2.2e-308 in float64), which a log-space loss never reads.
 
