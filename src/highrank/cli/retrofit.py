@@ -149,6 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def job() -> int:
+        from highrank.cli.analyze import register_highrank_models
         from highrank.integrations.retrofit import (
             RetrofitError,
             RetrofitPlan,
@@ -158,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
         )
         from highrank.train.state import Interrupted
 
+        # a folder saved with a highrank head loads (then is refused in one line) instead of
+        # transformers asking on stdin whether to run its code
+        register_highrank_models()
         if args.threads:
             import torch
 
@@ -223,8 +227,11 @@ def _speaks() -> bool:
     return launched_rank() in (None, 0)
 
 
-class Terminated(Exception):
-    """SIGTERM (a scheduler, ``kill``) arrived: what was saved stays; the same command goes on."""
+class Terminated(BaseException):
+    """SIGTERM (a scheduler, ``kill``) arrived: what was saved stays; the same command goes on.
+    A BaseException, as KeyboardInterrupt: the library's ``except Exception`` (reading a
+    damaged state.pt, a tokenizer's failure) must not turn it into an input error (a SIGTERM
+    while state.pt was read said "delete it", status 2)."""
 
 
 class _sigterm_raises:

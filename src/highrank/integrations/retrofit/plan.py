@@ -13,6 +13,7 @@ from highrank.config import ConfigError
 from highrank.heads import HEADS, check_init
 from highrank.train.startup import resolve_device as _resolve_run_device
 from highrank.util.checks import check_finite, check_positive_int
+from highrank.util.paths import out_folder_problem
 
 # ``highrank.cli.retrofit`` spells these out (its --help imports no torch); a test holds them equal.
 MODES = ("frozen", "lora", "full")
@@ -20,6 +21,9 @@ DEFAULT_LR = {"frozen": 3e-4, "lora": 2e-4, "full": 1e-5}
 # A run may resume on another device, and from a folder that was moved or copied; after the
 # non-finite guard stopped it, with another --lr.
 MAY_CHANGE = ("device", "out")
+# What a retrofit writes in its folder after plan.json, and ``--restart`` deletes (results.json
+# first: a folder is finished while it and the model are there).
+OUTPUTS = ("results.json", "history.json", "state.pt", "model")
 RESTART_DAMAGED_PLAN = (
     "the run's plan is damaged; add --restart to train again with this command's plan (the "
     "feature caches are kept: they check what they were made from), or delete the folder"
@@ -102,13 +106,23 @@ def resolve_device(name: str) -> torch.device:
         raise RetrofitError(str(error)) from None
 
 
-def check_out(out: Path, plan: RetrofitPlan) -> None:
+def check_out(out: Path, plan: RetrofitPlan, *, restart: bool = False) -> None:
     """``out`` is a new folder or one of this plan (:data:`MAY_CHANGE` aside; ``lr`` too when
-    the non-finite guard stopped it)."""
-    if out.exists() and not out.is_dir():
-        raise RetrofitError(f"--out {out} is a file; expected a folder (new or of this run)")
+    the non-finite guard stopped it; any plan with ``restart``). A folder without a
+    ``plan.json`` (written before anything else) that holds one of :data:`OUTPUTS` is not a
+    retrofit's: it is refused, since the run would replace them (a base model in ``out/model``
+    was deleted at the end of a run)."""
+    problem = out_folder_problem(out, "a retrofit")
+    if problem:
+        raise RetrofitError(f"--out: {problem}")
     saved = out / "plan.json"
-    if saved.exists():
+    foreign = [name for name in OUTPUTS if (out / name).exists()]
+    if foreign and not saved.exists():
+        raise RetrofitError(
+            f"--out {out} holds {', '.join(foreign)} but no plan.json: it is not a retrofit's "
+            "folder, and a retrofit would replace them; give a new or empty folder"
+        )
+    if saved.exists() and not restart:
         old = read_plan(saved)
         may_change = MAY_CHANGE + (("lr",) if "stopped" in old else ())
         # a setting added since a folder was written is there at its default
@@ -155,5 +169,5 @@ def _finite(value) -> bool:
     return True
 
 
-__all__ = ["DEFAULT_LR", "MAY_CHANGE", "MODES", "RetrofitError", "RetrofitPlan", "check_out",
-           "read_plan", "resolve_device"]
+__all__ = ["DEFAULT_LR", "MAY_CHANGE", "MODES", "OUTPUTS", "RetrofitError", "RetrofitPlan",
+           "check_out", "read_plan", "resolve_device"]

@@ -19,12 +19,14 @@ Adam, linear warm-up then cosine decay, gradient-norm clip 1):
 The head starts at the base model's distribution (``attach_head(init="base")``), untied from
 the input embedding in frozen mode (the body must keep reading the embedding it was cached
 with). Before any long work the inputs are checked and a bad one is one line: before the
-model is loaded, what needs no model (its path, each text a non-empty file, the head and its
-knobs, built on the meta device at a placeholder size); after, the rest (each text holds at
-least one window of ids the model has, the window fits its positions, memory and disk
-suffice for the head sized from the knobs, never built for the check). Then: valid/test
-perplexity of the base model and of the trained one on the model's own tokens
-(``results.json``; :mod:`~highrank.integrations.retrofit.score`), and
+model is loaded, what needs no model (its path, ``--out`` a new folder or a retrofit's, each
+text a non-empty file, the head and its knobs, built on the meta device at a placeholder
+size; peft for lora); after, the rest (the model ends in an lm_head, each text holds at
+least one window of ids the model has, the window fits its positions, a batch fits the
+training text, the head's width the lm_head's under ``--init base``, LoRA finds projections
+to adapt, memory and disk suffice for the head sized from the knobs, never built for the
+check). Then: valid/test perplexity of the base model and of the trained one on the model's
+own tokens (``results.json``; :mod:`~highrank.integrations.retrofit.score`), and
 ``OUT/model``, a ``HighrankForCausalLM`` with its tokenizer that
 ``AutoModelForCausalLM.from_pretrained`` reloads (after ``import highrank.integrations.hf``)
 and ``generate()`` uses.
@@ -94,8 +96,10 @@ from highrank.integrations.retrofit.cache import (
     cache_hidden_states,
     check_cache_settings,
     head_from_lm_head,
+    output_layer,
 )
 from highrank.integrations.retrofit.plan import (
+    OUTPUTS,
     RetrofitError,
     RetrofitPlan,
     check_out,
@@ -137,8 +141,8 @@ def retrofit(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False
     progress = progress and distributed.is_writer()  # process 0 speaks for all
     out = Path(plan.out)
     say = print if progress else (lambda *a, **k: None)
+    check_out(out, plan, restart=restart)
     if not restart:
-        check_out(out, plan)
         finished = _finished_results(out)
         if finished is not None:
             say(f"{out} holds a finished retrofit ({out / 'model'}); nothing to do", flush=True)
@@ -183,9 +187,11 @@ def _finished_results(out: Path) -> dict | None:
 
 def _forget_training(out: Path) -> None:
     """What ``--restart`` discards: the training state and what was made from it."""
-    for name in ("results.json", "history.json", "state.pt"):
-        (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / "model", ignore_errors=True)
+    for name in OUTPUTS:
+        if (out / name).is_dir():
+            shutil.rmtree(out / name, ignore_errors=True)
+        else:
+            (out / name).unlink(missing_ok=True)
 
 
 def dry_run(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False) -> dict:
@@ -197,8 +203,7 @@ def dry_run(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False)
     if distributed.launched_rank() is not None:
         raise RetrofitError("--dry-run is one process: run it without torchrun (it checks how "
                             "a batch shares among N processes only when they run)")
-    if not restart:
-        check_out(Path(plan.out), plan)
+    check_out(Path(plan.out), plan, restart=restart)
     check_before_loading(plan)
     model, _, ids, _ = _prepared(plan, say, restart)
     vocab, width = model.get_output_embeddings().weight.shape
@@ -206,8 +211,7 @@ def dry_run(plan: RetrofitPlan, *, progress: bool = True, restart: bool = False)
     total = sum(p.numel() for p in head.parameters())
     decoder = head.weight.numel() + head.bias.numel()
     windows = {split: (len(split_ids) - 1) // plan.window for split, split_ids in ids.items()}
-    budget = (_window_budget(plan, windows["train"]) if _by_windows(plan)
-              else _budget(plan, windows["train"] * plan.window))
+    budget = _train_budget(plan, windows["train"])
     found = {"head": plan.head, "knobs": plan.knobs, "parameters": total,
              "decoder_parameters": decoder, "new_parameters": total - decoder,
              "tokens": {split: len(split_ids) for split, split_ids in ids.items()},
@@ -231,6 +235,7 @@ def _prepared(plan: RetrofitPlan, say, restart: bool):
     its last whole window, every check of the plan against them passed."""
     say(f"loading {plan.model}", flush=True)  # a GGUF file takes minutes to dequantise
     model, tokenizer = _load(plan)
+    _check_output_layer(plan, model)
     device = resolve_device(plan.device)
     if device.type != "cpu":
         say(f"running on {device}", flush=True)
@@ -373,6 +378,8 @@ def check_before_loading(plan: RetrofitPlan) -> None:
                 f"(--window {plan.window}) of tokens plus the one after it"
             )
     _head_on_meta(plan, PLACEHOLDER_WIDTH, PLACEHOLDER_VOCAB)
+    if plan.mode == "lora":
+        _peft()
     if plan.fsdp and not distributed.active():
         raise RetrofitError(
             "--fsdp shards the model across the processes of a torchrun: start it with "
@@ -397,6 +404,22 @@ def _load(plan: RetrofitPlan):
         return causal_lm.load_causal_lm(plan.model, progress=False)
     except causal_lm.HFInputError as error:
         raise RetrofitError(str(error)) from None
+
+
+def _check_output_layer(plan: RetrofitPlan, model) -> None:
+    """The model ends in a linear lm_head for the head to replace (a model saved by a retrofit
+    has a highrank head instead, and was an AttributeError traceback)."""
+    try:
+        output_layer(model)
+    except TypeError as error:
+        head = getattr(model.config, "head_name", None)  # HighrankConfig's
+        if head is not None:
+            raise RetrofitError(
+                f"--hf {plan.model} already has the highrank head {head!r} (a model saved by "
+                "retrofit or attach_head), not an lm_head to replace; give the base model it "
+                "was made from"
+            ) from None
+        raise RetrofitError(f"--hf {plan.model}: {error}") from None
 
 
 def _token_ids(plan: RetrofitPlan, tokenizer, split: str) -> torch.Tensor:
@@ -424,6 +447,16 @@ def _check_plan_fits(plan: RetrofitPlan, model, ids: dict, restart: bool = False
                      max(1, plan.batch_tokens // plan.window))
     lm_head = model.get_output_embeddings()
     vocab, width = lm_head.weight.shape
+    _train_budget(plan, (len(ids["train"]) - 1) // plan.window)  # --batch-tokens fits the text
+    d_embed = plan.knobs.get("d_embed")
+    if plan.init == "base" and d_embed not in (None, width):  # attach_head's ValueError, later
+        raise RetrofitError(
+            f"--knob d_embed={d_embed}: --init base starts the head at the model's lm_head, "
+            f"a ({vocab}, {width}) matrix, which d_embed={d_embed} would change; drop the knob "
+            "or give --init paper"
+        )
+    if plan.mode == "lora":
+        _lora_layers(model.base_model)
     for split, split_ids in ids.items():
         try:
             causal_lm.check_token_ids(model, split_ids, model_path=plan.model,
@@ -505,6 +538,13 @@ def _window_budget(plan: RetrofitPlan, n_windows: int) -> TrainBudget:
     steps = plan.steps or max(1, n_windows // per_batch)
     return replace(_budget(plan, n_windows * plan.window), batch_tokens=per_batch,
                    steps=steps, warmup_steps=min(plan.warmup_steps, steps))
+
+
+def _train_budget(plan: RetrofitPlan, n_windows: int) -> TrainBudget:
+    """The budget over a training text of ``n_windows`` whole windows, as the mode trains."""
+    if _by_windows(plan):
+        return _window_budget(plan, n_windows)
+    return _budget(plan, n_windows * plan.window)
 
 
 def _check_share(plan: RetrofitPlan, what: str, rows: int) -> None:
@@ -706,16 +746,8 @@ def make_trainable(hf_model, plan: RetrofitPlan):
     ``c_fc``), plus the whole head."""
     if plan.mode == "full":
         return hf_model.train().requires_grad_(True)
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise RetrofitError("--mode lora needs the peft package: pip install peft") from None
-    adaptable = _adaptable_layers()
-    found = {name.rsplit(".", 1)[-1]: type(module)
-             for name, module in hf_model.model.named_modules()
-             if isinstance(module, adaptable) and name.rsplit(".", 1)[-1] in LORA_TARGETS}
-    if not found:
-        raise RetrofitError("found no attention or MLP projection in the body to adapt with LoRA")
+    LoraConfig, get_peft_model = _peft()
+    found = _lora_layers(hf_model.model)
     targets = sorted(found)
     config = LoraConfig(r=plan.lora_rank, lora_alpha=2 * plan.lora_rank, lora_dropout=0.0,
                         target_modules=rf"^model\..*\.({'|'.join(targets)})$",
@@ -723,6 +755,29 @@ def make_trainable(hf_model, plan: RetrofitPlan):
                         # Conv1D keeps its weight as (in, out): PEFT's fan_in_fan_out says so
                         fan_in_fan_out=all(kind is not nn.Linear for kind in found.values()))
     return get_peft_model(hf_model, config).train()
+
+
+def _peft():
+    """PEFT's ``LoraConfig`` and ``get_peft_model``; its absence is one line (before loading)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise RetrofitError("--mode lora needs the peft package: pip install peft") from None
+    return LoraConfig, get_peft_model
+
+
+def _lora_layers(body: nn.Module) -> dict[str, type]:
+    """The names (last part) of the body's projections LoRA adapts, with their types; none is
+    one line, checked before any long work (it came after the base model's scores)."""
+    adaptable = _adaptable_layers()
+    found = {name.rsplit(".", 1)[-1]: type(module) for name, module in body.named_modules()
+             if isinstance(module, adaptable) and name.rsplit(".", 1)[-1] in LORA_TARGETS}
+    if not found:
+        raise RetrofitError(
+            f"found no attention or MLP projection in the body ({type(body).__name__}) to "
+            f"adapt with LoRA (it adapts {', '.join(LORA_TARGETS)}); use --mode full or frozen"
+        )
+    return found
 
 
 def _adaptable_layers() -> tuple[type, ...]:
