@@ -92,6 +92,33 @@ def test_after_a_stop_a_corrected_lr_is_taken_and_restart_keeps_the_caches(
     assert all(bool(torch.isfinite(p).all()) for p in saved.parameters())
 
 
+def test_a_restart_after_a_stop_binds_its_own_plan(texts, tmp_path, capsys, monkeypatch):
+    """--restart after a stop trains from the warm start: interrupted, it resumes with its own
+    --lr only (the stop's licence to change --lr stayed in plan.json until the run finished)."""
+    from highrank.integrations.retrofit import run as retrofit_run
+
+    model, files = texts
+    out = tmp_path / "out"
+    argv = command(model, files, out, "--head", "mos", "--knob", "n_components=2", "--lr", "1e9")
+    assert main(argv) == 1
+    assert "stopped" in json.loads((out / "plan.json").read_text())
+    restarted = [*argv, "--restart"]
+    restarted[restarted.index("--lr") + 1] = "1e-3"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C as the restarted training begins
+
+    with monkeypatch.context() as patch:
+        patch.setattr(retrofit_run, "_run_frozen", interrupted)
+        assert main(restarted) == 130
+    assert "stopped" not in json.loads((out / "plan.json").read_text())
+    capsys.readouterr()
+    other = [*argv]
+    other[other.index("--lr") + 1] = "1e-2"
+    assert main(other) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
 def test_a_non_finite_row_in_the_feature_cache_is_refused(texts, tmp_path, capsys):
     model, files = texts
     out = tmp_path / "out"

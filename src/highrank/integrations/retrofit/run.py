@@ -266,7 +266,9 @@ def _retrofit(plan: RetrofitPlan, out: Path, progress: bool, say, restart: bool)
 
     def start() -> dict:
         out.mkdir(parents=True, exist_ok=True)
-        stopped = _stopped(out)  # kept until the run finishes: lr may differ from the state's
+        # kept until the run finishes (its state's lr may differ from the plan's); not after
+        # --restart, which trains from the warm start: its plan binds like any other
+        stopped = {} if restart else _stopped(out)
         write_json(out / "plan.json", {**asdict(plan), **stopped})
         return stopped
 
