@@ -243,3 +243,27 @@ def test_kl_from_a_reference_is_zero_for_itself_and_matches_a_direct_sum(llama, 
     assert got["kl_from_reference"] == pytest.approx(expected, rel=1e-5)
     plain = evaluate_head(other, cache, block_tokens=5)
     assert plain["kl_from_reference"] is None and plain["perplexity"] == got["perplexity"]
+
+
+@pytest.mark.parametrize(("name", "knobs", "apart"), [
+    ("plif", {"n_pieces": 100}, [("head.slope_logits", 0.02)]),  # PLIF's slopes: their own lr
+    ("mos", {"n_components": 2}, []),
+])
+def test_end_to_end_training_keeps_a_heads_own_learning_rates(llama, name, knobs, apart):
+    """lora/full mode trains the head's parameters as frozen mode does: a group a head gives
+    its own lr (:meth:`parameter_groups`) stays apart; the rest, body too, at --lr. PLIF's
+    slopes trained at --lr in lora/full but at 0.02 in frozen mode."""
+    import copy
+
+    from highrank.integrations.hf import attach_head
+    from highrank.integrations.retrofit.train import Trainee
+
+    model = attach_head(copy.deepcopy(llama), name, **knobs).train().requires_grad_(True)
+    trainee = Trainee.model(model, 1e-4)
+    names = {id(p): n for n, p in model.named_parameters()}
+    own = [([names[id(p)] for p in g["params"]], g["lr"]) for g in trainee.groups[1:]]
+    assert own == [([param], lr) for param, lr in apart]
+    assert trainee.groups[0]["lr"] == 1e-4
+    grouped = [id(p) for g in trainee.groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # each once
+    assert [id(p) for p in trainee.params] == [id(p) for p in model.parameters()]

@@ -4,7 +4,8 @@
         [--mode frozen|lora|full] [--knob n_components=2] ...
 
 Three modes, one budget and one training loop (:mod:`~highrank.integrations.retrofit.train`:
-Adam, linear warm-up then cosine decay, gradient-norm clip 1):
+Adam, linear warm-up then cosine decay, gradient-norm clip 1; every parameter at ``--lr`` but
+those a head trains at a rate of its own, ``parameter_groups``: PLIF's slopes at 0.02):
 
 * ``frozen``: the body is frozen; its final hidden states are cached once
   (:func:`~highrank.integrations.retrofit.cache.cache_hidden_states`, ``OUT/cache-<split>``)

@@ -133,6 +133,22 @@ def batch_indices(budget: TrainBudget, n_tokens: int, step: int) -> torch.Tensor
 # ---- what is trained ---------------------------------------------------------------------------
 
 
+def _groups_with_the_heads_own(model: nn.Module, params: list, lr: float) -> list[dict]:
+    """One group at ``lr``, and apart the parameters the model's head trains at a learning
+    rate of its own (:meth:`OutputHead.parameter_groups`: PLIF's slopes), as in frozen mode.
+    A head with none keeps one group (and the optimizer states saved before this split)."""
+    head = next((m for m in model.modules() if isinstance(m, OutputHead)), None)
+    own = [group for group in (head.parameter_groups(lr) if head is not None else ())
+           if group.get("lr", lr) != lr]
+    apart = {id(p) for group in own for p in group["params"]}
+    groups = [{"params": [p for p in params if id(p) not in apart], "lr": lr}]
+    for group in own:
+        trained = [p for p in group["params"] if p.requires_grad]
+        if trained:
+            groups.append({**group, "params": trained})
+    return groups
+
+
 @dataclass(frozen=True)
 class Trainee:
     """What one loop trains: ``module`` (in train mode during the loop, eval after), the
@@ -156,8 +172,8 @@ class Trainee:
     @classmethod
     def model(cls, model: nn.Module, lr: float) -> Trainee:
         params = [p for p in model.parameters() if p.requires_grad]
-        return cls(model, [{"params": params, "lr": lr}], params, "trainable", "a model's",
-                   is_sharded(model))
+        return cls(model, _groups_with_the_heads_own(model, params, lr), params, "trainable",
+                   "a model's", is_sharded(model))
 
     def weights(self) -> dict[str, torch.Tensor]:
         """What ``state.pt`` keeps of the weights (sharded: gathered, on process 0 only;
