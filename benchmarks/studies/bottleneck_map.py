@@ -871,7 +871,7 @@ def _curves(plt, rows: list[dict], name: str, colours: dict) -> None:
             record = json.loads((OUT / "records" / _train_record_name(row)).read_text())
             curve = [c for c in record["curve"] if c["valid_loss"] is not None]
             axis.plot([c["epoch"] for c in curve], [math.exp(c["valid_loss"]) for c in curve],
-                      color=colours[row["arm"]], linestyle="-" if row["seed"] == 1 else "--",
+                      color=colours[row["arm"]], linestyle=SEED_LINES.get(row["seed"], "-."),
                       label=f"{row['arm']} s{row['seed']}")
         axis.set_title(f"d = {d}")
         axis.set_yscale("log")
@@ -881,6 +881,9 @@ def _curves(plt, rows: list[dict], name: str, colours: dict) -> None:
     figure.tight_layout()
     save_figure(figure, OUT / name, dpi=110)
     plt.close(figure)
+
+
+SEED_LINES = {1: "-", 2: "--", THIRD_SEED: ":"}
 
 
 def _train_record_name(row: dict) -> str:
