@@ -942,10 +942,16 @@ def plan(study: Study) -> None:
     print(f"  spent so far: {spent:.1f} process-hours in {len(records)} finished stages "
           "(a resumed stage counts its last process only; superseded rounds apart)")
     widths = sorted({_width(name) for name in pending} - {None})
-    print(f"  (the totals above count every width on the CPU) on an H100 instead "
-          f"(bottleneck_map_device.sh, 12 processes): about {GPU_MINUTES_PER_WIDTH:.0f} "
+    print(f"  (the totals above count every width of this process on the CPU) on an H100 "
+          f"instead (bottleneck_map_device.sh, 12 processes): about {GPU_MINUTES_PER_WIDTH:.0f} "
           f"minutes a width with its pilots, {len(widths)} width(s) with stages left "
           f"({', '.join(map(str, widths))})")
+    _, elsewhere = widths_of_this_device()
+    for d, device in elsewhere.items():
+        left = [s.name for s in map_stages((d,)) if not stage_done(s.name)]
+        if left:
+            print(f"  d = {d}: {len(left)} stages left to {device}, where its pilots ran "
+                  f"(about {GPU_MINUTES_PER_WIDTH:.0f} minutes on an H100)")
     for name in pending[:6]:
         print(f"  next: {name}")
 

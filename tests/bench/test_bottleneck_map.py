@@ -397,3 +397,22 @@ def test_a_width_whose_pilots_ran_on_another_device_is_left_to_it(tmp_path, monk
     assert bm.widths_of_this_device() == ((8, 128, 16, 64, 256), {32: "cuda"})
     monkeypatch.setattr(bm, "DEVICE", "cuda")
     assert bm.widths_of_this_device() == ((32, 128, 16, 64, 256), {8: "cpu"})
+
+
+def test_the_plan_names_the_widths_left_to_another_device(tmp_path, monkeypatch, capsys):
+    """d = 32's pilots ran on the GPU: the CPU plan leaves it out of its totals and says how
+    many of its stages wait there."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    for name in ("DEVICE", "DATA_DIR"):  # main sets them: restored after the test
+        monkeypatch.setattr(bm, name, getattr(bm, name))
+    (tmp_path / "pilots").mkdir()
+    (tmp_path / "pilots" / "softmax-d32-lr5.json").write_text(json.dumps(
+        {"arm": "softmax", "d": 32, "tokens_per_s": 49000.0, "device": "cuda"}))
+    (tmp_path / "records").mkdir()
+    for arm in bm.ARMS:  # its pilots done: its 12 trainings and 12 tests wait
+        (tmp_path / "records" / f"lr-{arm}-d32.json").write_text(json.dumps({"lr": 5.0}))
+    assert bm.main(["--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "d = 32: 24 stages left to cuda, where its pilots ran" in out
+    by_d = out.split("train by d:")[1].split("\n")[0]
+    assert "d = 8:" in by_d and "d = 32:" not in by_d
