@@ -17,9 +17,8 @@ from tests.analysis.test_hf_contexts import (  # noqa: E402
     SPECIALS,
     WORDS,
     save_tiny_model,
-    write_text,
 )
-from tests.integrations.test_retrofit_command import command  # noqa: E402
+from tests.integrations.test_retrofit_command import command, model_and_texts  # noqa: E402
 from tests.integrations.test_retrofit_nonfinite import one_line  # noqa: E402
 
 ERROR = "highrank retrofit: error: "
@@ -28,11 +27,8 @@ ERROR = "highrank retrofit: error: "
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
     root = tmp_path_factory.mktemp("checks")
-    model = save_tiny_model(root / "model")
-    files = {split: write_text(root / f"{split}.txt", n_words=n, seed=i)
-             for i, (split, n) in enumerate((("train", 200), ("valid", 60), ("test", 60)))}
     (root / "empty.txt").write_text("")
-    return model, files
+    return model_and_texts(root)
 
 
 def with_option(argv, option, value):

@@ -14,13 +14,18 @@ from highrank.cli import main  # noqa: E402
 from tests.analysis.test_hf_contexts import save_tiny_model, write_text  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def texts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("retrofit")
+def model_and_texts(root):
+    """The retrofit tests' tiny Llama saved under ``root`` and its train (200 words), valid
+    and test (60 each) texts: ``(model folder, {split: text file})``."""
     model = save_tiny_model(root / "model")
     files = {split: write_text(root / f"{split}.txt", n_words=n, seed=i)
              for i, (split, n) in enumerate((("train", 200), ("valid", 60), ("test", 60)))}
     return model, files
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    return model_and_texts(tmp_path_factory.mktemp("retrofit"))
 
 
 def command(model, files, out, *extra):

@@ -23,17 +23,12 @@ from highrank.integrations.retrofit import (  # noqa: E402
     train_head,
 )
 from highrank.train.state import TrainingError  # noqa: E402
-from tests.analysis.test_hf_contexts import save_tiny_model, write_text  # noqa: E402
-from tests.integrations.test_retrofit_command import command  # noqa: E402
+from tests.integrations.test_retrofit_command import command, model_and_texts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nonfinite")
-    model = save_tiny_model(root / "model")
-    files = {split: write_text(root / f"{split}.txt", n_words=n, seed=i)
-             for i, (split, n) in enumerate((("train", 200), ("valid", 60), ("test", 60)))}
-    return model, files
+    return model_and_texts(tmp_path_factory.mktemp("nonfinite"))
 
 
 def one_line(err: str, prefix: str) -> str:

@@ -15,8 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="retrofit needs the hf extra")
 
 from highrank.cli import main  # noqa: E402
-from tests.analysis.test_hf_contexts import save_tiny_model, write_text  # noqa: E402
-from tests.integrations.test_retrofit_command import command  # noqa: E402
+from tests.integrations.test_retrofit_command import command, model_and_texts  # noqa: E402
 from tests.integrations.test_retrofit_nonfinite import nothing_saved, one_line  # noqa: E402
 
 ERROR = "highrank retrofit: error: "
@@ -24,11 +23,7 @@ ERROR = "highrank retrofit: error: "
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("saved-files")
-    model = save_tiny_model(root / "model")
-    files = {split: write_text(root / f"{split}.txt", n_words=n, seed=i)
-             for i, (split, n) in enumerate((("train", 200), ("valid", 60), ("test", 60)))}
-    return model, files
+    return model_and_texts(tmp_path_factory.mktemp("saved-files"))
 
 
 @pytest.fixture(scope="module")
