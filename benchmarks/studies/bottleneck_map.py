@@ -629,9 +629,10 @@ def beats_both_controls(gains: list[dict]) -> list[dict]:
     when its mean gain over it is positive and the gap is either beyond two spreads (the rule
     that gave a clear gap no third seed: :func:`third_seed_arms`) or, with 3 or more seeds,
     significant in the paired test (p < :data:`SIGNIFICANCE`; with 2 seeds, 1 degree of
-    freedom, the test cannot reach it). Per head: the widths where it beats both, those where
-    it does not, and ``stops_at``, the smallest width above the narrowest win where it does
-    not (None when it wins at every tested width above)."""
+    freedom, the rule does not use the test: it passes only when the two per-seed gains nearly
+    agree, t > 12.7, and such p-values are descriptive). Per head: the widths where it beats
+    both, those where it does not, and ``stops_at``, the smallest width above the narrowest
+    win where it does not (None when it wins at every tested width above)."""
     by = {(g["head"], g["d"], g["against"]): g for g in gains}
     rows = []
     for head in HEADS[1:]:
