@@ -26,6 +26,10 @@
 * A study whose done markers are another program's records (``records=None``) gives its own
   ``done`` test and lock folder; ``busy(name)`` says that a stage is held by a lock of that
   program's own (it then counts as being made elsewhere).
+* ``admit(name)`` may refuse a stage that is ready to run (say, one that would not finish
+  before a deadline, so that a machine taken away loses no half-made stage): it is left for a
+  later run, the rounds go on with the stages after it, and when only refused stages are left
+  the study stops with one line naming them (exit status 0: it did what it was let do).
 
 The kernel releases a lock however its holder dies, so a killed process holds nothing.
 """
@@ -108,6 +112,7 @@ class Study:
         after: Callable[[str], Any] | None = None,
         done: Callable[[str], bool] | None = None,
         busy: Callable[[str], bool] | None = None,
+        admit: Callable[[str], bool] | None = None,
         wait_seconds: float = 30.0,
         indent: int = 1,
         end: str = "",
@@ -123,7 +128,8 @@ class Study:
             raise ValueError("a Study without records needs its own done test and a lock folder")
         self.records = Path(records) if records is not None else None
         self.locks = Path(locks) if locks is not None else self.records
-        self._done, self.busy = done, busy
+        self._done, self.busy, self.admit = done, busy, admit
+        self.refused: list[str] = []  # the ready stages ``admit`` refused in the last round
         self.wait_seconds, self.indent, self.end, self.cwd = wait_seconds, indent, end, cwd
         self.log = log or (lambda line: print(line, flush=True))
         self.interrupted = False  # a SIGINT arrived during run() (see _noting_interrupts)
@@ -204,13 +210,14 @@ class Study:
             raise StageFailed(f"stage {name} wrote no record; rerun to continue")
 
     def run_round(self) -> tuple[int, list[str], int]:
-        """Run every stage that is not done, not held by another process and whose inputs are
-        there, in order: ``(stages run, stages still pending, stages being made elsewhere)``.
-        A study whose stages are a callable reads them again first and returns after one stage
-        (the next round sees the stages its record added)."""
+        """Run every stage that is not done, not held by another process, whose inputs are
+        there and that ``admit`` lets run, in order: ``(stages run, stages still pending,
+        stages being made elsewhere)``; the refused ones are in :attr:`refused`. A study whose
+        stages are a callable reads them again first and returns after one stage (the next
+        round sees the stages its record added)."""
         if self._source is not None:
             self.stages = self._read_stages(self._source())
-        ran, elsewhere = 0, 0
+        ran, elsewhere, self.refused = 0, 0, []
         for stage in self.stages:
             if self.is_done(stage.name):
                 continue
@@ -223,6 +230,9 @@ class Study:
                 if not self.inputs_ready(stage):
                     elsewhere += sum(self.held_elsewhere(n) for n in stage.needs
                                      if not self.is_done(n))
+                    continue
+                if self.admit is not None and not self.admit(stage.name):
+                    self.refused.append(stage.name)
                     continue
                 self.log(f"== {stage.name} ({time.strftime('%H:%M:%S')})")
                 began, self.running = time.perf_counter(), stage.name
@@ -280,6 +290,10 @@ class Study:
                     return 0
                 if ran:
                     continue
+                if self.refused and not elsewhere:
+                    self.log("stopped: not let run here now (left for a later run): "
+                             + ", ".join(self.refused))
+                    return 0
                 if not elsewhere:
                     self.log("stopped: the stages left wait for inputs no process is making: "
                              + ", ".join(pending))

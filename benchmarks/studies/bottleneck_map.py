@@ -64,6 +64,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks._common import (
@@ -268,23 +269,26 @@ def long_dir(head: str, seed: int) -> Path:
 
 
 def map_stages(widths: tuple[int, ...] = D_VALUES) -> list[Stage]:
-    """Per d: the pilots, seeds 1 and 2 of every arm, their tests, then the third seed of the
-    arms :func:`third_seed_arms` names (read from the records: the list grows as they come)."""
+    """Per d: the pilots, seeds 1 and 2 of every arm, each training followed by its test, then
+    the third seed of the arms :func:`third_seed_arms` names (read from the records: the list
+    grows as they come). A test comes right after its training (half a minute) because it
+    reads the run's ``best.pt``, which is not committed: a run trained in one session and
+    tested in the next would have to train again on a new machine."""
     stages = []
     for d in widths:
         stages += [Stage(f"lr-{arm}-d{d}") for arm in ARMS]
         for seed in SEEDS:
-            stages += [Stage(f"train-{arm}-d{d}-seed{seed}", needs=(f"lr-{arm}-d{d}",))
-                       for arm in ARMS]
-        for seed in SEEDS:
-            stages += [Stage(f"test-{arm}-d{d}-seed{seed}",
-                             needs=(f"train-{arm}-d{d}-seed{seed}",)) for arm in ARMS]
-        third = third_seed_arms(d)
-        stages += [Stage(f"train-{arm}-d{d}-seed{THIRD_SEED}", needs=(f"lr-{arm}-d{d}",))
-                   for arm in third]
-        stages += [Stage(f"test-{arm}-d{d}-seed{THIRD_SEED}",
-                         needs=(f"train-{arm}-d{d}-seed{THIRD_SEED}",)) for arm in third]
+            for arm in ARMS:
+                stages += _trained_and_tested(arm, d, seed)
+        for arm in third_seed_arms(d):
+            stages += _trained_and_tested(arm, d, THIRD_SEED)
     return stages
+
+
+def _trained_and_tested(arm: str, d: int, seed: int) -> list[Stage]:
+    cell = f"{arm}-d{d}-seed{seed}"
+    return [Stage(f"train-{cell}", needs=(f"lr-{arm}-d{d}",)),
+            Stage(f"test-{cell}", needs=(f"train-{cell}",))]
 
 
 def third_seed_arms(d: int) -> list[str]:
@@ -903,44 +907,101 @@ PRIOR_TEST_SECONDS = 300.0  # a test stage, before one has finished
 GPU_MINUTES_PER_WIDTH = 12.0
 
 
+class Rates:
+    """What the estimates of the stages left are made of, read from the records so far: the
+    median epochs of the finished map runs (:data:`PRIOR_EPOCHS` before), each (arm, d)'s
+    tokens/s on this device (its finished trainings' median, else its pilots', else its
+    nearest measured d's), and a test stage's median seconds (:data:`PRIOR_TEST_SECONDS`
+    before)."""
+
+    def __init__(self) -> None:
+        self.records = {p.stem: json.loads(p.read_text())
+                        for p in (OUT / "records").glob("*.json")}
+        trainings = [r for name, r in self.records.items() if name.startswith("train-")]
+        self.epochs = [r["epochs"] for r in trainings]
+        self.per_run = statistics.median(self.epochs) if self.epochs else PRIOR_EPOCHS
+        self.pilots = _pilot_rates()
+        self.trained = _training_rates(trainings)
+        tests = [r["stage_seconds"] for name, r in self.records.items()
+                 if name.startswith("test-")]
+        self.per_test = statistics.median(tests) if tests else PRIOR_TEST_SECONDS
+
+    def tokens_per_s(self, arm: str, d: int) -> float:
+        return self.trained.get((arm, d)) or _rate(self.pilots, arm, d)
+
+    def seconds(self, name: str) -> float:
+        """The estimated seconds of stage ``name`` from where it stands (a training with a
+        checkpoint: its epochs left); validation adds 10% to a training."""
+        kind, rest = name.split("-", 1)
+        if kind == "train":
+            arm, d, seed = _cell(rest)
+            epochs = max(1.0, self.per_run - _epochs_done(cell_dir(arm, d, seed)))
+            return epochs * PTB_TRAIN_TOKENS / self.tokens_per_s(arm, d) * 1.1
+        if kind == "long":
+            head, seed = _long(rest)
+            epochs = max(1, LONG_EPOCHS - _epochs_done(long_dir(head, seed)))
+            return epochs * PTB_TRAIN_TOKENS / PRIOR_TOKENS_PER_S[head] * 1.1
+        if kind == "lr":
+            arm, d = rest.rsplit("-d", 1)
+            return len(PILOT_LRS) * PILOT_STEPS * 1120 / _rate(self.pilots, arm, int(d)) + 60
+        return self.per_test
+
+
+def _training_rates(trainings: list[dict]) -> dict[tuple[str, int], float]:
+    """Each (arm, d)'s median tokens/s over its finished trainings on :data:`DEVICE`."""
+    rates: dict[tuple[str, int], list[float]] = {}
+    for record in trainings:
+        if record.get("tokens_per_s") and record.get("device", "cpu") == DEVICE and "d" in record:
+            rates.setdefault((record["arm"], record["d"]), []).append(record["tokens_per_s"])
+    return {key: statistics.median(values) for key, values in rates.items()}
+
+
+def _epochs_done(directory: Path) -> int:
+    """The epochs a run can resume after: 0 without a checkpoint (it starts again)."""
+    if not (directory / "checkpoints" / "last.pt").is_file():
+        return 0
+    return sum(1 for r in _metrics(directory) if r.get("kind") == "epoch")
+
+
+# A stage is let start before --until only if it would end by then at this many times its
+# estimate: the estimates come from rates measured at other loads (a test suite beside the
+# study halves a one-thread run's speed).
+DEADLINE_SLACK = 1.3
+
+
+def before(deadline: float, rates: Callable[[], Rates] = Rates) -> Callable[[str], bool]:
+    """``Study(admit=...)`` for ``--until``: a stage starts only if its estimate, times
+    :data:`DEADLINE_SLACK`, ends before ``deadline`` (a time.time()), so that a session's end
+    takes no half-trained run with it (its checkpoints are not committed)."""
+    def admit(name: str) -> bool:
+        return time.time() + DEADLINE_SLACK * rates().seconds(name) <= deadline
+    return admit
+
+
 def plan(study: Study) -> None:
-    """The stages left and their estimated process-hours, from the rates measured so far:
-    each (arm, d)'s pilot tokens/s (its nearest measured d until then), the median epochs of
-    the finished map runs (:data:`PRIOR_EPOCHS` before), and 10% more for validation; a test
-    stage the median of those finished (:data:`PRIOR_TEST_SECONDS` before)."""
+    """The stages left and their estimated process-hours (:class:`Rates`)."""
     pending = study.pending()
-    records = {p.stem: json.loads(p.read_text()) for p in (OUT / "records").glob("*.json")}
-    epochs = [r["epochs"] for name, r in records.items() if name.startswith("train-")]
-    per_run = statistics.median(epochs) if epochs else PRIOR_EPOCHS
-    rates = _pilot_rates()
-    tests = [r["stage_seconds"] for name, r in records.items() if name.startswith("test-")]
-    per_test = statistics.median(tests) if tests else PRIOR_TEST_SECONDS
+    rates = Rates()
     hours: dict[str, float] = {}
     by_d: dict[int, float] = {}
     for name in pending:
         kind = name.split("-", 1)[0]
+        seconds = rates.seconds(name)
         if kind == "train":
-            arm, d, _ = _cell(name.removeprefix("train-"))
-            seconds = per_run * PTB_TRAIN_TOKENS / _rate(rates, arm, d) * 1.1
+            d = _cell(name.removeprefix("train-"))[1]
             by_d[d] = by_d.get(d, 0.0) + seconds / 3600
-        elif kind == "long":
-            head = name.removeprefix("long-").rsplit("-seed", 1)[0]
-            seconds = LONG_EPOCHS * PTB_TRAIN_TOKENS / PRIOR_TOKENS_PER_S[head] * 1.1
-        elif kind == "lr":
-            arm, d = name.removeprefix("lr-").rsplit("-d", 1)
-            seconds = len(PILOT_LRS) * PILOT_STEPS * 1120 / _rate(rates, arm, int(d)) + 60
-        else:
-            seconds = per_test
         hours[kind] = hours.get(kind, 0.0) + seconds / 3600
-    print(f"{len(pending)} of {len(study.stages)} stages left; a map run takes {per_run} epochs "
+    epochs = rates.epochs
+    print(f"{len(pending)} of {len(study.stages)} stages left; a map run takes "
+          f"{rates.per_run} epochs "
           f"({'median of ' + str(len(epochs)) + ' finished' if epochs else 'assumed'})")
     for kind, value in sorted(hours.items()):
         print(f"  {kind}: about {value:.1f} process-hours")
     print("  train by d: " + ", ".join(f"d = {d}: {h:.1f}" for d, h in sorted(by_d.items())))
     print(f"  in all about {sum(hours.values()):.1f} process-hours "
           f"({sum(hours.values()) / 2:.1f} h with two processes)")
-    spent = sum(r.get("stage_seconds", 0.0) for r in records.values()) / 3600
-    print(f"  spent so far: {spent:.1f} process-hours in {len(records)} finished stages "
+    spent = sum(r.get("stage_seconds", 0.0) for r in rates.records.values()) / 3600
+    print(f"  spent so far: {spent:.1f} process-hours in {len(rates.records)} finished stages "
           "(a resumed stage counts its last process only; superseded rounds apart)")
     widths = sorted({_width(name) for name in pending} - {None})
     print(f"  (the totals above count every width of this process on the CPU) on an H100 "
@@ -954,7 +1015,7 @@ def plan(study: Study) -> None:
             print(f"  d = {d}: {len(left)} stages left to {device}, where its pilots ran "
                   f"(about {GPU_MINUTES_PER_WIDTH:.0f} minutes on an H100)")
     for name in pending[:6]:
-        print(f"  next: {name}")
+        print(f"  next: {name} (about {rates.seconds(name) / 60:.0f} min)")
 
 
 def _width(stage: str) -> int | None:
@@ -1014,6 +1075,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the cells train and are tested (cpu, cuda; default cpu)")
     parser.add_argument("--data-dir", type=Path, default=DATA,
                         help=f"the folder holding ptb/ (default {DATA})")
+    parser.add_argument("--until", type=clock_time, default=None, metavar="HH:MM",
+                        help="start no stage that would not end by then (its estimate from "
+                        f"the measured rates, x{DEADLINE_SLACK}): a machine that goes away at "
+                        "a known time loses no half-trained run")
     parser.add_argument("--plan", action="store_true", help="print the stages left")
     parser.add_argument("--summarize", action="store_true", help="only write the summary")
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # one stage, in a child process
@@ -1035,6 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
         child=lambda name: [sys.executable, "-m", MODULE, "--stage", name, *passed_on],
         extra=lambda: {"load_average": os.getloadavg(), "machine": machine(threads=THREADS)},
         after=summarize_after, cwd=REPO,
+        admit=before(args.until) if args.until is not None else None,
     )
     if args.plan:
         plan(study)
@@ -1053,6 +1119,22 @@ def widths_of_this_device() -> tuple[tuple[int, ...], dict[int, str]]:
         if device != DEVICE and record.get("d") in D_VALUES:
             elsewhere[record["d"]] = device
     return tuple(d for d in D_VALUES if d not in elsewhere), dict(sorted(elsewhere.items()))
+
+
+def clock_time(text: str, now: float | None = None) -> float:
+    """``--until HH:MM``: the next time the local clock reads it (today, or tomorrow if it has
+    passed), as a time.time()."""
+    import datetime
+
+    try:
+        wall = datetime.datetime.strptime(text, "%H:%M").time()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a clock time HH:MM, got {text!r}") from None
+    current = datetime.datetime.fromtimestamp(time.time() if now is None else now)
+    at = datetime.datetime.combine(current.date(), wall)
+    if at <= current:
+        at += datetime.timedelta(days=1)
+    return at.timestamp()
 
 
 def _widths(text: str) -> tuple[int, ...]:

@@ -84,6 +84,57 @@ def test_stages_run_d_by_d_and_each_training_needs_its_pilot():
     assert bm.stages("long")[0].name.startswith("long-")
 
 
+def test_each_test_comes_right_after_its_training():
+    """A test reads the run's best.pt, which is not committed: tested in the same session as
+    its training, or trained again on the next machine."""
+    names = [s.name for s in bm.map_stages((16,))]
+    trainings = [n for n in names if n.startswith("train-")]
+    assert len(trainings) == len(bm.ARMS) * len(bm.SEEDS)
+    for name in trainings:
+        assert names[names.index(name) + 1] == "test-" + name.removeprefix("train-")
+
+
+def test_a_stage_that_would_end_after_the_deadline_is_not_started(tmp_path, monkeypatch):
+    """--until: a training is let start only if its estimate (measured rate, epochs left, x the
+    slack) ends by the deadline; a test of half a minute still fits where a training does not."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "train-softmax-d16-seed1.json").write_text(json.dumps(
+        {"arm": "softmax", "d": 16, "seed": 1, "epochs": 20, "tokens_per_s": 7000.0,
+         "device": "cpu", "stage_seconds": 2900.0}))
+    (records / "test-softmax-d16-seed1.json").write_text(json.dumps({"stage_seconds": 30.0}))
+    rates = bm.Rates()
+    training = 20 * bm.PTB_TRAIN_TOKENS / 7000.0 * 1.1
+    assert rates.seconds("train-softmax-d16-seed2") == pytest.approx(training)
+    assert rates.seconds("test-mos-d16-seed2") == 30.0
+    now = 1_000_000.0
+    monkeypatch.setattr(bm.time, "time", lambda: now)
+    admit = bm.before(now + bm.DEADLINE_SLACK * training + 1)
+    assert admit("train-softmax-d16-seed2") and admit("test-mos-d16-seed2")
+    admit = bm.before(now + training)  # the estimate alone fits, not with the slack
+    assert not admit("train-softmax-d16-seed2") and admit("test-mos-d16-seed2")
+    # a run with a checkpoint after 15 of its 20 epochs needs a quarter of the time
+    run = bm.cell_dir("softmax", 16, 2)
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.pt").write_bytes(b"")
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "epoch", "epoch": e}) + "\n" for e in range(1, 16)))
+    assert bm.Rates().seconds("train-softmax-d16-seed2") == pytest.approx(training / 4)
+    assert admit("train-softmax-d16-seed2")
+
+
+def test_until_reads_the_next_time_the_clock_shows_it(capsys):
+    import datetime
+
+    noon = datetime.datetime(2026, 12, 7, 12, 0).timestamp()
+    assert bm.clock_time("13:30", now=noon) - noon == 90 * 60
+    assert bm.clock_time("11:00", now=noon) - noon == 23 * 3600  # passed today: tomorrow's
+    with pytest.raises(SystemExit):
+        bm.main(["--until", "25:00", "--plan"])
+    assert "expected a clock time HH:MM, got '25:00'" in capsys.readouterr().err
+
+
 def write_cell(out, arm, d, seed, test_ppl, lr=10.0):
     records = out / "records"
     records.mkdir(parents=True, exist_ok=True)

@@ -270,3 +270,22 @@ def test_a_stage_child_interrupted_returns_130_quietly(tmp_path):
     for work in (lambda name: signal.raise_signal(signal.SIGINT), turned_into_an_error):
         study, _ = study_of(tmp_path, work=work)
         assert study.main("a", summarize=lambda: None) == 130
+
+
+def test_a_stage_admit_refuses_is_left_and_the_study_stops_with_one_line(tmp_path, capsys):
+    """admit (a deadline, say) refuses the long stage: the short one after it still runs, the
+    refused one stays pending for a later run, and the study stops with 0 and names it."""
+    ran = []
+
+    def work(name):
+        ran.append(name)
+        return {}
+
+    stages = [Stage("long"), Stage("short"), Stage("after-long", needs=("long",))]
+    study = Study(stages, work, records=tmp_path, admit=lambda name: name != "long")
+    assert study.run() == 0
+    assert ran == ["short"]
+    assert study.pending() == ["long", "after-long"]
+    assert "stopped: not let run here now (left for a later run): long" in capsys.readouterr().out
+    assert Study(stages, work, records=tmp_path).run() == 0  # no deadline: the rest runs
+    assert ran == ["short", "long", "after-long"]
