@@ -88,6 +88,12 @@ PTB_VOCAB = 10_000
 # then the widths between.
 D_VALUES = (8, 32, 128, 16, 64, 256)
 HEADS = ("softmax", "mos", "mixtape", "sigsoftmax")
+# The widths the CPU takes (the issue's budget, about 40 process-hours for the whole map: d = 8
+# and 16 cost about 37 of them on this CPU; d = 64 would add about 20, d = 256 about 40): the
+# others wait for a GPU, about 12 minutes of device time a width (the page's *The budget*).
+CPU_WIDTHS = (8, 16)
+BUDGET_DEVICE = "a GPU"  # where the widths beyond CPU_WIDTHS are left
+GPU_DEVICES = ("cuda",)  # the devices a pilot record may name besides the CPU
 CONTROLS = ("mlp_softmax", "wide_softmax")
 ARMS = HEADS + CONTROLS
 SEEDS = (1, 2)
@@ -353,6 +359,11 @@ def stage_done(name: str) -> bool:
 
 def work(name: str) -> dict:
     kind, rest = name.split("-", 1)
+    if kind in ("train", "long"):
+        # a training made again (its best.pt stayed on another machine) drops its old record
+        # first: that record and the new run's first best.pt would read as done (stage_done),
+        # and another process would test a run still training
+        (OUT / "records" / f"{name}.json").unlink(missing_ok=True)
     if kind == "lr":
         arm, d = rest.rsplit("-d", 1)
         return choose_lr(arm, int(d))
@@ -910,8 +921,8 @@ GPU_MINUTES_PER_WIDTH = 12.0
 class Rates:
     """What the estimates of the stages left are made of, read from the records so far: the
     median epochs of the finished map runs (:data:`PRIOR_EPOCHS` before), each (arm, d)'s
-    tokens/s on this device (its finished trainings' median, else its pilots', else its
-    nearest measured d's), and a test stage's median seconds (:data:`PRIOR_TEST_SECONDS`
+    tokens/s on this device (its trainings' logged steps, else its pilots', else its nearest
+    measured d's), and a test stage's median seconds (:data:`PRIOR_TEST_SECONDS`
     before)."""
 
     def __init__(self) -> None:
@@ -921,7 +932,7 @@ class Rates:
         self.epochs = [r["epochs"] for r in trainings]
         self.per_run = statistics.median(self.epochs) if self.epochs else PRIOR_EPOCHS
         self.pilots = _pilot_rates()
-        self.trained = _training_rates(trainings)
+        self.trained = _training_rates()
         tests = [r["stage_seconds"] for name, r in self.records.items()
                  if name.startswith("test-")]
         self.per_test = statistics.median(tests) if tests else PRIOR_TEST_SECONDS
@@ -947,13 +958,18 @@ class Rates:
         return self.per_test
 
 
-def _training_rates(trainings: list[dict]) -> dict[tuple[str, int], float]:
-    """Each (arm, d)'s median tokens/s over its finished trainings on :data:`DEVICE`."""
+def _training_rates() -> dict[tuple[str, int], float]:
+    """Each (arm, d)'s median tokens/s over the logged steps of its runs on :data:`DEVICE`
+    (``runs/*/metrics.jsonl``: finished runs and those in progress alike)."""
     rates: dict[tuple[str, int], list[float]] = {}
-    for record in trainings:
-        if record.get("tokens_per_s") and record.get("device", "cpu") == DEVICE and "d" in record:
-            rates.setdefault((record["arm"], record["d"]), []).append(record["tokens_per_s"])
-    return {key: statistics.median(values) for key, values in rates.items()}
+    for config in (OUT / "runs").glob("*-d*-seed*/config.toml"):
+        arm, d, _ = _cell(config.parent.name)
+        if f'device = "{DEVICE}"' not in config.read_text():
+            continue
+        rates.setdefault((arm, d), []).extend(
+            r["tokens_per_s"] for r in _metrics(config.parent)
+            if r.get("kind") == "step" and r.get("tokens_per_s"))
+    return {key: statistics.median(values) for key, values in rates.items() if values}
 
 
 def _epochs_done(directory: Path) -> int:
@@ -1012,7 +1028,8 @@ def plan(study: Study) -> None:
     for d, device in elsewhere.items():
         left = [s.name for s in map_stages((d,)) if not stage_done(s.name)]
         if left:
-            print(f"  d = {d}: {len(left)} stages left to {device}, where its pilots ran "
+            why = ("where its pilots ran" if device in GPU_DEVICES else "beyond the CPU's budget")
+            print(f"  d = {d}: {len(left)} stages left to {device}, {why} "
                   f"(about {GPU_MINUTES_PER_WIDTH:.0f} minutes on an H100)")
     for name in pending[:6]:
         print(f"  next: {name} (about {rates.seconds(name) / 60:.0f} min)")
@@ -1069,7 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", type=_widths, default=None, metavar="D,D",
                         help="only the map's cells of these output widths (of "
                         f"{', '.join(map(str, D_VALUES))}; default: every width whose pilots "
-                        "did not run on another device)")
+                        "did not run on another device, and on the CPU only "
+                        f"{', '.join(map(str, CPU_WIDTHS))}: the budget)")
     parser.add_argument("--no-long", action="store_true", help="not the 15-epoch runs")
     parser.add_argument("--device", default="cpu",
                         help="where the cells train and are tested (cpu, cuda; default cpu)")
@@ -1092,8 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
         args.widths, elsewhere = widths_of_this_device()
         if elsewhere and not args.stage:
             print(f"widths {', '.join(f'{d} ({where})' for d, where in elsewhere.items())} "
-                  f"are left to the device their pilots ran on: a width's arms train on one "
-                  "(--widths takes them here)", flush=True)
+                  "are left to another device: where their pilots ran (a width's arms train on "
+                  "one) or, beyond the CPU's budget, a GPU (--widths takes them here)",
+                  flush=True)
     study = Study(
         lambda: stages(args.first, args.widths, long=not args.no_long), work,
         records=OUT / "records", locks=OUT / ".locks", done=stage_done,
@@ -1109,15 +1128,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def widths_of_this_device() -> tuple[tuple[int, ...], dict[int, str]]:
-    """The map's widths whose pilots ran on :data:`DEVICE` or have not run (pilots before the
-    ``device`` field ran on the CPU), and the others with their device: a width's arms are
-    compared on one device, so its cells train where its pilots ran."""
+    """The map's widths this process takes without ``--widths``, and the others with where
+    they are left: a width whose pilots ran on another device is that device's (a width's arms
+    are compared on one device; pilots before the ``device`` field ran on the CPU), and on the
+    CPU only :data:`CPU_WIDTHS` (the budget): the others wait for a GPU."""
     elsewhere: dict[int, str] = {}
     for path in (OUT / "pilots").glob("*.json"):
         record = json.loads(path.read_text())
         device = record.get("device", "cpu")
         if device != DEVICE and record.get("d") in D_VALUES:
             elsewhere[record["d"]] = device
+    if DEVICE == "cpu":
+        for d in D_VALUES:
+            if d not in CPU_WIDTHS:
+                elsewhere.setdefault(d, BUDGET_DEVICE)
     return tuple(d for d in D_VALUES if d not in elsewhere), dict(sorted(elsewhere.items()))
 
 

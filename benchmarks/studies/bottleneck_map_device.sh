@@ -22,8 +22,8 @@
 # archive per width, one for its command files) and the next one unpacks them first: they
 # replace the tree's copies of the same files. Each call's commands are a file of their own,
 # commands-gpu-d<W>-<UTC time>.txt. A run trained here but not tested before the machine goes back
-# trains again on the next one (its checkpoint stays here): the cells' tests follow their width's
-# trainings.
+# trains again on the next one (its checkpoint stays here): each cell's test follows its
+# training at once.
 # Measured on an H100 (2026-11-27, WORKERS=12, widths 32,128): the 12 learning-rate pilots
 # took 100-190 s each side by side; then 12 cells trained side by side at 15-26 s an epoch each
 # (36,000-63,000 tokens/s), so one width's 12 cells need about 7 minutes of training after their

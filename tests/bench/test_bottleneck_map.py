@@ -100,11 +100,17 @@ def test_a_stage_that_would_end_after_the_deadline_is_not_started(tmp_path, monk
     monkeypatch.setattr(bm, "OUT", tmp_path)
     records = tmp_path / "records"
     records.mkdir()
-    (records / "train-softmax-d16-seed1.json").write_text(json.dumps(
-        {"arm": "softmax", "d": 16, "seed": 1, "epochs": 20, "tokens_per_s": 7000.0,
-         "device": "cpu", "stage_seconds": 2900.0}))
+    (records / "train-softmax-d16-seed1.json").write_text(json.dumps({"epochs": 20}))
     (records / "test-softmax-d16-seed1.json").write_text(json.dumps({"stage_seconds": 30.0}))
+    # the rate: the median of the logged steps of the (arm, d)'s runs on this device
+    for seed, rates, device in ((1, (6000.0, 7000.0, 9000.0), "cpu"), (3, (50000.0,), "cuda")):
+        run = bm.cell_dir("softmax", 16, seed)
+        run.mkdir(parents=True)
+        (run / "config.toml").write_text(f'[run]\ndevice = "{device}"\n')
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"kind": "step", "tokens_per_s": r}) + "\n" for r in rates))
     rates = bm.Rates()
+    assert rates.tokens_per_s("softmax", 16) == 7000.0
     training = 20 * bm.PTB_TRAIN_TOKENS / 7000.0 * 1.1
     assert rates.seconds("train-softmax-d16-seed2") == pytest.approx(training)
     assert rates.seconds("test-mos-d16-seed2") == 30.0
@@ -319,6 +325,29 @@ def test_a_training_without_its_checkpoint_is_done_only_once_tested(tmp_path, mo
     assert not bm.stage_done("lr-mos-d32")  # no record
 
 
+def test_a_training_made_again_drops_its_old_record_before_it_starts(tmp_path, monkeypatch):
+    """Trained on another machine (its record here, its best.pt not): while it trains again here,
+    its first best.pt must not make the old record read as done, or another process would test
+    a run still training."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    write_cell(tmp_path, "softmax", 16, 1, 140.0)
+    (tmp_path / "records" / "test-softmax-d16-seed1.json").unlink()
+    (tmp_path / "records" / "lr-softmax-d16.json").write_text(json.dumps({"lr": 5.0}))
+    seen = []
+
+    def training(*words):  # the first epoch's best.pt, then a look at the records
+        best = bm.cell_dir("softmax", 16, 1) / "checkpoints" / "best.pt"
+        best.parent.mkdir(parents=True, exist_ok=True)
+        best.write_bytes(b"")
+        seen.append(bm.stage_done("train-softmax-d16-seed1"))
+        raise RuntimeError("stopped mid-run")
+
+    monkeypatch.setattr(bm, "run", training)
+    with pytest.raises(RuntimeError):
+        bm.work("train-softmax-d16-seed1")
+    assert seen == [False]
+
+
 def test_cells_on_a_gpu_name_their_device_and_data(tmp_path, monkeypatch):
     """--device and --data-dir reach every command; on the CPU the commands are as before."""
     train = bm.train_words("mos", 8, 10.0, 1, tmp_path / "run")
@@ -445,7 +474,10 @@ def test_a_width_whose_pilots_ran_on_another_device_is_left_to_it(tmp_path, monk
         record = {"arm": name.split("-")[0], "d": d, **({} if device is None else
                                                         {"device": device})}
         (tmp_path / "pilots" / f"{name}.json").write_text(json.dumps(record))
-    assert bm.widths_of_this_device() == ((8, 128, 16, 64, 256), {32: "cuda"})
+    # the CPU takes CPU_WIDTHS only (the budget): the others wait for a GPU
+    assert bm.widths_of_this_device() == ((8, 16), {32: "cuda", 64: bm.BUDGET_DEVICE,
+                                                    128: bm.BUDGET_DEVICE,
+                                                    256: bm.BUDGET_DEVICE})
     monkeypatch.setattr(bm, "DEVICE", "cuda")
     assert bm.widths_of_this_device() == ((32, 128, 16, 64, 256), {8: "cpu"})
 
@@ -465,5 +497,6 @@ def test_the_plan_names_the_widths_left_to_another_device(tmp_path, monkeypatch,
     assert bm.main(["--plan"]) == 0
     out = capsys.readouterr().out
     assert "d = 32: 24 stages left to cuda, where its pilots ran" in out
+    assert "d = 64: 30 stages left to a GPU, beyond the CPU's budget" in out
     by_d = out.split("train by d:")[1].split("\n")[0]
     assert "d = 8:" in by_d and "d = 32:" not in by_d
