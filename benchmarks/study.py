@@ -246,9 +246,11 @@ class Study:
         return ran, self.pending(), elsewhere
 
     def run(self) -> int:
-        """Rounds until every stage is done: 0; 1 when the stages left wait for inputs that no
-        process is making (one line names them) or a stage failed (one line says which); 130
-        when interrupted (SIGINT: Ctrl-C, ``timeout --signal=INT``), also in one line."""
+        """Rounds until every stage is done: 0; also 0 when the stages left are refused by
+        ``admit`` and no other process holds one (one line names them); 1 when the stages left
+        wait for inputs that no process is making (one line names them) or a stage failed (one
+        line says which); 130 when interrupted (SIGINT: Ctrl-C, ``timeout --signal=INT``), also
+        in one line."""
         self.interrupted, self.running = False, None
         try:
             with self._noting_interrupts():

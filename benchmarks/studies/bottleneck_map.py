@@ -64,6 +64,7 @@ import shutil
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,7 +94,6 @@ HEADS = ("softmax", "mos", "mixtape", "sigsoftmax")
 # others wait for a GPU, about 12 minutes of device time a width (the page's *The budget*).
 CPU_WIDTHS = (8, 16)
 BUDGET_DEVICE = "a GPU"  # where the widths beyond CPU_WIDTHS are left
-GPU_DEVICES = ("cuda",)  # the devices a pilot record may name besides the CPU
 CONTROLS = ("mlp_softmax", "wide_softmax")
 ARMS = HEADS + CONTROLS
 SEEDS = (1, 2)
@@ -122,6 +122,7 @@ BODY = (
     "train.test_batch_size=10",
     "run.device=cpu",
 )
+EPOCH_CAP = 20  # the budget's cap on a map run (the page's *The budget*)
 STOP = (
     "train.optimizer=nt-asgd",
     "train.nonmono=3",
@@ -130,7 +131,7 @@ STOP = (
     "train.latest_switch_epoch=12",
     "train.patience=3",
     "train.patience_min_delta=0.002",
-    "train.epochs=20",
+    f"train.epochs={EPOCH_CAP}",
 )
 # arm -> (the small recipe it starts from, its head overrides). No arm has dropout inside its
 # output layer (MoS's recipe drops 0.29 of its latents, which are d wide: at d = 8 that alone
@@ -411,10 +412,16 @@ def long_words(head: str, seed: int, directory: Path) -> list[str]:
 
 
 def _metrics(directory: Path) -> list[dict]:
+    """A run's metrics.jsonl; a torn last line (a run writing it now, or one killed while it
+    did) is skipped."""
+    from highrank.runs.run_dir import read_metrics
+
     path = directory / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the torn line's warning: expected of a live run
+        return read_metrics(path)
 
 
 def training_record(directory: Path, facts: dict) -> dict:
@@ -909,7 +916,7 @@ def _train_record_name(row: dict) -> str:
 
 
 PTB_TRAIN_TOKENS = 929_589
-PRIOR_EPOCHS = 20  # before any map run has finished: the cap (the first cell reached it)
+PRIOR_EPOCHS = EPOCH_CAP  # before any map run has finished (the first cell reached the cap)
 PRIOR_TOKENS_PER_S = {"softmax": 3000.0, "mos": 1000.0}  # the 15-epoch runs, before measured
 PRIOR_TEST_SECONDS = 300.0  # a test stage, before one has finished
 # One width's 12 cells and their pilots on an H100, 12 processes side by side (measured
@@ -921,9 +928,10 @@ GPU_MINUTES_PER_WIDTH = 12.0
 class Rates:
     """What the estimates of the stages left are made of, read from the records so far: the
     median epochs of the finished map runs (:data:`PRIOR_EPOCHS` before), each (arm, d)'s
-    tokens/s on this device (its trainings' logged steps, else its pilots', else its nearest
-    measured d's), and a test stage's median seconds (:data:`PRIOR_TEST_SECONDS`
-    before)."""
+    tokens/s on this device (its runs' logged steps, else its pilots', else its nearest
+    measured d's), and a test stage's seconds (:data:`PRIOR_TEST_SECONDS` before). A plan
+    takes the typical case (medians); a deadline the worst measured (``worst=True``: the
+    epoch cap, the slowest run's median rate, the longest test)."""
 
     def __init__(self) -> None:
         self.records = {p.stem: json.loads(p.read_text())
@@ -932,44 +940,50 @@ class Rates:
         self.epochs = [r["epochs"] for r in trainings]
         self.per_run = statistics.median(self.epochs) if self.epochs else PRIOR_EPOCHS
         self.pilots = _pilot_rates()
-        self.trained = _training_rates()
+        per_run = _training_rates()
+        self.trained = {key: statistics.median(v) for key, v in per_run.items()}
+        self.slowest = {key: min(v) for key, v in per_run.items()}
         tests = [r["stage_seconds"] for name, r in self.records.items()
                  if name.startswith("test-")]
         self.per_test = statistics.median(tests) if tests else PRIOR_TEST_SECONDS
+        self.longest_test = max(tests) if tests else PRIOR_TEST_SECONDS
 
-    def tokens_per_s(self, arm: str, d: int) -> float:
-        return self.trained.get((arm, d)) or _rate(self.pilots, arm, d)
+    def tokens_per_s(self, arm: str, d: int, worst: bool = False) -> float:
+        measured = (self.slowest if worst else self.trained).get((arm, d))
+        return measured or _rate(self.pilots, arm, d)
 
-    def seconds(self, name: str) -> float:
+    def seconds(self, name: str, worst: bool = False) -> float:
         """The estimated seconds of stage ``name`` from where it stands (a training with a
         checkpoint: its epochs left); validation adds 10% to a training."""
         kind, rest = name.split("-", 1)
         if kind == "train":
             arm, d, seed = _cell(rest)
-            epochs = max(1.0, self.per_run - _epochs_done(cell_dir(arm, d, seed)))
-            return epochs * PTB_TRAIN_TOKENS / self.tokens_per_s(arm, d) * 1.1
+            epochs = EPOCH_CAP if worst else self.per_run
+            epochs = max(1.0, epochs - _epochs_done(cell_dir(arm, d, seed)))
+            return epochs * PTB_TRAIN_TOKENS / self.tokens_per_s(arm, d, worst) * 1.1
         if kind == "long":
             head, seed = _long(rest)
             epochs = max(1, LONG_EPOCHS - _epochs_done(long_dir(head, seed)))
             return epochs * PTB_TRAIN_TOKENS / PRIOR_TOKENS_PER_S[head] * 1.1
-        if kind == "lr":
+        if kind == "lr":  # the grid without its extensions
             arm, d = rest.rsplit("-d", 1)
             return len(PILOT_LRS) * PILOT_STEPS * 1120 / _rate(self.pilots, arm, int(d)) + 60
-        return self.per_test
+        return self.longest_test if worst else self.per_test
 
 
-def _training_rates() -> dict[tuple[str, int], float]:
-    """Each (arm, d)'s median tokens/s over the logged steps of its runs on :data:`DEVICE`
-    (``runs/*/metrics.jsonl``: finished runs and those in progress alike)."""
+def _training_rates() -> dict[tuple[str, int], list[float]]:
+    """Each (arm, d)'s runs on :data:`DEVICE`, by the median tokens/s of each run's logged
+    steps (``runs/*/metrics.jsonl``: finished runs and those in progress alike)."""
     rates: dict[tuple[str, int], list[float]] = {}
     for config in (OUT / "runs").glob("*-d*-seed*/config.toml"):
         arm, d, _ = _cell(config.parent.name)
         if f'device = "{DEVICE}"' not in config.read_text():
             continue
-        rates.setdefault((arm, d), []).extend(
-            r["tokens_per_s"] for r in _metrics(config.parent)
-            if r.get("kind") == "step" and r.get("tokens_per_s"))
-    return {key: statistics.median(values) for key, values in rates.items() if values}
+        steps = [r["tokens_per_s"] for r in _metrics(config.parent)
+                 if r.get("kind") == "step" and r.get("tokens_per_s")]
+        if steps:
+            rates.setdefault((arm, d), []).append(statistics.median(steps))
+    return rates
 
 
 def _epochs_done(directory: Path) -> int:
@@ -980,17 +994,31 @@ def _epochs_done(directory: Path) -> int:
 
 
 # A stage is let start before --until only if it would end by then at this many times its
-# estimate: the estimates come from rates measured at other loads (a test suite beside the
-# study halves a one-thread run's speed).
+# worst measured estimate: the load of other work can slow a one-thread run further still.
 DEADLINE_SLACK = 1.3
 
 
 def before(deadline: float, rates: Callable[[], Rates] = Rates) -> Callable[[str], bool]:
-    """``Study(admit=...)`` for ``--until``: a stage starts only if its estimate, times
-    :data:`DEADLINE_SLACK`, ends before ``deadline`` (a time.time()), so that a session's end
-    takes no half-trained run with it (its checkpoints are not committed)."""
+    """``Study(admit=...)`` for ``--until``: a training starts only if it and its test, at
+    their worst measured estimates (:meth:`Rates.seconds`) times :data:`DEADLINE_SLACK`, end
+    before ``deadline`` (a time.time()), so that a session's end takes no half-trained or
+    untested run with it (checkpoints are not committed); a test always starts (its training
+    is done here: refused, the run would be lost). An error in the estimate refuses the
+    stage, in one line."""
     def admit(name: str) -> bool:
-        return time.time() + DEADLINE_SLACK * rates().seconds(name) <= deadline
+        kind, rest = name.split("-", 1)
+        if kind == "test":
+            return True
+        try:
+            estimate = rates()
+            seconds = estimate.seconds(name, worst=True)
+            if kind in ("train", "long"):
+                seconds += estimate.seconds(f"test-{rest if kind == 'train' else name}",
+                                            worst=True)
+        except Exception as error:  # noqa: BLE001 - any error: the stage waits, said so
+            print(f"{name}: not started, its estimate failed: {error!r}", flush=True)
+            return False
+        return time.time() + DEADLINE_SLACK * seconds <= deadline
     return admit
 
 
@@ -1028,7 +1056,7 @@ def plan(study: Study) -> None:
     for d, device in elsewhere.items():
         left = [s.name for s in map_stages((d,)) if not stage_done(s.name)]
         if left:
-            why = ("where its pilots ran" if device in GPU_DEVICES else "beyond the CPU's budget")
+            why = "beyond the CPU's budget" if device == BUDGET_DEVICE else "where its pilots ran"
             print(f"  d = {d}: {len(left)} stages left to {device}, {why} "
                   f"(about {GPU_MINUTES_PER_WIDTH:.0f} minutes on an H100)")
     for name in pending[:6]:
@@ -1045,12 +1073,12 @@ def _width(stage: str) -> int | None:
 
 
 def _pilot_rates() -> dict[tuple[str, int], float]:
-    """Each (arm, d)'s median tokens/s over its pilots on the CPU (a GPU's are another
-    machine's rates; pilots before the ``device`` field ran on the CPU)."""
+    """Each (arm, d)'s median tokens/s over its pilots on :data:`DEVICE` (another device's are
+    another machine's rates; pilots before the ``device`` field ran on the CPU)."""
     rates: dict[tuple[str, int], list[float]] = {}
     for path in (OUT / "pilots").glob("*.json"):
         record = json.loads(path.read_text())
-        if record.get("tokens_per_s") and record.get("device", "cpu") == "cpu":
+        if record.get("tokens_per_s") and record.get("device", "cpu") == DEVICE:
             rates.setdefault((record["arm"], record["d"]), []).append(record["tokens_per_s"])
     return {key: statistics.median(values) for key, values in rates.items()}
 
@@ -1124,6 +1152,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         plan(study)
         return 0
+    if args.until is not None and not args.stage:
+        left = (args.until - time.time()) / 3600
+        print(f"--until: no stage starts that would end after "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(args.until))} "
+              f"(in {left:.1f} h) at {DEADLINE_SLACK}x its worst measured estimate", flush=True)
     return study.main(args.stage, summarize=summarize, only_summary=args.summarize)
 
 

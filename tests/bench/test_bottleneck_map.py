@@ -95,39 +95,57 @@ def test_each_test_comes_right_after_its_training():
 
 
 def test_a_stage_that_would_end_after_the_deadline_is_not_started(tmp_path, monkeypatch):
-    """--until: a training is let start only if its estimate (measured rate, epochs left, x the
-    slack) ends by the deadline; a test of half a minute still fits where a training does not."""
+    """--until: a training is let start only if it and its test, at their worst measured
+    estimates (the epoch cap, the slowest run's rate, the longest test) x the slack, end by the
+    deadline; a test always starts (its run's best.pt is here: refused, the run is lost)."""
     monkeypatch.setattr(bm, "OUT", tmp_path)
     records = tmp_path / "records"
     records.mkdir()
-    (records / "train-softmax-d16-seed1.json").write_text(json.dumps({"epochs": 20}))
-    (records / "test-softmax-d16-seed1.json").write_text(json.dumps({"stage_seconds": 30.0}))
-    # the rate: the median of the logged steps of the (arm, d)'s runs on this device
-    for seed, rates, device in ((1, (6000.0, 7000.0, 9000.0), "cpu"), (3, (50000.0,), "cuda")):
+    (records / "train-softmax-d16-seed1.json").write_text(json.dumps({"epochs": 12}))
+    for seed, seconds in ((1, 30.0), (3, 90.0)):
+        (records / f"test-softmax-d16-seed{seed}.json").write_text(json.dumps(
+            {"stage_seconds": seconds}))
+    # each run's rate: the median of its logged steps; a GPU run's are not the CPU's
+    for seed, rates, device in ((1, (6000.0, 7000.0, 9000.0), "cpu"),
+                                (3, (4000.0, 5000.0, 5500.0), "cpu"), (4, (50000.0,), "cuda")):
         run = bm.cell_dir("softmax", 16, seed)
         run.mkdir(parents=True)
         (run / "config.toml").write_text(f'[run]\ndevice = "{device}"\n')
+        # a torn last line, as a run writing its metrics leaves it
         (run / "metrics.jsonl").write_text("".join(
-            json.dumps({"kind": "step", "tokens_per_s": r}) + "\n" for r in rates))
+            json.dumps({"kind": "step", "tokens_per_s": r}) + "\n" for r in rates) + '{"ki')
     rates = bm.Rates()
-    assert rates.tokens_per_s("softmax", 16) == 7000.0
-    training = 20 * bm.PTB_TRAIN_TOKENS / 7000.0 * 1.1
-    assert rates.seconds("train-softmax-d16-seed2") == pytest.approx(training)
-    assert rates.seconds("test-mos-d16-seed2") == 30.0
+    assert rates.tokens_per_s("softmax", 16) == 6000.0  # the median of the runs' 7000 and 5000
+    assert rates.tokens_per_s("softmax", 16, worst=True) == 5000.0
+    typical = 12 * bm.PTB_TRAIN_TOKENS / 6000.0 * 1.1
+    worst = bm.EPOCH_CAP * bm.PTB_TRAIN_TOKENS / 5000.0 * 1.1
+    assert rates.seconds("train-softmax-d16-seed2") == pytest.approx(typical)
+    assert rates.seconds("train-softmax-d16-seed2", worst=True) == pytest.approx(worst)
+    assert rates.seconds("test-mos-d16-seed2") == 60.0
+    assert rates.seconds("test-mos-d16-seed2", worst=True) == 90.0
     now = 1_000_000.0
     monkeypatch.setattr(bm.time, "time", lambda: now)
-    admit = bm.before(now + bm.DEADLINE_SLACK * training + 1)
-    assert admit("train-softmax-d16-seed2") and admit("test-mos-d16-seed2")
-    admit = bm.before(now + training)  # the estimate alone fits, not with the slack
-    assert not admit("train-softmax-d16-seed2") and admit("test-mos-d16-seed2")
-    # a run with a checkpoint after 15 of its 20 epochs needs a quarter of the time
+    admit = bm.before(now + bm.DEADLINE_SLACK * (worst + 90.0) + 1)
+    assert admit("train-softmax-d16-seed2")
+    admit = bm.before(now + bm.DEADLINE_SLACK * worst + 1)  # the training fits, not its test
+    assert not admit("train-softmax-d16-seed2")
+    assert bm.before(now)("test-mos-d16-seed2")  # past the deadline, a test still starts
+    # a run with a checkpoint after 15 of the cap's 20 epochs needs a quarter of the time
     run = bm.cell_dir("softmax", 16, 2)
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "last.pt").write_bytes(b"")
     (run / "metrics.jsonl").write_text("".join(
         json.dumps({"kind": "epoch", "epoch": e}) + "\n" for e in range(1, 16)))
-    assert bm.Rates().seconds("train-softmax-d16-seed2") == pytest.approx(training / 4)
+    assert bm.Rates().seconds("train-softmax-d16-seed2", worst=True) == pytest.approx(worst / 4)
     assert admit("train-softmax-d16-seed2")
+
+
+def test_an_estimate_that_fails_refuses_its_stage_in_one_line(monkeypatch, capsys):
+    def broken():
+        raise ValueError("records/x.json is not JSON")
+
+    assert not bm.before(2e9, rates=broken)("train-mos-d16-seed1")
+    assert "train-mos-d16-seed1: not started, its estimate failed" in capsys.readouterr().out
 
 
 def test_until_reads_the_next_time_the_clock_shows_it(capsys):
@@ -498,5 +516,10 @@ def test_the_plan_names_the_widths_left_to_another_device(tmp_path, monkeypatch,
     out = capsys.readouterr().out
     assert "d = 32: 24 stages left to cuda, where its pilots ran" in out
     assert "d = 64: 30 stages left to a GPU, beyond the CPU's budget" in out
+    # on the GPU, d = 8's pilots ran on the CPU: left there, not for the CPU's budget
+    (tmp_path / "pilots" / "softmax-d8-lr5.json").write_text(json.dumps(
+        {"arm": "softmax", "d": 8, "tokens_per_s": 7000.0}))
+    assert bm.main(["--plan", "--device", "cuda"]) == 0
+    assert "stages left to cpu, where its pilots ran" in capsys.readouterr().out
     by_d = out.split("train by d:")[1].split("\n")[0]
     assert "d = 8:" in by_d and "d = 32:" not in by_d

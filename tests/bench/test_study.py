@@ -289,3 +289,27 @@ def test_a_stage_admit_refuses_is_left_and_the_study_stops_with_one_line(tmp_pat
     assert "stopped: not let run here now (left for a later run): long" in capsys.readouterr().out
     assert Study(stages, work, records=tmp_path).run() == 0  # no deadline: the rest runs
     assert ran == ["short", "long", "after-long"]
+
+
+def test_a_refused_stage_waits_while_another_process_works(tmp_path, capsys):
+    """admit refuses c while "another process" holds b: the study waits for b (its end may
+    let a later stage run) and stops only once nobody else is working."""
+    stages = [Stage("a"), Stage("b"), Stage("c")]
+    study, ran = study_of(tmp_path, stages=stages, admit=lambda name: name != "c")
+    lock = StageLock(study.lock_path("b"))
+    assert lock.__enter__()
+
+    def finish_b() -> None:
+        time.sleep(0.3)
+        (tmp_path / "out" / "b.json").write_text("{}")
+        lock.__exit__()
+
+    other = threading.Thread(target=finish_b)
+    other.start()
+    try:
+        assert study.run() == 0
+    finally:
+        other.join()
+    out = capsys.readouterr().out
+    assert ran == ["a"] and study.is_done("b") and not study.is_done("c")
+    assert "waiting" in out and out.strip().endswith("left for a later run): c")
