@@ -65,22 +65,28 @@ def test_after_runs_once_per_stage_finished_here(tmp_path):
     assert study.run() == 0 and finished == ["b", "c"]
 
 
-def test_a_stage_waits_for_an_input_another_process_is_making(tmp_path, capsys):
-    study, ran = study_of(tmp_path)
-    lock = StageLock(study.lock_path("b"))
-    assert lock.__enter__()  # "another process" holds b ...
+def run_while_another_process_makes(study: Study, records: Path, name: str) -> int:
+    """``study.run()`` while "another process" holds stage ``name``'s lock and writes its record
+    a little later."""
+    lock = StageLock(study.lock_path(name))
+    assert lock.__enter__()
 
-    def finish_b() -> None:  # ... and writes its record a little later
+    def finish() -> None:
         time.sleep(0.3)
-        (tmp_path / "out" / "b.json").write_text("{}")
+        (records / f"{name}.json").write_text("{}")
         lock.__exit__()
 
-    other = threading.Thread(target=finish_b)
+    other = threading.Thread(target=finish)
     other.start()
     try:
-        assert study.run() == 0
+        return study.run()
     finally:
         other.join()
+
+
+def test_a_stage_waits_for_an_input_another_process_is_making(tmp_path, capsys):
+    study, ran = study_of(tmp_path)
+    assert run_while_another_process_makes(study, tmp_path / "out", "b") == 0
     assert ran == ["a", "c"]  # b was never run here
     assert "waiting" in capsys.readouterr().out
 
@@ -296,20 +302,7 @@ def test_a_refused_stage_waits_while_another_process_works(tmp_path, capsys):
     let a later stage run) and stops only once nobody else is working."""
     stages = [Stage("a"), Stage("b"), Stage("c")]
     study, ran = study_of(tmp_path, stages=stages, admit=lambda name: name != "c")
-    lock = StageLock(study.lock_path("b"))
-    assert lock.__enter__()
-
-    def finish_b() -> None:
-        time.sleep(0.3)
-        (tmp_path / "out" / "b.json").write_text("{}")
-        lock.__exit__()
-
-    other = threading.Thread(target=finish_b)
-    other.start()
-    try:
-        assert study.run() == 0
-    finally:
-        other.join()
+    assert run_while_another_process_makes(study, tmp_path / "out", "b") == 0
     out = capsys.readouterr().out
     assert ran == ["a"] and study.is_done("b") and not study.is_done("c")
     assert "waiting" in out and out.strip().endswith("left for a later run): c")
