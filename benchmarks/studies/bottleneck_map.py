@@ -947,6 +947,9 @@ class Rates:
                  if name.startswith("test-")]
         self.per_test = statistics.median(tests) if tests else PRIOR_TEST_SECONDS
         self.longest_test = max(tests) if tests else PRIOR_TEST_SECONDS
+        grids = [len(r["grid"]) for name, r in self.records.items() if name.startswith("lr-")]
+        # pilots a learning-rate stage runs: its grid and the extensions the finished ones took
+        self.pilots_per_lr = statistics.median(grids) if grids else len(PILOT_LRS)
 
     def tokens_per_s(self, arm: str, d: int, worst: bool = False) -> float:
         measured = (self.slowest if worst else self.trained).get((arm, d))
@@ -965,9 +968,10 @@ class Rates:
             head, seed = _long(rest)
             epochs = max(1, LONG_EPOCHS - _epochs_done(long_dir(head, seed)))
             return epochs * PTB_TRAIN_TOKENS / PRIOR_TOKENS_PER_S[head] * 1.1
-        if kind == "lr":  # the grid without its extensions
+        if kind == "lr":  # worst: every extension taken
             arm, d = rest.rsplit("-d", 1)
-            return len(PILOT_LRS) * PILOT_STEPS * 1120 / _rate(self.pilots, arm, int(d)) + 60
+            pilots = len(PILOT_LRS) + MAX_EXTENSIONS if worst else self.pilots_per_lr
+            return pilots * PILOT_STEPS * 1120 / _rate(self.pilots, arm, int(d)) + 60
         return self.longest_test if worst else self.per_test
 
 

@@ -140,6 +140,27 @@ def test_a_stage_that_would_end_after_the_deadline_is_not_started(tmp_path, monk
     assert admit("train-softmax-d16-seed2")
 
 
+def test_a_learning_rate_stage_is_estimated_with_the_extensions_its_grid_takes(tmp_path,
+                                                                             monkeypatch):
+    """A pilot grid grows past an end that wins: the typical stage runs as many pilots as the
+    finished stages' median grid, the worst every extension."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    (tmp_path / "records").mkdir()
+    (tmp_path / "pilots").mkdir()
+    (tmp_path / "pilots" / "softmax-d16-lr5.json").write_text(json.dumps(
+        {"arm": "softmax", "d": 16, "tokens_per_s": 2240.0, "device": "cpu"}))
+    one_pilot = bm.PILOT_STEPS * 1120 / 2240.0
+    assert bm.Rates().seconds("lr-softmax-d16") == pytest.approx(
+        len(bm.PILOT_LRS) * one_pilot + 60)
+    for arm, grid in (("mos", [5, 10, 20, 40, 80]), ("mixtape", [5, 10, 20, 40, 80]),
+                      ("softmax", [5, 10, 20, 40])):
+        (tmp_path / "records" / f"lr-{arm}-d8.json").write_text(json.dumps({"grid": grid}))
+    rates = bm.Rates()
+    assert rates.seconds("lr-softmax-d16") == pytest.approx(5 * one_pilot + 60)
+    assert rates.seconds("lr-softmax-d16", worst=True) == pytest.approx(
+        (len(bm.PILOT_LRS) + bm.MAX_EXTENSIONS) * one_pilot + 60)
+
+
 def test_an_estimate_that_fails_refuses_its_stage_in_one_line(monkeypatch, capsys):
     def broken():
         raise ValueError("records/x.json is not JSON")
