@@ -947,7 +947,8 @@ class Rates:
                  if name.startswith("test-")]
         self.per_test = statistics.median(tests) if tests else PRIOR_TEST_SECONDS
         self.longest_test = max(tests) if tests else PRIOR_TEST_SECONDS
-        grids = [len(r["grid"]) for name, r in self.records.items() if name.startswith("lr-")]
+        grids = [len(r["grid"]) for name, r in self.records.items()
+                 if name.startswith("lr-") and "grid" in r]
         # pilots a learning-rate stage runs: its grid and the extensions the finished ones took
         self.pilots_per_lr = statistics.median(grids) if grids else len(PILOT_LRS)
 
