@@ -123,6 +123,12 @@ BODY = (
     "run.device=cpu",
 )
 EPOCH_CAP = 20  # the budget's cap on a map run (the page's *The budget*)
+# Learning-rate checks, (arm, d, lr, seed): a cell trained again at another lr than its pilot
+# chose, where the choice looks like the pilot's short horizon (0.36 epoch) speaking. The
+# rank-bounded control at d = 16 chose its grid's low end, 1.25 (validation perplexity 719 after
+# the pilot, 738 at 5), and ended 49% above the softmax and behind its own d = 8 runs at lr 5.
+# Reported beside the map (summary.md), never in its tables: the map's rule is the pilot's.
+LR_CHECKS = (("mlp_softmax", 16, 5.0, 1),)
 STOP = (
     "train.optimizer=nt-asgd",
     "train.nonmono=3",
@@ -287,6 +293,8 @@ def map_stages(widths: tuple[int, ...] = D_VALUES) -> list[Stage]:
         for seed in SEEDS:
             for arm in ARMS:
                 stages += _trained_and_tested(arm, d, seed)
+            if seed == SEEDS[0]:
+                stages += lr_check_stages(d)
         for arm in third_seed_arms(d):
             stages += _trained_and_tested(arm, d, THIRD_SEED)
     return stages
@@ -296,6 +304,29 @@ def _trained_and_tested(arm: str, d: int, seed: int) -> list[Stage]:
     cell = f"{arm}-d{d}-seed{seed}"
     return [Stage(f"train-{cell}", needs=(f"lr-{arm}-d{d}",)),
             Stage(f"test-{cell}", needs=(f"train-{cell}",))]
+
+
+def lr_check_stages(d: int) -> list[Stage]:
+    """Width ``d``'s :data:`LR_CHECKS`, each one stage (trained and tested: its ``best.pt``
+    stays on this machine), after the cell it checks."""
+    return [Stage(check_name(arm, d, lr, seed), needs=(f"test-{arm}-d{d}-seed{seed}",))
+            for arm, dd, lr, seed in LR_CHECKS if dd == d]
+
+
+def check_name(arm: str, d: int, lr: float, seed: int) -> str:
+    return f"check-{arm}-d{d}-lr{lr:g}-seed{seed}"
+
+
+def check_dir(rest: str) -> Path:
+    """``checks/<arm>-d<d>-lr<lr>-seed<s>``: beside ``runs/``, whose cells the tables read."""
+    return OUT / "checks" / rest
+
+
+def _check(rest: str) -> tuple[str, int, float, int]:
+    arm_d_lr, seed = rest.rsplit("-seed", 1)
+    arm_d, lr = arm_d_lr.rsplit("-lr", 1)
+    arm, d = arm_d.rsplit("-d", 1)
+    return arm, int(d), float(lr), int(seed)
 
 
 def third_seed_arms(d: int) -> list[str]:
@@ -383,6 +414,13 @@ def work(name: str) -> dict:
         directory = (long_dir(*_long(rest)) if rest.startswith("long-")
                      else cell_dir(*_cell(rest)))
         return test_record(directory)
+    if kind == "check":
+        arm, d, lr, seed = _check(rest)
+        directory = check_dir(rest)
+        run(*train_words(arm, d, lr, seed, directory))
+        chosen = json.loads((OUT / "records" / f"lr-{arm}-d{d}.json").read_text())["lr"]
+        facts = {"arm": arm, "d": d, "seed": seed, "lr": lr, "pilot_lr": chosen}
+        return {**training_record(directory, facts), **test_record(directory)}
     raise ValueError(f"unknown stage {name!r}")
 
 
@@ -535,7 +573,7 @@ def summarize() -> None:
     long = long_table(rows)
     write_json(OUT / "cells.json", {"cells": cells, "gains": gains, "beats_both_controls": beats,
                                     "long_runs": long})
-    write_text(OUT / "summary.md", summary_markdown(cells, gains, beats, long))
+    write_text(OUT / "summary.md", summary_markdown(cells, gains, beats, long, check_rows()))
     figures(rows, cells, gains)
     print(f"{len(rows)} finished run(s): {OUT / 'summary.json'}, {OUT / 'summary.md'}")
 
@@ -681,8 +719,48 @@ def _wins(gain: dict) -> bool:
     return bool(gain.get("beyond_two_spreads")) or significant
 
 
+def check_rows() -> list[dict]:
+    """Each finished learning-rate check beside the map cell it checks (same arm, width and
+    seed at the pilot's lr) and the softmax of that width and seed."""
+    records = OUT / "records"
+
+    def test_ppl(name: str) -> float | None:
+        path = records / f"test-{name}.json"
+        return json.loads(path.read_text())["test_ppl"] if path.is_file() else None
+
+    rows = []
+    for path in sorted(records.glob("check-*.json")):
+        check = json.loads(path.read_text())
+        cell = f"d{check['d']}-seed{check['seed']}"
+        rows.append({"arm": check["arm"], "d": check["d"], "seed": check["seed"],
+                     "lr": check["lr"], "pilot_lr": check["pilot_lr"],
+                     "epochs": check["epochs"], "test_ppl": check["test_ppl"],
+                     "press_rank": check.get("press_rank"),
+                     "pilot_lr_test_ppl": test_ppl(f"{check['arm']}-{cell}"),
+                     "softmax_test_ppl": test_ppl(f"softmax-{cell}")})
+    return rows
+
+
+def _checks_markdown(checks: list[dict]) -> list[str]:
+    lines = ["", "Learning-rate checks (`LR_CHECKS`: a cell trained again at another lr than "
+             "its pilot chose; beside the map, not in its tables): test perplexity at the "
+             "pilot's lr and at the check's, and the softmax's of the same width and seed:", "",
+             "| d | arm | seed | pilot's lr: test ppl | check's lr: test ppl | epochs | "
+             "softmax | check relative to the softmax |",
+             "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    for c in checks:
+        pilot = _shown(c["pilot_lr_test_ppl"], ".2f")
+        softmax = _shown(c["softmax_test_ppl"], ".2f")
+        relative = (f"{100 * (c['test_ppl'] / c['softmax_test_ppl'] - 1):+.1f}%"
+                    if c["softmax_test_ppl"] else "-")
+        lines.append(f"| {c['d']} | {c['arm']} | {c['seed']} | {c['pilot_lr']:g}: {pilot} | "
+                     f"{c['lr']:g}: {c['test_ppl']:.2f} | {c['epochs']} | {softmax} | "
+                     f"{relative} |")
+    return lines
+
+
 def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = (),
-                     long: dict | None = None) -> str:
+                     long: dict | None = None, checks: list[dict] = ()) -> str:
     lines = [f"# Bottleneck map: summary (written by `python -m {MODULE} "
              "--summarize`)", "", "Test perplexity (whole PTB test split) per cell, mean ± sd "
              "over seeds; Press rank of the first 2,000 test contexts' log-prob matrix.", "",
@@ -732,6 +810,8 @@ def summary_markdown(cells: list[dict], gains: list[dict], beats: list[dict] = (
                      f"{b['not_at'] or 'none'} | {stops} |")
     if long and long["heads"]:
         lines += _long_markdown(long)
+    if checks:
+        lines += _checks_markdown(checks)
     return "\n".join(lines) + "\n"
 
 
@@ -962,9 +1042,11 @@ class Rates:
         kind, rest = name.split("-", 1)
         if kind == "train":
             arm, d, seed = _cell(rest)
-            epochs = EPOCH_CAP if worst else self.per_run
-            epochs = max(1.0, epochs - _epochs_done(cell_dir(arm, d, seed)))
-            return epochs * PTB_TRAIN_TOKENS / self.tokens_per_s(arm, d, worst) * 1.1
+            return self._training(arm, d, cell_dir(arm, d, seed), worst)
+        if kind == "check":  # a training and its test
+            arm, d, _, _ = _check(rest)
+            return (self._training(arm, d, check_dir(rest), worst)
+                    + self.seconds(f"test-{arm}-d{d}-seed1", worst))
         if kind == "long":
             head, seed = _long(rest)
             epochs = max(1, LONG_EPOCHS - _epochs_done(long_dir(head, seed)))
@@ -974,6 +1056,12 @@ class Rates:
             pilots = len(PILOT_LRS) + MAX_EXTENSIONS if worst else self.pilots_per_lr
             return pilots * PILOT_STEPS * 1120 / _rate(self.pilots, arm, int(d)) + 60
         return self.longest_test if worst else self.per_test
+
+
+    def _training(self, arm: str, d: int, directory: Path, worst: bool) -> float:
+        epochs = EPOCH_CAP if worst else self.per_run
+        epochs = max(1.0, epochs - _epochs_done(directory))
+        return epochs * PTB_TRAIN_TOKENS / self.tokens_per_s(arm, d, worst) * 1.1
 
 
 def _training_rates() -> dict[tuple[str, int], list[float]]:

@@ -387,6 +387,51 @@ def test_a_training_made_again_drops_its_old_record_before_it_starts(tmp_path, m
     assert seen == [False]
 
 
+def test_a_learning_rate_check_trains_and_tests_beside_the_map(tmp_path, monkeypatch):
+    """LR_CHECKS: after the cell it checks, one stage trains the cell again at another lr into
+    checks/ (not runs/, which the tables read) and tests it; summary.md sets it beside the
+    pilot's cell and the softmax, and summary.json keeps the map's runs only."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    monkeypatch.setattr(bm, "LR_CHECKS", (("mlp_softmax", 16, 5.0, 1),))
+    names = [s.name for s in bm.map_stages((16,))]
+    check = next(s for s in bm.map_stages((16,)) if s.name.startswith("check-"))
+    assert check.name == "check-mlp_softmax-d16-lr5-seed1"
+    assert check.needs == ("test-mlp_softmax-d16-seed1",)
+    assert names.index("test-wide_softmax-d16-seed1") < names.index(check.name)
+    assert names.index(check.name) < names.index("train-softmax-d16-seed2")
+    assert not [n for n in (s.name for s in bm.map_stages((8,))) if n.startswith("check-")]
+    assert bm._check("mlp_softmax-d16-lr1.25-seed3") == ("mlp_softmax", 16, 1.25, 3)
+
+    write_cell(tmp_path, "softmax", 16, 1, 135.0)
+    write_cell(tmp_path, "mlp_softmax", 16, 1, 200.0)
+    (tmp_path / "records" / "lr-mlp_softmax-d16.json").write_text(json.dumps(
+        {"arm": "mlp_softmax", "d": 16, "lr": 1.25, "valid_ppl": {"1.25": 719.0, "5": 738.0}}))
+    words = []
+    monkeypatch.setattr(bm, "run", lambda *w: words.append(w))
+    monkeypatch.setattr(bm, "training_record", lambda directory, facts: {
+        **facts, "epochs": 20, "directory": str(directory)})
+    monkeypatch.setattr(bm, "test_record", lambda directory: {"test_ppl": 150.0})
+    record = bm.work(check.name)
+    assert "--train.lr=5" in words[0]
+    assert f"--run.out_dir={tmp_path / 'checks' / 'mlp_softmax-d16-lr5-seed1'}" in words[0]
+    assert record["pilot_lr"] == 1.25 and record["test_ppl"] == 150.0
+    (tmp_path / "records" / f"{check.name}.json").write_text(json.dumps(record))
+    assert {r["arm"] for r in bm.summary_rows()} == {"softmax", "mlp_softmax"}
+    (row,) = bm.check_rows()
+    assert (row["pilot_lr_test_ppl"], row["softmax_test_ppl"]) == (200.0, 135.0)
+    markdown = bm.summary_markdown([], [], checks=bm.check_rows())
+    assert "| 16 | mlp_softmax | 1 | 1.25: 200.00 | 5: 150.00 | 20 | 135.00 | +11.1% |" in markdown
+
+
+def test_a_learning_rate_check_is_estimated_as_a_training_and_its_test(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    (tmp_path / "records").mkdir()
+    rates = bm.Rates()
+    assert rates.seconds("check-mlp_softmax-d16-lr5-seed1", worst=True) == pytest.approx(
+        rates.seconds("train-mlp_softmax-d16-seed1", worst=True)
+        + rates.seconds("test-mlp_softmax-d16-seed1", worst=True))
+
+
 def test_cells_on_a_gpu_name_their_device_and_data(tmp_path, monkeypatch):
     """--device and --data-dir reach every command; on the CPU the commands are as before."""
     train = bm.train_words("mos", 8, 10.0, 1, tmp_path / "run")
