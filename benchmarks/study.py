@@ -319,8 +319,10 @@ class Study:
                     self.run_stage(stage)
             except KeyboardInterrupt:
                 return 130
-            except Exception:
+            except Exception as error:
                 if self.interrupted:  # an interrupt a library turned into its own error
+                    return 130
+                if _interrupted_command(error):  # a command of the stage's, itself signalled
                     return 130
                 raise
             return 0
@@ -331,6 +333,13 @@ class Study:
         if status == 0:
             summarize()
         return status
+
+
+def _interrupted_command(error: BaseException) -> bool:
+    """A command that exited as interrupted: 130, or killed by SIGINT (a SIGINT sent to the
+    command alone, not to the stage's process, which would have noted it)."""
+    return (isinstance(error, subprocess.CalledProcessError)
+            and error.returncode in (130, -signal.SIGINT))
 
 
 def search_lr(pilot: Callable[[float], dict], grid: Sequence[float], *, factor: float,

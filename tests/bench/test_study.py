@@ -278,6 +278,23 @@ def test_a_stage_child_interrupted_returns_130_quietly(tmp_path):
         assert study.main("a", summarize=lambda: None) == 130
 
 
+def test_a_stage_whose_command_alone_was_interrupted_returns_130(tmp_path):
+    """A SIGINT sent to a stage's command (a training, which saves and exits 130), not to the
+    stage's process: the stage is interrupted, not failed; any other failure still raises."""
+    import subprocess
+    import sys
+
+    def command(code):
+        return lambda name: subprocess.run([sys.executable, "-c", code], check=True)
+
+    for code in ("raise SystemExit(130)", "import os, signal; os.kill(os.getpid(), 2)"):
+        study, _ = study_of(tmp_path, work=command(code))
+        assert study.main("a", summarize=lambda: None) == 130
+    study, _ = study_of(tmp_path, work=command("raise SystemExit(1)"))
+    with pytest.raises(subprocess.CalledProcessError):
+        study.main("a", summarize=lambda: None)
+
+
 def test_a_stage_admit_refuses_is_left_and_the_study_stops_with_one_line(tmp_path, capsys):
     """admit (a deadline, say) refuses the long stage: the short one after it still runs, the
     refused one stays pending for a later run, and the study stops with 0 and names it."""
