@@ -127,7 +127,8 @@ EPOCH_CAP = 20  # the budget's cap on a map run (the page's *The budget*)
 # chose, where the choice looks like the pilot's short horizon (0.36 epoch) speaking. The
 # rank-bounded control at d = 16 chose its grid's low end, 1.25 (validation perplexity 719 after
 # the pilot, 738 at 5), and ended 49% above the softmax and behind its own d = 8 runs at lr 5.
-# Reported beside the map (summary.md), never in its tables: the map's rule is the pilot's.
+# A check whose run ends at a lower best validation perplexity than the pilot's run of its seed
+# replaces the pilot's choice (:func:`adopted_check`): validation decides, as in the pilots.
 LR_CHECKS = (("mlp_softmax", 16, 5.0, 1),)
 STOP = (
     "train.optimizer=nt-asgd",
@@ -301,8 +302,12 @@ def map_stages(widths: tuple[int, ...] = D_VALUES) -> list[Stage]:
 
 
 def _trained_and_tested(arm: str, d: int, seed: int) -> list[Stage]:
+    """A cell's training (after its pilots, and after a learning-rate check of another seed,
+    which may change its lr: :func:`cell_lr`) and its test."""
     cell = f"{arm}-d{d}-seed{seed}"
-    return [Stage(f"train-{cell}", needs=(f"lr-{arm}-d{d}",)),
+    checks = tuple(check_name(a, dd, lr, s) for a, dd, lr, s in LR_CHECKS
+                   if (a, dd) == (arm, d) and s != seed)
+    return [Stage(f"train-{cell}", needs=(f"lr-{arm}-d{d}", *checks)),
             Stage(f"test-{cell}", needs=(f"train-{cell}",))]
 
 
@@ -320,6 +325,29 @@ def check_name(arm: str, d: int, lr: float, seed: int) -> str:
 def check_dir(rest: str) -> Path:
     """``checks/<arm>-d<d>-lr<lr>-seed<s>``: beside ``runs/``, whose cells the tables read."""
     return OUT / "checks" / rest
+
+
+def adopted_check(arm: str, d: int) -> dict | None:
+    """The finished learning-rate check of (arm, d) that replaces its pilot's choice, if any:
+    one whose run's best validation perplexity is below that of the pilot's run of the same
+    seed (the test split is not looked at). Its run is then the cell's run of that seed."""
+    records = OUT / "records"
+    for check_arm, check_d, lr, seed in LR_CHECKS:
+        check = records / f"{check_name(check_arm, check_d, lr, seed)}.json"
+        cell = records / f"train-{arm}-d{d}-seed{seed}.json"
+        if (check_arm, check_d) == (arm, d) and check.is_file() and cell.is_file():
+            record = json.loads(check.read_text())
+            if record["best_valid_ppl"] < json.loads(cell.read_text())["best_valid_ppl"]:
+                return {**record, "stage": check.stem}
+    return None
+
+
+def cell_lr(arm: str, d: int) -> float:
+    """The lr every seed of (arm, d) trains at: its pilot's choice, or an adopted check's."""
+    check = adopted_check(arm, d)
+    if check is not None:
+        return check["lr"]
+    return json.loads((OUT / "records" / f"lr-{arm}-d{d}.json").read_text())["lr"]
 
 
 def _check(rest: str) -> tuple[str, int, float, int]:
@@ -401,7 +429,7 @@ def work(name: str) -> dict:
         return choose_lr(arm, int(d))
     if kind == "train":
         arm, d, seed = _cell(rest)
-        lr = json.loads((OUT / "records" / f"lr-{arm}-d{d}.json").read_text())["lr"]
+        lr = cell_lr(arm, d)
         directory = cell_dir(arm, d, seed)
         run(*train_words(arm, d, lr, seed, directory))
         return training_record(directory, {"arm": arm, "d": d, "seed": seed, "lr": lr})
@@ -531,14 +559,21 @@ def _analysis(directory: Path, pattern: str) -> dict:
 
 
 def summary_rows() -> list[dict]:
-    """summary.json: one object per finished run (map cells and 15-epoch runs)."""
+    """summary.json: one object per finished run (map cells and 15-epoch runs); where a
+    learning-rate check was adopted (:func:`adopted_check`), its run stands for the pilot's
+    run of its seed (``record`` names the record each row is read from)."""
     records = OUT / "records"
     rows = []
     for path in sorted(records.glob("train-*.json")) + sorted(records.glob("long-*.json")):
         train = json.loads(path.read_text())
         test_path = records / f"test-{path.stem.removeprefix('train-')}.json"
         test = json.loads(test_path.read_text()) if test_path.is_file() else {}
+        run_dir = OUT / "runs" / path.stem.removeprefix("train-")
         arm = train["arm"]
+        check = adopted_check(arm, train["d"]) if "d" in train else None
+        if check is not None and check["seed"] == train["seed"]:
+            path, train, test = records / f"{check['stage']}.json", check, check
+            run_dir = check_dir(check["stage"].removeprefix("check-"))
         curve = [c["valid_loss"] for c in train["curve"] if c["valid_loss"] is not None]
         rows.append({
             "head": "softmax" if arm == "wide_softmax" else arm.removeprefix("long-"),
@@ -555,9 +590,10 @@ def summary_rows() -> list[dict]:
             "anisotropy": test.get("anisotropy"),
             # read from the run's record: test stages recorded before the instrument had it
             "tanh_saturated": test.get("tanh_saturated", _tanh_share(_saturation_point(
-                OUT / "runs" / path.stem.removeprefix("train-")))) if test else None,
+                run_dir))) if test else None,
             "control": arm if arm in CONTROLS else None,
             "device": train.get("device", "cpu"),  # records before the field: the CPU's
+            "record": path.name,
         })
     return rows
 
@@ -721,41 +757,48 @@ def _wins(gain: dict) -> bool:
 
 def check_rows() -> list[dict]:
     """Each finished learning-rate check beside the map cell it checks (same arm, width and
-    seed at the pilot's lr) and the softmax of that width and seed."""
+    seed at the pilot's lr), the softmax of that width and seed, and whether it was adopted."""
     records = OUT / "records"
 
-    def test_ppl(name: str) -> float | None:
-        path = records / f"test-{name}.json"
-        return json.loads(path.read_text())["test_ppl"] if path.is_file() else None
+    def field(kind: str, name: str, key: str) -> float | None:
+        path = records / f"{kind}-{name}.json"
+        return json.loads(path.read_text())[key] if path.is_file() else None
 
     rows = []
     for path in sorted(records.glob("check-*.json")):
         check = json.loads(path.read_text())
-        cell = f"d{check['d']}-seed{check['seed']}"
+        cell = f"{check['arm']}-d{check['d']}-seed{check['seed']}"
+        adopted = adopted_check(check["arm"], check["d"])
         rows.append({"arm": check["arm"], "d": check["d"], "seed": check["seed"],
                      "lr": check["lr"], "pilot_lr": check["pilot_lr"],
-                     "epochs": check["epochs"], "test_ppl": check["test_ppl"],
-                     "press_rank": check.get("press_rank"),
-                     "pilot_lr_test_ppl": test_ppl(f"{check['arm']}-{cell}"),
-                     "softmax_test_ppl": test_ppl(f"softmax-{cell}")})
+                     "epochs": check["epochs"], "valid_ppl": check["best_valid_ppl"],
+                     "test_ppl": check["test_ppl"], "press_rank": check.get("press_rank"),
+                     "pilot_lr_valid_ppl": field("train", cell, "best_valid_ppl"),
+                     "pilot_lr_test_ppl": field("test", cell, "test_ppl"),
+                     "softmax_test_ppl": field("test", f"softmax-d{check['d']}-seed"
+                                               f"{check['seed']}", "test_ppl"),
+                     "adopted": adopted is not None and adopted["stage"] == path.stem})
     return rows
 
 
 def _checks_markdown(checks: list[dict]) -> list[str]:
     lines = ["", "Learning-rate checks (`LR_CHECKS`: a cell trained again at another lr than "
-             "its pilot chose; beside the map, not in its tables): test perplexity at the "
-             "pilot's lr and at the check's, and the softmax's of the same width and seed:", "",
-             "| d | arm | seed | pilot's lr: test ppl | check's lr: test ppl | epochs | "
-             "softmax | check relative to the softmax |",
-             "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: |"]
+             "its pilot chose): best validation and test perplexity at the pilot's lr and at "
+             "the check's, and the softmax's test perplexity of the same width and seed. A "
+             "check with the lower validation perplexity is adopted: its run is the cell's "
+             "run of that seed in the tables above and its lr the cell's other seeds'.", "",
+             "| d | arm | seed | pilot's lr: valid / test ppl | check's lr: valid / test ppl | "
+             "epochs | softmax | check relative to the softmax | adopted |",
+             "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | --- |"]
     for c in checks:
-        pilot = _shown(c["pilot_lr_test_ppl"], ".2f")
+        pilot = (f"{c['pilot_lr']:g}: {_shown(c['pilot_lr_valid_ppl'], '.2f')} / "
+                 f"{_shown(c['pilot_lr_test_ppl'], '.2f')}")
         softmax = _shown(c["softmax_test_ppl"], ".2f")
         relative = (f"{100 * (c['test_ppl'] / c['softmax_test_ppl'] - 1):+.1f}%"
                     if c["softmax_test_ppl"] else "-")
-        lines.append(f"| {c['d']} | {c['arm']} | {c['seed']} | {c['pilot_lr']:g}: {pilot} | "
-                     f"{c['lr']:g}: {c['test_ppl']:.2f} | {c['epochs']} | {softmax} | "
-                     f"{relative} |")
+        lines.append(f"| {c['d']} | {c['arm']} | {c['seed']} | {pilot} | "
+                     f"{c['lr']:g}: {c['valid_ppl']:.2f} / {c['test_ppl']:.2f} | {c['epochs']} "
+                     f"| {softmax} | {relative} | {'yes' if c['adopted'] else 'no'} |")
     return lines
 
 
@@ -971,7 +1014,7 @@ def _curves(plt, rows: list[dict], name: str, colours: dict) -> None:
     figure, axes = plt.subplots(1, len(ds), figsize=(3.2 * len(ds), 3.2), squeeze=False)
     for axis, d in zip(axes[0], ds, strict=True):
         for row in (r for r in rows if r["d"] == d):
-            record = json.loads((OUT / "records" / _train_record_name(row)).read_text())
+            record = json.loads((OUT / "records" / row["record"]).read_text())
             curve = [c for c in record["curve"] if c["valid_loss"] is not None]
             axis.plot([c["epoch"] for c in curve], [math.exp(c["valid_loss"]) for c in curve],
                       color=colours[row["arm"]], linestyle=SEED_LINES.get(row["seed"], "-."),
@@ -987,12 +1030,6 @@ def _curves(plt, rows: list[dict], name: str, colours: dict) -> None:
 
 
 SEED_LINES = {1: "-", 2: "--", THIRD_SEED: ":"}
-
-
-def _train_record_name(row: dict) -> str:
-    if row["arm"].startswith("long-"):
-        return f"{row['arm']}-seed{row['seed']}.json"
-    return f"train-{row['arm']}-d{row['d']}-seed{row['seed']}.json"
 
 
 PTB_TRAIN_TOKENS = 929_589

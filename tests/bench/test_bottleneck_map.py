@@ -185,7 +185,7 @@ def write_cell(out, arm, d, seed, test_ppl, lr=10.0):
     records.mkdir(parents=True, exist_ok=True)
     train = {"arm": arm, "d": d, "seed": seed, "lr": lr, "params": 1000, "output_width": d,
              "curve": [{"epoch": 1, "valid_loss": 6.0}, {"epoch": 2, "valid_loss": 5.5}],
-             "epochs": 2}
+             "epochs": 2, "best_valid_ppl": math.exp(5.5)}
     (records / f"train-{arm}-d{d}-seed{seed}.json").write_text(json.dumps(train))
     (records / f"test-{arm}-d{d}-seed{seed}.json").write_text(json.dumps(
         {"test_ppl": test_ppl, "press_rank": d + 1, "gradient_share": 0.1 * seed}))
@@ -389,38 +389,58 @@ def test_a_training_made_again_drops_its_old_record_before_it_starts(tmp_path, m
 
 def test_a_learning_rate_check_trains_and_tests_beside_the_map(tmp_path, monkeypatch):
     """LR_CHECKS: after the cell it checks, one stage trains the cell again at another lr into
-    checks/ (not runs/, which the tables read) and tests it; summary.md sets it beside the
-    pilot's cell and the softmax, and summary.json keeps the map's runs only."""
+    checks/ and tests it; the cell's other seeds wait for it. Its run stands for the pilot's
+    run of its seed, and its lr for the cell's, only if its validation perplexity is lower;
+    summary.md sets the two side by side either way."""
     monkeypatch.setattr(bm, "OUT", tmp_path)
     monkeypatch.setattr(bm, "LR_CHECKS", (("mlp_softmax", 16, 5.0, 1),))
-    names = [s.name for s in bm.map_stages((16,))]
-    check = next(s for s in bm.map_stages((16,)) if s.name.startswith("check-"))
+    stages = {s.name: s for s in bm.map_stages((16,))}
+    names = list(stages)
+    check = next(s for s in stages.values() if s.name.startswith("check-"))
     assert check.name == "check-mlp_softmax-d16-lr5-seed1"
     assert check.needs == ("test-mlp_softmax-d16-seed1",)
     assert names.index("test-wide_softmax-d16-seed1") < names.index(check.name)
     assert names.index(check.name) < names.index("train-softmax-d16-seed2")
+    assert check.name in stages["train-mlp_softmax-d16-seed2"].needs
+    assert check.name not in stages["train-mos-d16-seed2"].needs
     assert not [n for n in (s.name for s in bm.map_stages((8,))) if n.startswith("check-")]
     assert bm._check("mlp_softmax-d16-lr1.25-seed3") == ("mlp_softmax", 16, 1.25, 3)
 
     write_cell(tmp_path, "softmax", 16, 1, 135.0)
-    write_cell(tmp_path, "mlp_softmax", 16, 1, 200.0)
+    write_cell(tmp_path, "mlp_softmax", 16, 1, 200.0, lr=1.25)  # best valid exp(5.5) = 244.7
     (tmp_path / "records" / "lr-mlp_softmax-d16.json").write_text(json.dumps(
         {"arm": "mlp_softmax", "d": 16, "lr": 1.25, "valid_ppl": {"1.25": 719.0, "5": 738.0}}))
     words = []
     monkeypatch.setattr(bm, "run", lambda *w: words.append(w))
-    monkeypatch.setattr(bm, "training_record", lambda directory, facts: {
-        **facts, "epochs": 20, "directory": str(directory)})
+
+    def training(directory, facts):
+        return {**facts, "params": 1000, "output_width": 16, "epochs": 20,
+                "curve": [{"epoch": 1, "valid_loss": 5.0}], "best_valid_ppl": valid}
+
+    monkeypatch.setattr(bm, "training_record", training)
     monkeypatch.setattr(bm, "test_record", lambda directory: {"test_ppl": 150.0})
-    record = bm.work(check.name)
-    assert "--train.lr=5" in words[0]
-    assert f"--run.out_dir={tmp_path / 'checks' / 'mlp_softmax-d16-lr5-seed1'}" in words[0]
-    assert record["pilot_lr"] == 1.25 and record["test_ppl"] == 150.0
-    (tmp_path / "records" / f"{check.name}.json").write_text(json.dumps(record))
-    assert {r["arm"] for r in bm.summary_rows()} == {"softmax", "mlp_softmax"}
-    (row,) = bm.check_rows()
-    assert (row["pilot_lr_test_ppl"], row["softmax_test_ppl"]) == (200.0, 135.0)
-    markdown = bm.summary_markdown([], [], checks=bm.check_rows())
-    assert "| 16 | mlp_softmax | 1 | 1.25: 200.00 | 5: 150.00 | 20 | 135.00 | +11.1% |" in markdown
+    for valid, adopted in ((250.0, False), (150.0, True)):
+        record = bm.work(check.name)
+        assert "--train.lr=5" in words[-1]
+        assert f"--run.out_dir={tmp_path / 'checks' / 'mlp_softmax-d16-lr5-seed1'}" in words[-1]
+        assert record["pilot_lr"] == 1.25 and record["test_ppl"] == 150.0
+        (tmp_path / "records" / f"{check.name}.json").write_text(json.dumps(record))
+        rows = {r["arm"]: r for r in bm.summary_rows()}
+        assert set(rows) == {"softmax", "mlp_softmax"}
+        assert rows["mlp_softmax"]["test_ppl"] == (150.0 if adopted else 200.0)
+        assert rows["mlp_softmax"]["record"] == (f"{check.name}.json" if adopted
+                                                 else "train-mlp_softmax-d16-seed1.json")
+        assert bm.cell_lr("mlp_softmax", 16) == (5.0 if adopted else 1.25)
+        (row,) = bm.check_rows()
+        assert (row["pilot_lr_test_ppl"], row["softmax_test_ppl"]) == (200.0, 135.0)
+        assert row["adopted"] is adopted
+        markdown = bm.summary_markdown([], [], checks=bm.check_rows())
+        assert (f"| 16 | mlp_softmax | 1 | 1.25: 244.69 / 200.00 | 5: {valid:.2f} / 150.00 | 20 "
+                f"| 135.00 | +11.1% | {'yes' if adopted else 'no'} |") in markdown
+    bm.summarize()  # the curves read the adopted check's record
+    assert (tmp_path / "curves.png").is_file()
+    bm.work("train-mlp_softmax-d16-seed2")  # the other seeds train at the adopted lr
+    assert "--train.lr=5" in words[-1]
 
 
 def test_a_learning_rate_check_is_estimated_as_a_training_and_its_test(tmp_path, monkeypatch):
