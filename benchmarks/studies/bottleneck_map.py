@@ -342,12 +342,15 @@ def adopted_check(arm: str, d: int) -> dict | None:
     return None
 
 
+def pilot_lr(arm: str, d: int) -> float:
+    """The lr the pilots of (arm, d) chose (``records/lr-<arm>-d<d>.json``)."""
+    return json.loads((OUT / "records" / f"lr-{arm}-d{d}.json").read_text())["lr"]
+
+
 def cell_lr(arm: str, d: int) -> float:
     """The lr every seed of (arm, d) trains at: its pilot's choice, or an adopted check's."""
     check = adopted_check(arm, d)
-    if check is not None:
-        return check["lr"]
-    return json.loads((OUT / "records" / f"lr-{arm}-d{d}.json").read_text())["lr"]
+    return check["lr"] if check is not None else pilot_lr(arm, d)
 
 
 def _check(rest: str) -> tuple[str, int, float, int]:
@@ -446,8 +449,7 @@ def work(name: str) -> dict:
         arm, d, lr, seed = _check(rest)
         directory = check_dir(rest)
         run(*train_words(arm, d, lr, seed, directory))
-        chosen = json.loads((OUT / "records" / f"lr-{arm}-d{d}.json").read_text())["lr"]
-        facts = {"arm": arm, "d": d, "seed": seed, "lr": lr, "pilot_lr": chosen}
+        facts = {"arm": arm, "d": d, "seed": seed, "lr": lr, "pilot_lr": pilot_lr(arm, d)}
         return {**training_record(directory, facts), **test_record(directory)}
     raise ValueError(f"unknown stage {name!r}")
 
