@@ -364,14 +364,18 @@ def third_seed_arms(d: int) -> list[str]:
     """The arms of width ``d`` that get a third seed, once every arm's seeds 1 and 2 are
     tested: both arms of every pair (a high-rank head against the softmax or a control) whose
     gap is within two spreads, i.e. whose mean test log-perplexities differ by at most twice
-    the larger of the two arms' standard deviations over the seeds."""
+    the larger of the two arms' standard deviations over the seeds. A seed's score is that of
+    the run standing for it: an adopted learning-rate check's, not the pilot's run it replaced."""
     scores: dict[str, list[float]] = {}
     for arm in ARMS:
+        check = adopted_check(arm, d)
         for seed in SEEDS:
             path = OUT / "records" / f"test-{arm}-d{d}-seed{seed}.json"
             if not path.is_file():
                 return []
-            scores.setdefault(arm, []).append(math.log(json.loads(path.read_text())["test_ppl"]))
+            standing = check if check is not None and check["seed"] == seed else json.loads(
+                path.read_text())
+            scores.setdefault(arm, []).append(math.log(standing["test_ppl"]))
     chosen: set[str] = set()
     for head in HEADS[1:]:
         for other in ("softmax", *CONTROLS):

@@ -294,6 +294,25 @@ def test_a_third_seed_goes_to_both_arms_of_a_gap_within_two_spreads(tmp_path, mo
                    for n in names)
 
 
+def test_a_third_seed_reads_the_adopted_check_not_the_run_it_replaced(tmp_path, monkeypatch):
+    """The control's seed 1 trained at its pilot's lr (test 900: its two seeds then spread so
+    far that every head would fall within two spreads of it) was replaced by a check (300)."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    monkeypatch.setattr(bm, "LR_CHECKS", (("mlp_softmax", 16, 5.0, 1),))
+    ppl = {"softmax": (200, 210), "mos": (120, 121), "mixtape": (204, 214),
+           "sigsoftmax": (400, 401), "mlp_softmax": (900, 301), "wide_softmax": (350, 351)}
+    for arm, (first, second) in ppl.items():
+        write_cell(tmp_path, arm, 16, 1, first)
+        write_cell(tmp_path, arm, 16, 2, second)
+    pilots_arms = bm.third_seed_arms(16)
+    assert "mlp_softmax" in pilots_arms and "sigsoftmax" in pilots_arms  # no check yet
+    check = {"arm": "mlp_softmax", "d": 16, "seed": 1, "lr": 5.0, "test_ppl": 300.0,
+             "best_valid_ppl": math.exp(5.0)}  # below the pilot's run's exp(5.5): adopted
+    (tmp_path / "records" / "check-mlp_softmax-d16-lr5-seed1.json").write_text(json.dumps(check))
+    assert bm.adopted_check("mlp_softmax", 16) is not None
+    assert bm.third_seed_arms(16) == ["softmax", "mixtape"]
+
+
 def test_the_width_where_a_head_stops_beating_both_controls():
     def gain(d, against, mean, p, seeds=(1, 2, 3), clear=False):
         return {"d": d, "head": "mos", "against": against, "mean_gain_percent": mean,
