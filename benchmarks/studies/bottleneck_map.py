@@ -129,7 +129,12 @@ EPOCH_CAP = 20  # the budget's cap on a map run (the page's *The budget*)
 # the pilot, 738 at 5), and ended 49% above the softmax and behind its own d = 8 runs at lr 5.
 # A check whose run ends at a lower best validation perplexity than the pilot's run of its seed
 # replaces the pilot's choice (:func:`adopted_check`): validation decides, as in the pilots.
-LR_CHECKS = (("mlp_softmax", 16, 5.0, 1),)
+# The cell's lowest checked seed decides; a seed with a check of its own trains at both lrs
+# side by side (on a GPU, where a width's runs all train at once, no run waits for another),
+# the other seeds wait for the decision. d = 32's control chose its grid's low end too (1.25:
+# 723, 2.5: 743, 5: 786 after the pilot): both its seeds are checked at 5 (it trains on a GPU).
+LR_CHECKS = (("mlp_softmax", 16, 5.0, 1), ("mlp_softmax", 32, 5.0, 1),
+             ("mlp_softmax", 32, 5.0, 2))
 STOP = (
     "train.optimizer=nt-asgd",
     "train.nonmono=3",
@@ -302,20 +307,34 @@ def map_stages(widths: tuple[int, ...] = D_VALUES) -> list[Stage]:
 
 
 def _trained_and_tested(arm: str, d: int, seed: int) -> list[Stage]:
-    """A cell's training (after its pilots, and after a learning-rate check of another seed,
-    which may change its lr: :func:`cell_lr`) and its test."""
+    """A cell's training (after its pilots; a seed without a learning-rate check of its own
+    also after the cell's deciding check and the run it is compared with, which may change
+    its lr: :func:`seed_lr`) and its test."""
     cell = f"{arm}-d{d}-seed{seed}"
-    checks = tuple(check_name(a, dd, lr, s) for a, dd, lr, s in LR_CHECKS
-                   if (a, dd) == (arm, d) and s != seed)
-    return [Stage(f"train-{cell}", needs=(f"lr-{arm}-d{d}", *checks)),
+    checks = _cell_checks(arm, d)
+    decision: tuple[str, ...] = ()
+    if checks and seed not in {s for _, s in checks}:
+        deciding = _deciding_seed(checks)
+        decision = (*(check_name(arm, d, lr, s) for lr, s in checks if s == deciding),
+                    f"train-{arm}-d{d}-seed{deciding}")
+    return [Stage(f"train-{cell}", needs=(f"lr-{arm}-d{d}", *decision)),
             Stage(f"test-{cell}", needs=(f"train-{cell}",))]
 
 
 def lr_check_stages(d: int) -> list[Stage]:
     """Width ``d``'s :data:`LR_CHECKS`, each one stage (trained and tested: its ``best.pt``
-    stays on this machine), after the cell it checks."""
-    return [Stage(check_name(arm, d, lr, seed), needs=(f"test-{arm}-d{d}-seed{seed}",))
+    stays on this machine) that needs only the pilots: it trains beside the run it checks."""
+    return [Stage(check_name(arm, d, lr, seed), needs=(f"lr-{arm}-d{d}",))
             for arm, dd, lr, seed in LR_CHECKS if dd == d]
+
+
+def _cell_checks(arm: str, d: int) -> list[tuple[float, int]]:
+    """(lr, seed) of each of (arm, d)'s :data:`LR_CHECKS`."""
+    return [(lr, seed) for a, dd, lr, seed in LR_CHECKS if (a, dd) == (arm, d)]
+
+
+def _deciding_seed(checks: list[tuple[float, int]]) -> int:
+    return min(seed for _, seed in checks)
 
 
 def check_name(arm: str, d: int, lr: float, seed: int) -> str:
@@ -329,17 +348,53 @@ def check_dir(rest: str) -> Path:
 
 def adopted_check(arm: str, d: int) -> dict | None:
     """The finished learning-rate check of (arm, d) that replaces its pilot's choice, if any:
-    one whose run's best validation perplexity is below that of the pilot's run of the same
-    seed (the test split is not looked at). Its run is then the cell's run of that seed."""
+    of the checks of the cell's deciding (lowest checked) seed, the one whose run's best
+    validation perplexity is lowest and below that of the pilot's run of the same seed (the
+    test split is not looked at). Its lr is then the cell's, its run that seed's."""
     records = OUT / "records"
-    for check_arm, check_d, lr, seed in LR_CHECKS:
-        check = records / f"{check_name(check_arm, check_d, lr, seed)}.json"
-        cell = records / f"train-{arm}-d{d}-seed{seed}.json"
-        if (check_arm, check_d) == (arm, d) and check.is_file() and cell.is_file():
+    checks = _cell_checks(arm, d)
+    if not checks:
+        return None
+    seed = _deciding_seed(checks)
+    cell = records / f"train-{arm}-d{d}-seed{seed}.json"
+    if not cell.is_file():
+        return None
+    best = json.loads(cell.read_text())["best_valid_ppl"]
+    adopted = None
+    for lr, check_seed in checks:
+        check = records / f"{check_name(arm, d, lr, check_seed)}.json"
+        if check_seed == seed and check.is_file():
             record = json.loads(check.read_text())
-            if record["best_valid_ppl"] < json.loads(cell.read_text())["best_valid_ppl"]:
-                return {**record, "stage": check.stem}
-    return None
+            if record["best_valid_ppl"] < best:
+                best, adopted = record["best_valid_ppl"], {**record, "stage": check.stem}
+    return adopted
+
+
+def standing_check(arm: str, d: int, seed: int) -> dict | None:
+    """The check run that stands for (arm, d, seed) in place of its pilot-lr run: the
+    adopted check's own seed's, or another seed's check at the adopted lr."""
+    adopted = adopted_check(arm, d)
+    if adopted is None or adopted["seed"] == seed:
+        return adopted
+    path = OUT / "records" / f"{check_name(arm, d, adopted['lr'], seed)}.json"
+    return {**json.loads(path.read_text()), "stage": path.stem} if path.is_file() else None
+
+
+def standing_test_ppl(arm: str, d: int, seed: int) -> float | None:
+    """The test perplexity of the run standing for (arm, d, seed); None until it is known
+    (its test, and where the cell has checks, the deciding seed's and this seed's own)."""
+    records = OUT / "records"
+    needed = [records / f"test-{arm}-d{d}-seed{seed}.json"]
+    checks = _cell_checks(arm, d)
+    if checks:
+        deciding = _deciding_seed(checks)
+        needed += [records / f"train-{arm}-d{d}-seed{deciding}.json"]
+        needed += [records / f"{check_name(arm, d, lr, s)}.json" for lr, s in checks
+                   if s in (seed, deciding)]
+    if not all(path.is_file() for path in needed):
+        return None
+    standing = standing_check(arm, d, seed) or json.loads(needed[0].read_text())
+    return standing["test_ppl"]
 
 
 def pilot_lr(arm: str, d: int) -> float:
@@ -348,9 +403,17 @@ def pilot_lr(arm: str, d: int) -> float:
 
 
 def cell_lr(arm: str, d: int) -> float:
-    """The lr every seed of (arm, d) trains at: its pilot's choice, or an adopted check's."""
+    """The lr of (arm, d): its pilot's choice, or an adopted check's."""
     check = adopted_check(arm, d)
     return check["lr"] if check is not None else pilot_lr(arm, d)
+
+
+def seed_lr(arm: str, d: int, seed: int) -> float:
+    """The lr a cell's training of ``seed`` takes: the pilot's where the seed has a check of
+    its own (which trains the other lr), else the cell's (:func:`cell_lr`)."""
+    if seed in {s for _, s in _cell_checks(arm, d)}:
+        return pilot_lr(arm, d)
+    return cell_lr(arm, d)
 
 
 def _check(rest: str) -> tuple[str, int, float, int]:
@@ -368,14 +431,11 @@ def third_seed_arms(d: int) -> list[str]:
     the run standing for it: an adopted learning-rate check's, not the pilot's run it replaced."""
     scores: dict[str, list[float]] = {}
     for arm in ARMS:
-        check = adopted_check(arm, d)
         for seed in SEEDS:
-            path = OUT / "records" / f"test-{arm}-d{d}-seed{seed}.json"
-            if not path.is_file():
+            test_ppl = standing_test_ppl(arm, d, seed)
+            if test_ppl is None:
                 return []
-            standing = check if check is not None and check["seed"] == seed else json.loads(
-                path.read_text())
-            scores.setdefault(arm, []).append(math.log(standing["test_ppl"]))
+            scores.setdefault(arm, []).append(math.log(test_ppl))
     chosen: set[str] = set()
     for head in HEADS[1:]:
         for other in ("softmax", *CONTROLS):
@@ -436,7 +496,7 @@ def work(name: str) -> dict:
         return choose_lr(arm, int(d))
     if kind == "train":
         arm, d, seed = _cell(rest)
-        lr = cell_lr(arm, d)
+        lr = seed_lr(arm, d, seed)
         directory = cell_dir(arm, d, seed)
         run(*train_words(arm, d, lr, seed, directory))
         return training_record(directory, {"arm": arm, "d": d, "seed": seed, "lr": lr})
@@ -576,8 +636,8 @@ def summary_rows() -> list[dict]:
         test = json.loads(test_path.read_text()) if test_path.is_file() else {}
         run_dir = OUT / "runs" / path.stem.removeprefix("train-")
         arm = train["arm"]
-        check = adopted_check(arm, train["d"]) if "d" in train else None
-        if check is not None and check["seed"] == train["seed"]:
+        check = standing_check(arm, train["d"], train["seed"]) if "d" in train else None
+        if check is not None:
             path, train, test = records / f"{check['stage']}.json", check, check
             run_dir = check_dir(check["stage"].removeprefix("check-"))
         curve = [c["valid_loss"] for c in train["curve"] if c["valid_loss"] is not None]
@@ -774,7 +834,7 @@ def check_rows() -> list[dict]:
     for path in sorted(records.glob("check-*.json")):
         check = json.loads(path.read_text())
         cell = f"{check['arm']}-d{check['d']}-seed{check['seed']}"
-        adopted = adopted_check(check["arm"], check["d"])
+        standing = standing_check(check["arm"], check["d"], check["seed"])
         rows.append({"arm": check["arm"], "d": check["d"], "seed": check["seed"],
                      "lr": check["lr"], "pilot_lr": check["pilot_lr"],
                      "epochs": check["epochs"], "valid_ppl": check["best_valid_ppl"],
@@ -783,7 +843,7 @@ def check_rows() -> list[dict]:
                      "pilot_lr_test_ppl": field("test", cell, "test_ppl"),
                      "softmax_test_ppl": field("test", f"softmax-d{check['d']}-seed"
                                                f"{check['seed']}", "test_ppl"),
-                     "adopted": adopted is not None and adopted["stage"] == path.stem})
+                     "adopted": standing is not None and standing["stage"] == path.stem})
     return rows
 
 
@@ -791,8 +851,9 @@ def _checks_markdown(checks: list[dict]) -> list[str]:
     lines = ["", "Learning-rate checks (`LR_CHECKS`: a cell trained again at another lr than "
              "its pilot chose): best validation and test perplexity at the pilot's lr and at "
              "the check's, and the softmax's test perplexity of the same width and seed. A "
-             "check with the lower validation perplexity is adopted: its run is the cell's "
-             "run of that seed in the tables above and its lr the cell's other seeds'.", "",
+             "check of the cell's lowest checked seed with the lower validation perplexity is "
+             "adopted: its lr is the cell's, and its run (and each other seed's check at that "
+             "lr) the cell's run of that seed in the tables above.", "",
              "| d | arm | seed | pilot's lr: valid / test ppl | check's lr: valid / test ppl | "
              "epochs | softmax | check relative to the softmax | adopted |",
              "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | --- |"]

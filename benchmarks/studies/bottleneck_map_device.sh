@@ -7,7 +7,7 @@
 # widths (records, pilots, the runs' configs, curves and analyses, not their checkpoints, and the
 # commands they ran) packed at the end into OUT_TGZ, to bring back and unpack over the folder:
 #
-#   [WORKERS=12] [DEVICE=cuda] bash benchmarks/studies/bottleneck_map_device.sh \
+#   [WORKERS=14] [DEVICE=cuda] bash benchmarks/studies/bottleneck_map_device.sh \
 #       DATA_DIR WIDTHS OUT_TGZ [LIMIT_S]
 #
 # (DEVICE=cpu WORKERS=1 LIMIT_S=60 tries the script itself on a machine without a GPU.)
@@ -28,13 +28,15 @@
 # took 100-190 s each side by side; then 12 cells trained side by side at 15-26 s an epoch each
 # (36,000-63,000 tokens/s), so one width's 12 cells need about 7 minutes of training after their
 # pilots: about 10 minutes of device time a width, two calls.
+# WORKERS defaults to 14: d = 32 trains 12 cells and 2 learning-rate checks (LR_CHECKS), all
+# side by side (with 12 processes two would wait a whole training); 14 is not yet measured.
 set -uo pipefail
 if [ $# -lt 3 ]; then
     echo "usage: $0 DATA_DIR WIDTHS OUT_TGZ [LIMIT_S (480)]" >&2
     exit 2
 fi
 data=$(realpath "$1") widths=$2 archive=$(realpath -m "$3") limit=${4:-480}
-workers=${WORKERS:-12} device=${DEVICE:-cuda}
+workers=${WORKERS:-14} device=${DEVICE:-cuda}
 source "$(dirname "$0")/../_workers.sh"
 check_workers "$workers"
 cd "$(dirname "$0")/../.." || exit 2  # the repository root

@@ -275,6 +275,7 @@ def test_the_gain_figure_puts_three_studies_on_one_axis_in_nats(tmp_path, monkey
 
 def test_a_third_seed_goes_to_both_arms_of_a_gap_within_two_spreads(tmp_path, monkeypatch):
     monkeypatch.setattr(bm, "OUT", tmp_path)
+    monkeypatch.setattr(bm, "LR_CHECKS", ())
     # seeds 1, 2: MoS far below everything (no third seed for its pairs); Mixtape within two
     # spreads of the softmax only; SigSoftmax far above everything
     ppl = {"softmax": (200, 210), "mos": (120, 121), "mixtape": (204, 214),
@@ -304,8 +305,7 @@ def test_a_third_seed_reads_the_adopted_check_not_the_run_it_replaced(tmp_path, 
     for arm, (first, second) in ppl.items():
         write_cell(tmp_path, arm, 16, 1, first)
         write_cell(tmp_path, arm, 16, 2, second)
-    pilots_arms = bm.third_seed_arms(16)
-    assert "mlp_softmax" in pilots_arms and "sigsoftmax" in pilots_arms  # no check yet
+    assert bm.third_seed_arms(16) == []  # the check is not done: which run stands is not known
     check = {"arm": "mlp_softmax", "d": 16, "seed": 1, "lr": 5.0, "test_ppl": 300.0,
              "best_valid_ppl": math.exp(5.0)}  # below the pilot's run's exp(5.5): adopted
     (tmp_path / "records" / "check-mlp_softmax-d16-lr5-seed1.json").write_text(json.dumps(check))
@@ -417,10 +417,13 @@ def test_a_learning_rate_check_trains_and_tests_beside_the_map(tmp_path, monkeyp
     names = list(stages)
     check = next(s for s in stages.values() if s.name.startswith("check-"))
     assert check.name == "check-mlp_softmax-d16-lr5-seed1"
-    assert check.needs == ("test-mlp_softmax-d16-seed1",)
+    assert check.needs == ("lr-mlp_softmax-d16",)  # it trains beside the run it checks
     assert names.index("test-wide_softmax-d16-seed1") < names.index(check.name)
     assert names.index(check.name) < names.index("train-softmax-d16-seed2")
-    assert check.name in stages["train-mlp_softmax-d16-seed2"].needs
+    assert stages["train-mlp_softmax-d16-seed1"].needs == ("lr-mlp_softmax-d16",)
+    # the other seeds wait for the decision: the check and the run it is compared with
+    assert set(stages["train-mlp_softmax-d16-seed2"].needs) == {
+        "lr-mlp_softmax-d16", check.name, "train-mlp_softmax-d16-seed1"}
     assert check.name not in stages["train-mos-d16-seed2"].needs
     assert not [n for n in (s.name for s in bm.map_stages((8,))) if n.startswith("check-")]
     assert bm._check("mlp_softmax-d16-lr1.25-seed3") == ("mlp_softmax", 16, 1.25, 3)
@@ -460,6 +463,40 @@ def test_a_learning_rate_check_trains_and_tests_beside_the_map(tmp_path, monkeyp
     assert (tmp_path / "curves.png").is_file()
     bm.work("train-mlp_softmax-d16-seed2")  # the other seeds train at the adopted lr
     assert "--train.lr=5" in words[-1]
+
+
+def test_checks_of_two_seeds_train_beside_their_runs_and_seed_one_decides(tmp_path, monkeypatch):
+    """A cell checked in seeds 1 and 2 (on a GPU, where a width's runs all train at once): no
+    run waits, each seed trains at both lrs, seed 1's validation decides which run stands for
+    each seed; a seed without a check of its own (the third) waits and takes the decided lr."""
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    monkeypatch.setattr(bm, "LR_CHECKS", (("mlp_softmax", 32, 5.0, 1),
+                                          ("mlp_softmax", 32, 5.0, 2)))
+    stages = {s.name: s for s in bm.map_stages((32,))}
+    for seed in (1, 2):
+        assert stages[f"train-mlp_softmax-d32-seed{seed}"].needs == ("lr-mlp_softmax-d32",)
+        assert stages[f"check-mlp_softmax-d32-lr5-seed{seed}"].needs == ("lr-mlp_softmax-d32",)
+    assert set(bm._trained_and_tested("mlp_softmax", 32, 3)[0].needs) == {
+        "lr-mlp_softmax-d32", "check-mlp_softmax-d32-lr5-seed1", "train-mlp_softmax-d32-seed1"}
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "lr-mlp_softmax-d32.json").write_text(json.dumps({"lr": 1.25}))
+    assert [bm.seed_lr("mlp_softmax", 32, seed) for seed in (1, 2, 3)] == [1.25, 1.25, 1.25]
+    for seed, (pilot_ppl, check_ppl) in {1: (200.0, 150.0), 2: (210.0, 155.0)}.items():
+        write_cell(tmp_path, "mlp_softmax", 32, seed, pilot_ppl, lr=1.25)  # valid exp(5.5)
+        assert bm.standing_test_ppl("mlp_softmax", 32, seed) is None  # its check not done
+        (tmp_path / "records" / f"check-mlp_softmax-d32-lr5-seed{seed}.json").write_text(
+            json.dumps({"arm": "mlp_softmax", "d": 32, "seed": seed, "lr": 5.0,
+                        "pilot_lr": 1.25, "epochs": 20, "test_ppl": check_ppl,
+                        "params": 1000, "output_width": 32,
+                        "curve": [{"epoch": 1, "valid_loss": 5.0}],
+                        "best_valid_ppl": math.exp(5.0 if seed == 1 else 5.9)}))
+    # seed 2's own check validated worse than its pilot-lr run, but seed 1 decides
+    assert [bm.standing_test_ppl("mlp_softmax", 32, seed) for seed in (1, 2)] == [150.0, 155.0]
+    assert [bm.seed_lr("mlp_softmax", 32, seed) for seed in (1, 2, 3)] == [1.25, 1.25, 5.0]
+    rows = {r["seed"]: r for r in bm.summary_rows()}
+    assert {seed: rows[seed]["record"] for seed in (1, 2)} == {
+        seed: f"check-mlp_softmax-d32-lr5-seed{seed}.json" for seed in (1, 2)}
+    assert [row["adopted"] for row in bm.check_rows()] == [True, True]
 
 
 def test_a_learning_rate_check_is_estimated_as_a_training_and_its_test(tmp_path, monkeypatch):
@@ -615,11 +652,11 @@ def test_the_plan_names_the_widths_left_to_another_device(tmp_path, monkeypatch,
     (tmp_path / "pilots" / "softmax-d32-lr5.json").write_text(json.dumps(
         {"arm": "softmax", "d": 32, "tokens_per_s": 49000.0, "device": "cuda"}))
     (tmp_path / "records").mkdir()
-    for arm in bm.ARMS:  # its pilots done: its 12 trainings and 12 tests wait
+    for arm in bm.ARMS:  # its pilots done: 12 trainings, 12 tests and 2 lr checks wait
         (tmp_path / "records" / f"lr-{arm}-d32.json").write_text(json.dumps({"lr": 5.0}))
     assert bm.main(["--plan"]) == 0
     out = capsys.readouterr().out
-    assert "d = 32: 24 stages left to cuda, where its pilots ran" in out
+    assert "d = 32: 26 stages left to cuda, where its pilots ran" in out
     assert "d = 64: 30 stages left to a GPU, beyond the CPU's budget" in out
     # on the GPU, d = 8's pilots ran on the CPU: left there, not for the CPU's budget
     (tmp_path / "pilots" / "softmax-d8-lr5.json").write_text(json.dumps(
