@@ -127,14 +127,37 @@ EPOCH_CAP = 20  # the budget's cap on a map run (the page's *The budget*)
 # chose, where the choice looks like the pilot's short horizon (0.36 epoch) speaking. The
 # rank-bounded control at d = 16 chose its grid's low end, 1.25 (validation perplexity 719 after
 # the pilot, 738 at 5), and ended 49% above the softmax and behind its own d = 8 runs at lr 5.
-# A check whose run ends at a lower best validation perplexity than the pilot's run of its seed
-# replaces the pilot's choice (:func:`adopted_check`): validation decides, as in the pilots.
-# The cell's lowest checked seed decides; a seed with a check of its own trains at both lrs
-# side by side (on a GPU, where a width's runs all train at once, no run waits for another),
+# The cell's lowest checked seed decides: a check of it whose run ends at a lower best
+# validation perplexity than that seed's pilot-lr run replaces the pilot's choice
+# (:func:`adopted_check`): validation decides, as in the pilots. A seed with a check of its own
+# trains at both lrs side by side (on a GPU, where a width's runs all train at once, no run
+# waits for another) and is represented by its run at the cell's lr (:func:`standing_check`);
 # the other seeds wait for the decision. d = 32's control chose its grid's low end too (1.25:
 # 723, 2.5: 743, 5: 786 after the pilot): both its seeds are checked at 5 (it trains on a GPU).
 LR_CHECKS = (("mlp_softmax", 16, 5.0, 1), ("mlp_softmax", 32, 5.0, 1),
              ("mlp_softmax", 32, 5.0, 2))
+
+
+def _valid_lr_checks(checks: tuple[tuple[str, int, float, int], ...]) -> None:
+    """Refuse :data:`LR_CHECKS` the stages could not honour: a checked seed outside
+    :data:`SEEDS` (seeds 1 and 2 would wait for a third seed that waits for them), or checked
+    seeds of one cell at different lrs (a seed without a check at the adopted lr would keep
+    its pilot-lr run beside the others' adopted one)."""
+    for arm, d, lr, seed in checks:
+        if seed not in SEEDS:
+            raise ValueError(f"LR_CHECKS: ({arm!r}, {d}, {lr:g}, {seed}): a check's seed must "
+                             f"be one of SEEDS {SEEDS}")
+    cells: dict[tuple[str, int], dict[int, set[float]]] = {}
+    for arm, d, lr, seed in checks:
+        cells.setdefault((arm, d), {}).setdefault(seed, set()).add(lr)
+    for (arm, d), lrs in cells.items():
+        if len({frozenset(v) for v in lrs.values()}) > 1:
+            raise ValueError(f"LR_CHECKS: the seeds of ({arm!r}, d = {d}) are checked at "
+                             f"different lrs {lrs}: every checked seed needs the same lrs")
+
+
+_valid_lr_checks(LR_CHECKS)
+
 STOP = (
     "train.optimizer=nt-asgd",
     "train.nonmono=3",
@@ -288,11 +311,12 @@ def long_dir(head: str, seed: int) -> Path:
 
 
 def map_stages(widths: tuple[int, ...] = D_VALUES) -> list[Stage]:
-    """Per d: the pilots, seeds 1 and 2 of every arm, each training followed by its test, then
-    the third seed of the arms :func:`third_seed_arms` names (read from the records: the list
-    grows as they come). A test comes right after its training (half a minute) because it
-    reads the run's ``best.pt``, which is not committed: a run trained in one session and
-    tested in the next would have to train again on a new machine."""
+    """Per d: the pilots, seeds 1 and 2 of every arm, each training followed by its test, the
+    width's learning-rate checks (:data:`LR_CHECKS`) after seed 1, then the third seed of the
+    arms :func:`third_seed_arms` names (read from the records: the list grows as they come). A
+    test comes right after its training (half a minute) because it reads the run's ``best.pt``,
+    which is not committed: a run trained in one session and tested in the next would have to
+    train again on a new machine."""
     stages = []
     for d in widths:
         stages += [Stage(f"lr-{arm}-d{d}") for arm in ARMS]
@@ -380,21 +404,31 @@ def standing_check(arm: str, d: int, seed: int) -> dict | None:
     return {**json.loads(path.read_text()), "stage": path.stem} if path.is_file() else None
 
 
-def standing_test_ppl(arm: str, d: int, seed: int) -> float | None:
-    """The test perplexity of the run standing for (arm, d, seed); None until it is known
-    (its test, and where the cell has checks, the deciding seed's and this seed's own)."""
-    records = OUT / "records"
-    needed = [records / f"test-{arm}-d{d}-seed{seed}.json"]
+def standing_known(arm: str, d: int, seed: int) -> bool:
+    """Is it known which run stands for (arm, d, seed)? Always in a cell without checks; in a
+    checked cell once the deciding seed's pilot-lr training and checks and this seed's own
+    checks are recorded."""
     checks = _cell_checks(arm, d)
-    if checks:
-        deciding = _deciding_seed(checks)
-        needed += [records / f"train-{arm}-d{d}-seed{deciding}.json"]
-        needed += [records / f"{check_name(arm, d, lr, s)}.json" for lr, s in checks
-                   if s in (seed, deciding)]
-    if not all(path.is_file() for path in needed):
+    if not checks:
+        return True
+    records = OUT / "records"
+    deciding = _deciding_seed(checks)
+    needed = [records / f"train-{arm}-d{d}-seed{deciding}.json"]
+    needed += [records / f"{check_name(arm, d, lr, s)}.json" for lr, s in checks
+               if s in (seed, deciding)]
+    return all(path.is_file() for path in needed)
+
+
+def standing_test_ppl(arm: str, d: int, seed: int) -> float | None:
+    """The test perplexity of the run standing for (arm, d, seed); None until that run is
+    known (:func:`standing_known`) and tested."""
+    if not standing_known(arm, d, seed):
         return None
-    standing = standing_check(arm, d, seed) or json.loads(needed[0].read_text())
-    return standing["test_ppl"]
+    check = standing_check(arm, d, seed)
+    if check is not None:
+        return check["test_ppl"]
+    test = OUT / "records" / f"test-{arm}-d{d}-seed{seed}.json"
+    return json.loads(test.read_text())["test_ppl"] if test.is_file() else None
 
 
 def pilot_lr(arm: str, d: int) -> float:
@@ -625,43 +659,62 @@ def _analysis(directory: Path, pattern: str) -> dict:
 
 
 def summary_rows() -> list[dict]:
-    """summary.json: one object per finished run (map cells and 15-epoch runs); where a
-    learning-rate check was adopted (:func:`adopted_check`), its run stands for the pilot's
-    run of its seed (``record`` names the record each row is read from)."""
+    """summary.json: one object per finished run (map cells and 15-epoch runs). A map cell's
+    seed is represented by the run that stands for it (:func:`standing_check`: an adopted
+    learning-rate check's where there is one) and left out while that is not yet known
+    (:func:`standing_known`); ``record`` names the record each row is read from."""
     records = OUT / "records"
+    cells = {path.stem.removeprefix("train-") for path in records.glob("train-*.json")}
+    for path in records.glob("check-*.json"):  # it stands while its seed's run trains again
+        arm, d, _, seed = _check(path.stem.removeprefix("check-"))
+        cells.add(f"{arm}-d{d}-seed{seed}")
     rows = []
-    for path in sorted(records.glob("train-*.json")) + sorted(records.glob("long-*.json")):
-        train = json.loads(path.read_text())
-        test_path = records / f"test-{path.stem.removeprefix('train-')}.json"
-        test = json.loads(test_path.read_text()) if test_path.is_file() else {}
-        run_dir = OUT / "runs" / path.stem.removeprefix("train-")
-        arm = train["arm"]
-        check = standing_check(arm, train["d"], train["seed"]) if "d" in train else None
+    for cell in sorted(cells):
+        arm, d, seed = _cell(cell)
+        if not standing_known(arm, d, seed):
+            continue
+        check = standing_check(arm, d, seed)
         if check is not None:
-            path, train, test = records / f"{check['stage']}.json", check, check
-            run_dir = check_dir(check["stage"].removeprefix("check-"))
-        curve = [c["valid_loss"] for c in train["curve"] if c["valid_loss"] is not None]
-        rows.append({
-            "head": "softmax" if arm == "wide_softmax" else arm.removeprefix("long-"),
-            "arm": arm,
-            # the cell's output width d (a wide softmax's own width is output_width)
-            "d": train.get("d", train["output_width"]),
-            "output_width": train["output_width"],
-            "seed": train["seed"], "lr": train.get("lr"), "params": train["params"],
-            "epochs": train["epochs"],
-            "valid_ppl": math.exp(min(curve)) if curve else None,
-            "test_ppl": test.get("test_ppl"), "press_rank": test.get("press_rank"),
-            "gradient_share": test.get("gradient_share"),
-            "decoder_top10_energy": test.get("decoder_top10_energy"),
-            "anisotropy": test.get("anisotropy"),
-            # read from the run's record: test stages recorded before the instrument had it
-            "tanh_saturated": test.get("tanh_saturated", _tanh_share(_saturation_point(
-                run_dir))) if test else None,
-            "control": arm if arm in CONTROLS else None,
-            "device": train.get("device", "cpu"),  # records before the field: the CPU's
-            "record": path.name,
-        })
+            rows.append(_summary_row(records / f"{check['stage']}.json", check, check,
+                                     check_dir(check["stage"].removeprefix("check-"))))
+        elif (records / f"train-{cell}.json").is_file():
+            rows.append(_summary_row(records / f"train-{cell}.json", None,
+                                     records / f"test-{cell}.json", cell_dir(arm, d, seed)))
+    for path in sorted(records.glob("long-*.json")):
+        rows.append(_summary_row(path, None, records / f"test-{path.stem}.json",
+                                 OUT / "runs" / path.stem))
     return rows
+
+
+def _summary_row(path: Path, train: dict | None, test: dict | Path, run_dir: Path) -> dict:
+    """One summary.json object from a run's training record (read from ``path`` when None),
+    its test record (a path that may not exist yet: not tested) and its folder (for a
+    saturation figure recorded there)."""
+    train = json.loads(path.read_text()) if train is None else train
+    if isinstance(test, Path):
+        test = json.loads(test.read_text()) if test.is_file() else {}
+    arm = train["arm"]
+    curve = [c["valid_loss"] for c in train["curve"] if c["valid_loss"] is not None]
+    return {
+        "head": "softmax" if arm == "wide_softmax" else arm.removeprefix("long-"),
+        "arm": arm,
+        # the cell's output width d (a wide softmax's own width is output_width)
+        "d": train.get("d", train["output_width"]),
+        "output_width": train["output_width"],
+        "seed": train["seed"], "lr": train.get("lr"), "params": train["params"],
+        "epochs": train["epochs"],
+        "valid_ppl": math.exp(min(curve)) if curve else None,
+        "test_ppl": test.get("test_ppl"), "press_rank": test.get("press_rank"),
+        "gradient_share": test.get("gradient_share"),
+        "decoder_top10_energy": test.get("decoder_top10_energy"),
+        "anisotropy": test.get("anisotropy"),
+        # read from the run's record: test stages recorded before the instrument had it
+        "tanh_saturated": test.get("tanh_saturated", _tanh_share(_saturation_point(
+            run_dir))) if test else None,
+        "control": arm if arm in CONTROLS else None,
+        "device": train.get("device", "cpu"),  # records before the field: the CPU's
+        "record": path.name,
+    }
 
 
 def summarize() -> None:
@@ -1228,8 +1281,8 @@ def plan(study: Study) -> None:
     for name in pending:
         kind = name.split("-", 1)[0]
         seconds = rates.seconds(name)
-        if kind == "train":
-            d = _cell(name.removeprefix("train-"))[1]
+        if kind in ("train", "check"):  # a check is a training too (and its test)
+            d = _width(name)
             by_d[d] = by_d.get(d, 0.0) + seconds / 3600
         hours[kind] = hours.get(kind, 0.0) + seconds / 3600
     epochs = rates.epochs
@@ -1238,7 +1291,8 @@ def plan(study: Study) -> None:
           f"({'median of ' + str(len(epochs)) + ' finished' if epochs else 'assumed'})")
     for kind, value in sorted(hours.items()):
         print(f"  {kind}: about {value:.1f} process-hours")
-    print("  train by d: " + ", ".join(f"d = {d}: {h:.1f}" for d, h in sorted(by_d.items())))
+    print("  train and check by d: "
+          + ", ".join(f"d = {d}: {h:.1f}" for d, h in sorted(by_d.items())))
     print(f"  in all about {sum(hours.values()):.1f} process-hours "
           f"({sum(hours.values()) / 2:.1f} h with two processes)")
     spent = sum(r.get("stage_seconds", 0.0) for r in rates.records.values()) / 3600
@@ -1246,8 +1300,9 @@ def plan(study: Study) -> None:
           "(a resumed stage counts its last process only; superseded rounds apart)")
     widths = sorted({_width(name) for name in pending} - {None})
     print(f"  (the totals above count every width of this process on the CPU) on an H100 "
-          f"instead (bottleneck_map_device.sh, 12 processes): about {GPU_MINUTES_PER_WIDTH:.0f} "
-          f"minutes a width with its pilots, {len(widths)} width(s) with stages left "
+          "instead (bottleneck_map_device.sh, measured with 12 processes): about "
+          f"{GPU_MINUTES_PER_WIDTH:.0f} minutes a width with its pilots, {len(widths)} width(s) "
+          "with stages left "
           f"({', '.join(map(str, widths))})")
     _, elsewhere = widths_of_this_device()
     for d, device in elsewhere.items():

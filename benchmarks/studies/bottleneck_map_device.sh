@@ -4,8 +4,9 @@
 # cell's LSTM leaves a GPU mostly idle), each cell trained there on the GPU and tested there
 # (the analyses on the GPU, highrank eval on the CPU as it always scores),
 # records into the repository's benchmarks/results/bottleneck-map/, and the files of those
-# widths (records, pilots, the runs' configs, curves and analyses, not their checkpoints, and the
-# commands they ran) packed at the end into OUT_TGZ, to bring back and unpack over the folder:
+# widths (records, pilots, the runs' and learning-rate checks' configs, curves and analyses, not
+# their checkpoints, and the commands they ran) packed at the end into OUT_TGZ, to bring back
+# and unpack over the folder:
 #
 #   [WORKERS=14] [DEVICE=cuda] bash benchmarks/studies/bottleneck_map_device.sh \
 #       DATA_DIR WIDTHS OUT_TGZ [LIMIT_S]
@@ -80,7 +81,7 @@ files=("$tag.txt" $(cd "$map" && ls commands-"$tag"-*.txt))
 save_state "$logs/state-commands-$tag.tgz" "${files[@]}"
 for width in ${widths//,/ }; do
     of_width=($(cd "$map" && ls -d records/*-d"$width"-* records/*-d"$width".json \
-        pilots/*-d"$width"-* runs/*-d"$width"-seed* 2>/dev/null))
+        pilots/*-d"$width"-* runs/*-d"$width"-seed* checks/*-d"$width"-lr* 2>/dev/null))
     files+=("${of_width[@]}")
     [ "${#of_width[@]}" -gt 0 ] && save_state "$logs/state-d$width.tgz" "${of_width[@]}"
 done

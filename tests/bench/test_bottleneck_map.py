@@ -407,10 +407,10 @@ def test_a_training_made_again_drops_its_old_record_before_it_starts(tmp_path, m
 
 
 def test_a_learning_rate_check_trains_and_tests_beside_the_map(tmp_path, monkeypatch):
-    """LR_CHECKS: after the cell it checks, one stage trains the cell again at another lr into
-    checks/ and tests it; the cell's other seeds wait for it. Its run stands for the pilot's
-    run of its seed, and its lr for the cell's, only if its validation perplexity is lower;
-    summary.md sets the two side by side either way."""
+    """LR_CHECKS: beside the cell it checks, one stage trains the cell again at another lr into
+    checks/ and tests it; the cell's other seeds wait for it and for the run it is compared
+    with. Its run stands for the pilot's run of its seed, and its lr for the cell's, only if its
+    validation perplexity is lower; summary.md sets the two side by side either way."""
     monkeypatch.setattr(bm, "OUT", tmp_path)
     monkeypatch.setattr(bm, "LR_CHECKS", (("mlp_softmax", 16, 5.0, 1),))
     stages = {s.name: s for s in bm.map_stages((16,))}
@@ -497,6 +497,69 @@ def test_checks_of_two_seeds_train_beside_their_runs_and_seed_one_decides(tmp_pa
     assert {seed: rows[seed]["record"] for seed in (1, 2)} == {
         seed: f"check-mlp_softmax-d32-lr5-seed{seed}.json" for seed in (1, 2)}
     assert [row["adopted"] for row in bm.check_rows()] == [True, True]
+
+
+def write_check(out, arm, d, lr, seed, valid_ppl, test_ppl, pilot_lr=1.25):
+    (out / "records" / f"{bm.check_name(arm, d, lr, seed)}.json").write_text(json.dumps(
+        {"arm": arm, "d": d, "seed": seed, "lr": lr, "pilot_lr": pilot_lr, "epochs": 20,
+         "params": 1000, "output_width": d, "curve": [{"epoch": 1, "valid_loss": 5.0}],
+         "best_valid_ppl": valid_ppl, "test_ppl": test_ppl}))
+
+
+def test_seed_one_decides_against_a_check_and_the_lowest_of_several_lrs_wins(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    checks = tuple(("mlp_softmax", 32, lr, seed) for lr in (5.0, 10.0) for seed in (1, 2))
+    monkeypatch.setattr(bm, "LR_CHECKS", checks)
+    valid = math.exp(5.5)  # write_cell's pilot-lr runs
+    for seed in (1, 2):
+        write_cell(tmp_path, "mlp_softmax", 32, seed, 200.0 + seed, lr=1.25)
+    # seed 1's checks both validate worse; seed 2's would win, but seed 1 decides
+    for seed, ppl in ((1, valid + 1), (2, valid - 50)):
+        write_check(tmp_path, "mlp_softmax", 32, 5.0, seed, ppl, 150.0)
+        write_check(tmp_path, "mlp_softmax", 32, 10.0, seed, ppl, 140.0)
+    assert bm.adopted_check("mlp_softmax", 32) is None
+    assert [bm.standing_test_ppl("mlp_softmax", 32, s) for s in (1, 2)] == [201.0, 202.0]
+    assert [r["record"] for r in bm.summary_rows()] == [
+        "train-mlp_softmax-d32-seed1.json", "train-mlp_softmax-d32-seed2.json"]
+    assert [r["adopted"] for r in bm.check_rows()] == [False] * 4
+    # both of seed 1's checks validate better: the lower one (lr 10) is adopted, in each seed
+    write_check(tmp_path, "mlp_softmax", 32, 5.0, 1, valid - 20, 150.0)
+    write_check(tmp_path, "mlp_softmax", 32, 10.0, 1, valid - 30, 140.0)
+    assert bm.adopted_check("mlp_softmax", 32)["lr"] == 10.0
+    assert [r["record"] for r in bm.summary_rows()] == [
+        "check-mlp_softmax-d32-lr10-seed1.json", "check-mlp_softmax-d32-lr10-seed2.json"]
+    assert [r["adopted"] for r in bm.check_rows()] == [True, True, False, False]  # lr10, lr5
+
+
+def test_a_seed_is_left_out_of_the_tables_until_its_standing_run_is_known(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(bm, "OUT", tmp_path)
+    monkeypatch.setattr(bm, "LR_CHECKS", (("mlp_softmax", 32, 5.0, 1),
+                                          ("mlp_softmax", 32, 5.0, 2)))
+    for seed in (1, 2):
+        write_cell(tmp_path, "mlp_softmax", 32, seed, 200.0, lr=1.25)
+    assert bm.summary_rows() == []  # seed 1's check not done: neither seed's run is known
+    write_check(tmp_path, "mlp_softmax", 32, 5.0, 1, 100.0, 150.0)  # adopted
+    assert [r["seed"] for r in bm.summary_rows()] == [1]  # seed 2's own check not done
+    assert bm.standing_test_ppl("mlp_softmax", 32, 2) is None
+    write_check(tmp_path, "mlp_softmax", 32, 5.0, 2, 400.0, 155.0)  # seed 1 decided: it stands
+    (tmp_path / "records" / "train-mlp_softmax-d32-seed2.json").unlink()  # training again
+    (tmp_path / "records" / "test-mlp_softmax-d32-seed2.json").unlink()
+    rows = bm.summary_rows()
+    assert [(r["seed"], r["test_ppl"]) for r in rows] == [(1, 150.0), (2, 155.0)]
+    assert bm.standing_test_ppl("mlp_softmax", 32, 2) == 155.0
+
+
+@pytest.mark.parametrize("checks, message", [
+    ((("mlp_softmax", 32, 5.0, 3),), "must be one of SEEDS"),
+    ((("mlp_softmax", 32, 5.0, 1), ("mlp_softmax", 32, 10.0, 1), ("mlp_softmax", 32, 5.0, 2)),
+     "different lrs"),
+])
+def test_learning_rate_checks_the_stages_cannot_honour_are_refused(checks, message):
+    with pytest.raises(ValueError, match=message):
+        bm._valid_lr_checks(checks)
+    bm._valid_lr_checks(bm.LR_CHECKS)  # the study's own
 
 
 def test_a_learning_rate_check_is_estimated_as_a_training_and_its_test(tmp_path, monkeypatch):
@@ -663,5 +726,5 @@ def test_the_plan_names_the_widths_left_to_another_device(tmp_path, monkeypatch,
         {"arm": "softmax", "d": 8, "tokens_per_s": 7000.0}))
     assert bm.main(["--plan", "--device", "cuda"]) == 0
     assert "stages left to cpu, where its pilots ran" in capsys.readouterr().out
-    by_d = out.split("train by d:")[1].split("\n")[0]
+    by_d = out.split("train and check by d:")[1].split("\n")[0]
     assert "d = 8:" in by_d and "d = 32:" not in by_d
